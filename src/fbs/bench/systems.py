@@ -1,0 +1,285 @@
+"""The systems compared side by side: HF greedy decoding, HF's speculative variants, and the FBS engine.
+
+Every system has the same small interface (the lm-evaluation-harness style: a name, a family, and one method):
+
+    system.name, system.family, system.params
+    system.unavailable(batch_size) -> ""  or the reason it cannot run
+    system.generate(input_ids, new_tokens, probe) -> GenOutput(sequences, prefill_s, decode_s, stats)
+
+``probe=True`` is the untimed statistics run (hooks and traces on); timed runs pass ``probe=False``.
+
+Prefill/decode split for HF ``generate``: a streamer records the time ``generate`` hands over the first new
+token(s) (the streamer's second ``put``; the first is the prompt). Prefill = call start -> first token (input
+preparation, the prompt forward and, for speculative methods, the first draft + verification), decode = first
+token -> end. No extra run and no subtraction of a separate ``max_new_tokens=1`` run is needed. Exactly N new
+tokens: ``min_new_tokens = max_new_tokens = N`` (HF masks EOS until N tokens exist).
+
+The FBS engine times prefill and decode itself (``res.timings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fbs.bench.accounting import InvocationCounter, LayerCost, baseline_decode_macs, skip_trace_macs, \
+    speculative_ratios
+from fbs.bench.harness import GenOutput
+
+logger = logging.getLogger(__name__)
+
+NO_DRAFT_REASON = (
+    "no draft model smaller than the target ships offline: the bundled alternatives (Qwen2.5-Coder-0.5B, "
+    "Gemma-3-270m) are larger than SmolLM2-135M; pass --draft NAME_OR_PATH to run assisted generation "
+    "(HF universal assisted generation when the tokenizers differ)"
+)
+
+
+class _FirstTokenClock:
+    """HF streamer that timestamps the first generated token(s) and the end of generation."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+        self.end_t: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        self.end_t = time.perf_counter()
+
+
+@dataclasses.dataclass
+class HFSystem:
+    """``model.generate`` with greedy, fixed-length settings plus method-specific generation kwargs."""
+
+    name: str
+    model: Any
+    family: str = "baseline"  # baseline | speculative
+    gen_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ratio_kind: str | None = None  # acceptance | verified_advance | None
+    batch1_only: bool = False
+    missing: str = ""  # non-empty: the system cannot run, and why
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else type(v).__name__)
+                for k, v in self.gen_kwargs.items()}
+
+    def unavailable(self, batch_size: int) -> str:
+        if self.missing:
+            return self.missing
+        if self.batch1_only and batch_size != 1:
+            return "transformers runs assisted/speculative generation at batch size 1 only"
+        return ""
+
+    def _call(self, input_ids: torch.Tensor, new_tokens: int, clock: _FirstTokenClock | None):
+        cfg = self.model.generation_config
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        return self.model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            streamer=clock,
+            **self.gen_kwargs,
+        )
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False) -> GenOutput:
+        clock = _FirstTokenClock()
+        if not probe:
+            t0 = time.perf_counter()
+            seqs = self._call(input_ids, new_tokens, clock)
+            first = clock.first if clock.first is not None else t0
+            end = clock.end_t if clock.end_t is not None else time.perf_counter()
+            return GenOutput(seqs, prefill_s=first - t0, decode_s=end - first)
+        T = input_ids.shape[1]
+        with InvocationCounter(self.model, T) as counter:
+            seqs = self._call(input_ids, new_tokens, clock)
+        cost = LayerCost.from_config(self.model.config)
+        base_inv, base_macs = baseline_decode_macs(cost, T, new_tokens, batch=input_ids.shape[0])
+        stats: dict[str, Any] = {
+            "tflops_rel": counter.invocations / base_inv if base_inv else None,
+            "tflops_rel_exact": counter.decode_macs(cost) / base_macs if base_macs else None,
+            "layer_skip_ratio": 0.0 if self.family == "baseline" else None,
+        }
+        if self.family == "speculative":
+            stats.update(speculative_ratios(counter.candidates, new_tokens))
+        stats["method_ratio"] = _method_ratio(stats, self.ratio_kind)
+        return GenOutput(seqs, 0.0, 0.0, stats)
+
+
+def _method_ratio(stats: dict[str, Any], kind: str | None) -> float | None:
+    if kind == "acceptance":
+        return stats.get("acceptance_rate")
+    if kind == "verified_advance":
+        return stats.get("verified_advance_ratio")
+    if kind == "layer_skip":
+        return stats.get("layer_skip_ratio")
+    return 0.0
+
+
+# ------------------------------------------------------------------------------------------ HF systems
+
+
+def hf_greedy(model) -> HFSystem:
+    """The baseline: plain greedy ``generate`` with a dynamic KV cache."""
+    return HFSystem("hf-greedy", model, "baseline")
+
+
+def hf_prompt_lookup(model, num_tokens: int = 10, max_ngram: int = 2) -> HFSystem:
+    """Prompt-lookup decoding: n-gram matches in the context propose ``num_tokens`` candidates (Lookahead-like,
+    so its ratio is the verified/advance ratio, Eq. verify-advance)."""
+    return HFSystem("hf-prompt-lookup", model, "speculative",
+                    {"prompt_lookup_num_tokens": num_tokens, "max_matching_ngram_size": max_ngram},
+                    ratio_kind="verified_advance", batch1_only=True)
+
+
+def hf_early_exit(model, exit_layer: int, num_assistant_tokens: int = 5) -> HFSystem:
+    """Self-speculative decoding: the first ``exit_layer`` layers + LM head draft, the full model verifies
+    (transformers' ``assistant_early_exit``; the draft keeps its own KV cache). Ratio: acceptance rate."""
+    return HFSystem(f"hf-early-exit-{exit_layer}", model, "speculative",
+                    {"assistant_early_exit": exit_layer, "num_assistant_tokens": num_assistant_tokens,
+                     "num_assistant_tokens_schedule": "heuristic"},
+                    ratio_kind="acceptance", batch1_only=True)
+
+
+def hf_assisted(model, draft=None, tokenizer=None, draft_tokenizer=None, num_assistant_tokens: int = 5) -> HFSystem:
+    """Assisted generation with a separate draft model; universal assisted generation (token re-encoding) when
+    the draft's tokenizer differs from the target's. Without a draft the system reports why it cannot run."""
+    if draft is None:
+        return HFSystem("hf-assisted", model, "speculative", ratio_kind="acceptance", batch1_only=True,
+                        missing=NO_DRAFT_REASON)
+    kwargs: dict[str, Any] = {"assistant_model": draft, "num_assistant_tokens": num_assistant_tokens}
+    name = "hf-assisted"
+    if draft_tokenizer is not None and tokenizer is not None and \
+            draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        kwargs.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
+        name = "hf-universal-assisted"
+    return HFSystem(name, model, "speculative", kwargs, ratio_kind="acceptance", batch1_only=True)
+
+
+# ------------------------------------------------------------------------------------------ FBS engine
+
+
+@dataclasses.dataclass
+class FBSSystem:
+    """The FBS engine (``FBSForCausalLM.generate``) with one set of knobs (tau, KV policy, forced plan, ...)."""
+
+    name: str
+    model: Any  # FBSForCausalLM
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    family: str = "fbs"
+    ratio_kind: str = "layer_skip"
+
+    @property
+    def params(self) -> dict[str, Any]:
+        out = {}
+        for k, v in self.knobs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.int().tolist()
+            out[k] = v
+        return out
+
+    def unavailable(self, batch_size: int) -> str:
+        return ""
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False) -> GenOutput:
+        res = self.model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  ignore_eos=True, do_sample=False, **self.knobs)
+        out = GenOutput(res.sequences, float(res.timings["prefill_s"]), float(res.timings["decode_s"]))
+        if probe:
+            out.stats = fbs_trace_stats(res.trace, self.model, input_ids.shape[1], new_tokens,
+                                        self.knobs.get("kv_policy", _config_policy(self.model)))
+        return out
+
+
+def _config_policy(model) -> str:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "kv_policy", "project")
+
+
+def fbs_trace_stats(trace, model, prompt_len: int, new_tokens: int, kv_policy: str) -> dict[str, Any]:
+    """Skip ratio and both TFLOPs(rel) from the engine's trace, recomputed here from ``trace.executed``.
+
+    The engine's own figures (``trace.tflops_rel``, ``tflops_rel_exact``) are kept next to ours as a
+    cross-check. ``executed`` is (B, N, L); entry s is the forward that consumed the token at position
+    prompt_len + s - 1 ... so only entries that are decode forwards (s >= 1: the token at position
+    prompt_len + s - 1 >= prompt_len) count; entry 0 is the prompt pass.
+    """
+    executed = trace.executed.bool().cpu()
+    B, N, L = executed.shape
+    hf_config = _hf_config(model)
+    cost = LayerCost.from_config(hf_config)
+    overhead = _overhead_macs_per_token(model)
+    dec = executed[:, 1:, :] if N == new_tokens else executed  # drop the prompt pass when the trace has it
+    positions = torch.arange(dec.shape[1]) + prompt_len
+    inv, macs = skip_trace_macs(cost, dec, prompt_len, kv_policy, overhead, positions)
+    base_inv, base_macs = baseline_decode_macs(cost, prompt_len, new_tokens, batch=B)
+    stats = {
+        "layer_skip_ratio": 1.0 - dec.float().mean().item(),
+        "tflops_rel": inv / base_inv if base_inv else None,
+        "tflops_rel_exact": macs / base_macs if base_macs else None,
+        "overhead_macs_per_token": overhead,
+    }
+    for key in ("skip_ratio", "tflops_rel", "tflops_rel_exact", "intended_skips", "executed_skips"):
+        val = getattr(trace, key, None)
+        if isinstance(val, torch.Tensor):
+            val = val.float().mean().item() if val.numel() > 1 else val.item()
+        if val is not None:
+            stats[f"engine_{key}"] = float(val)
+    stats["method_ratio"] = stats["layer_skip_ratio"]
+    return stats
+
+
+def _hf_config(model):
+    for attr in ("hf_config", "base_config"):
+        if hasattr(model, attr):
+            return getattr(model, attr)
+    base = getattr(model, "base", None) or getattr(model, "hf_model", None)
+    if base is not None and hasattr(base, "config"):
+        return base.config
+    raise AttributeError("cannot find the base model's HF config on the FBS model")
+
+
+def _overhead_macs_per_token(model) -> float:
+    """PAW/CH/SG MACs per decoded token: the lead's flops module when it has the function, else #params.
+
+    Counting one MAC per FBS parameter is exact for the linear maps that dominate these modules (each weight
+    is used once per token) and ignores the few that run only on some layers' tokens; it is an upper bound
+    when PAW's horizons stop at k(t) < k_max.
+    """
+    try:
+        from fbs import flops
+
+        fn = getattr(flops, "overhead_macs_per_token", None) or getattr(flops, "fbs_overhead_macs", None)
+        if fn is not None:
+            return float(fn(model))
+    except ImportError:
+        pass
+    params = getattr(model, "fbs_parameters", None)
+    if params is None:
+        return 0.0
+    return float(sum(p.numel() for p in params()))
+
+
+def forced_plan(num_layers: int, fraction: float, never_first: int = 2, never_last: int = 6) -> torch.Tensor:
+    """(L,) bool static plan skipping about ``fraction`` of all layers, spread evenly over the skippable ones."""
+    plan = torch.zeros(num_layers, dtype=torch.bool)
+    skippable = list(range(never_first, num_layers - never_last))
+    k = min(round(fraction * num_layers), len(skippable))
+    if k > 0:
+        idx = torch.linspace(0, len(skippable) - 1, k).round().long()
+        plan[torch.tensor(skippable)[idx]] = True
+    return plan

@@ -1,0 +1,542 @@
+"""Decoding engine: prefill with every layer, then one token per step with true layer skipping.
+
+For the newest token of each row, before layer l runs, the skip gate gives p; the layer is skipped when
+p > tau (or by a forced plan, or by Bernoulli sampling). A skipped layer runs none of its attention,
+FFN, PAW or CH for that token; under the ``project`` KV policy it still writes the token's K/V (and chunk
+cache entry), computed from the unchanged state, so later tokens see what training showed them.
+
+Batches: rows disagree about skipping. ``batch_policy="gather"`` runs a layer only for the rows that
+compute; ``"all"`` runs it for every row unless all rows skip. The trace records intended skips (what the
+gates said) and executed ones (what ran).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .cache import KVCache
+from .flops import FlopCounter
+from .modules.chunk import ChunkState
+
+STRUCTURE_CHARS = "\n{}[]():,\"'`"
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+@dataclasses.dataclass
+class DecodeOptions:
+    """All decoding knobs; defaults live here only."""
+
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_id: int | list[int] | None = None
+    ignore_eos: bool = False
+    stop_strings: list[str] | None = None
+    pad_token_id: int | None = None
+    tau: float | None = None                 # None: the model's config.tau
+    kv_policy: str | None = None             # None: the model's config.kv_policy
+    gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
+    force_compute: bool = False              # every layer runs (equivalence / baselines)
+    skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
+    never_skip: tuple[int, ...] = ()         # extra never-skip layers for this call
+    protect_structure: bool = False          # appendix E.9: raise tau on structure tokens / open brackets
+    structure_tau: float = 1.0               # tau while protected (1.0 = protected tokens skip nothing)
+    validator: str | Callable[[str], bool] | None = None  # json | brackets | python | callable
+    fallback_tau: float = 0.9                # tau of the fallback rerun
+    batch_policy: str = "gather"             # gather | all
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError("min_new_tokens must be in [0, max_new_tokens]")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.batch_policy not in ("gather", "all"):
+            raise ValueError(f"batch_policy must be 'gather' or 'all', got {self.batch_policy!r}")
+        if self.kv_policy not in (None, "hole", "project"):
+            raise ValueError(f"kv_policy must be 'hole' or 'project', got {self.kv_policy!r}")
+        if isinstance(self.validator, str) and self.validator not in VALIDATORS:
+            raise ValueError(f"validator must be one of {sorted(VALIDATORS)} or a callable")
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One decode step: the token each active row produced."""
+
+    step: int
+    rows: list[int]
+    tokens: list[int]
+
+
+@dataclasses.dataclass
+class DecodeTrace:
+    """What ran, per (row, generated token, layer). N = generated tokens (rows that stopped are padded)."""
+
+    executed: torch.Tensor        # (B, N, L) bool: the layer ran for that token
+    intended_skip: torch.Tensor   # (B, N, L) bool: the gate (or plan) said skip
+    kv_written: torch.Tensor      # (B, N, L) bool: a K/V entry was written
+    gate_p: torch.Tensor          # (B, N, L) float, NaN where no gate was evaluated
+    window_k: torch.Tensor        # (B, N) long, k(t) at the first PAW layer (-1: PAW did not run)
+    chunk_boundary: torch.Tensor  # (B, N) bool, the token started a chunk at the first CH layer
+    context_len: torch.Tensor     # (B, N) long, tokens before this one (its position)
+    valid: torch.Tensor           # (B, N) bool, a token was generated at this step
+    tflops_rel: float             # paper's Eq.: executed layer invocations / all (decode tokens)
+    tflops_rel_exact: float       # executed MACs incl. attention, K/V projections, LM head, FBS overhead
+    fallback: list[bool]          # per row: the validator failed and the row was regenerated
+
+    @property
+    def skip_ratio(self) -> float:
+        """Share of (token, layer) pairs not executed, over all layers of generated tokens."""
+        n = self.valid.sum().item() * self.executed.shape[-1]
+        return 0.0 if n == 0 else 1.0 - (self.executed & self.valid.unsqueeze(-1)).sum().item() / n
+
+    @property
+    def intended_skip_ratio(self) -> float:
+        n = self.valid.sum().item() * self.executed.shape[-1]
+        return 0.0 if n == 0 else (self.intended_skip & self.valid.unsqueeze(-1)).sum().item() / n
+
+    def to_dict(self) -> dict:
+        return {
+            "executed": self.executed.int().tolist(), "intended_skip": self.intended_skip.int().tolist(),
+            "gate_p": torch.nan_to_num(self.gate_p, nan=-1.0).tolist(), "window_k": self.window_k.tolist(),
+            "chunk_boundary": self.chunk_boundary.int().tolist(), "context_len": self.context_len.tolist(),
+            "skip_ratio": self.skip_ratio, "intended_skip_ratio": self.intended_skip_ratio,
+            "tflops_rel": self.tflops_rel, "tflops_rel_exact": self.tflops_rel_exact, "fallback": self.fallback,
+        }
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    sequences: torch.Tensor       # (B, T_prompt_max + N) prompt (left-aligned as given) + new tokens, padded
+    new_tokens: list[list[int]]   # per row, the generated ids
+    trace: DecodeTrace
+    timings: dict[str, float]     # prefill_s, decode_s, total_s
+
+
+# --------------------------------------------------------------------------- validators (appendix E.9)
+def _valid_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _balanced(text: str) -> bool:
+    stack = []
+    for ch in text:
+        if ch in _OPEN:
+            stack.append(_CLOSE[_OPEN.index(ch)])
+        elif ch in _CLOSE:
+            if not stack or stack.pop() != ch:
+                return False
+    return not stack
+
+
+def _valid_python(text: str) -> bool:
+    try:
+        ast.parse(text)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+VALIDATORS: dict[str, Callable[[str], bool]] = {"json": _valid_json, "brackets": _balanced, "python": _valid_python}
+
+
+# --------------------------------------------------------------------------- input handling
+def _rows_from_input(input_ids, attention_mask) -> list[list[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            rows = input_ids.tolist()
+        else:
+            rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+    else:
+        rows = [list(map(int, r)) for r in input_ids]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("empty prompt: every row needs at least one token")
+    return rows
+
+
+class _Structure:
+    """Per-token structure facts for structure-token protection."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        if tokenizer is None:
+            raise ValueError("protect_structure needs a tokenizer (pass tokenizer= or load the model by name)")
+        texts = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+        texts = [tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in texts]
+        self.is_structure = [any(c in STRUCTURE_CHARS for c in t) for t in texts] + [False] * (vocab_size - len(texts))
+        self.depth_delta = [sum(t.count(c) for c in _OPEN) - sum(t.count(c) for c in _CLOSE) for t in texts]
+        self.depth_delta += [0] * (vocab_size - len(texts))
+
+
+# --------------------------------------------------------------------------- the engine
+class _Decoder:
+    """State of one generate call: cache, chunk states, per-row bookkeeping, trace buffers."""
+
+    def __init__(self, model, prompts: list[list[int]], opts: DecodeOptions, tokenizer):
+        self.m, self.opts, self.tok = model, opts, tokenizer
+        spec, cfg = model.base.spec, model.config
+        self.L, self.B = spec.num_layers, len(prompts)
+        self.prompts = prompts
+        longest = max(len(p) for p in prompts)
+        if longest + opts.max_new_tokens > spec.max_positions:
+            raise ValueError(
+                f"prompt of {longest} tokens plus max_new_tokens={opts.max_new_tokens} exceeds the model's context "
+                f"of {spec.max_positions}; shorten the prompt or lower max_new_tokens"
+            )
+        self.dev = model.preview_ids.device
+        dtype = model.base.embedding_weight.dtype
+        self.cache = KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, longest + opts.max_new_tokens,
+                             self.dev, dtype)
+        self.chunks = {l: ChunkState(self.B, cfg.chunk_cache_size, cfg.chunk_rank, self.dev, dtype)
+                       for l in model.layers_cfg.ch}
+        self.tau = cfg.tau if opts.tau is None else opts.tau
+        self.policy = opts.kv_policy or cfg.kv_policy
+        never = set(model.layers_cfg.never_skip) | {l % self.L for l in opts.never_skip}
+        self.gated = [l in model.layers_cfg.gated and l not in never for l in range(self.L)]
+        self.plan = None
+        if opts.skip_plan is not None:
+            plan = torch.as_tensor(opts.skip_plan, dtype=torch.bool)
+            if plan.shape[-1] != self.L:
+                raise ValueError(f"skip_plan's last dimension must be {self.L} layers, got {tuple(plan.shape)}")
+            if plan.dim() == 1:
+                plan = plan.expand(opts.max_new_tokens, self.L)
+            bad = [l for l in range(self.L) if plan[:, l].any() and l in model.layers_cfg.never_skip]
+            if bad and not opts.force_compute:
+                raise ValueError(f"skip_plan skips never-skip layers {bad}; change never_skip_first/last in the config")
+            self.plan = plan.tolist()
+        self.gen = None
+        if opts.seed is not None:
+            self.gen = torch.Generator(device=self.dev).manual_seed(opts.seed)
+        self.structure = _Structure(tokenizer, spec.vocab_size) if opts.protect_structure else None
+        self.depth = [0] * self.B
+        self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
+        eos = opts.eos_token_id
+        if eos is None and not opts.ignore_eos:
+            eos = getattr(getattr(model.base.hf, "generation_config", None), "eos_token_id", None)
+            if eos is None and tokenizer is not None:
+                eos = tokenizer.eos_token_id
+        self.eos = set() if opts.ignore_eos or eos is None else set([eos] if isinstance(eos, int) else eos)
+        n, L = opts.max_new_tokens, self.L
+        self.t_exec = torch.zeros(self.B, n, L, dtype=torch.bool)
+        self.t_intent = torch.zeros(self.B, n, L, dtype=torch.bool)
+        self.t_kv = torch.zeros(self.B, n, L, dtype=torch.bool)
+        self.t_p = torch.full((self.B, n, L), float("nan"))
+        self.t_k = torch.full((self.B, n), -1, dtype=torch.long)
+        self.t_bound = torch.zeros(self.B, n, dtype=torch.bool)
+        self.t_ctx = torch.zeros(self.B, n, dtype=torch.long)
+        self.t_valid = torch.zeros(self.B, n, dtype=torch.bool)
+        self.flops = FlopCounter(model)
+        self.out: list[list[int]] = [[] for _ in range(self.B)]
+        self.active = list(range(self.B))
+
+    # ---- per-layer pieces -------------------------------------------------
+    def _attend_cached(self, l, rows, xn, cos, sin, positions):
+        base = self.m.base
+        q = base.query(l, xn, cos, sin)
+        k, v = base.key_value(l, xn, cos, sin)
+        self.cache.write(l, rows, k, v, positions)
+        kk, vv, mask = self.cache.view(l, rows)
+        t = xn.shape[1]
+        if t > 1:  # prefill: causal within the new tokens, everything before them visible
+            n = kk.shape[2]
+            causal = torch.ones(t, n, dtype=torch.bool, device=xn.device).tril(n - t)
+            mask = causal[None, None] if mask is None else mask & causal[None, None]
+        return base.attn_out(l, base.attend(q, kk, vv, mask))
+
+    def _layer(self, l, rows, x, xn, cos, sin, positions, zlow):
+        """Full FBS layer for ``rows`` (x: (b, T, d)). Returns (new x, new zlow or None, k, boundary)."""
+        m = self.m
+        h = x + self._attend_cached(l, rows, xn, cos, sin, positions)
+        new_z, k, bound = None, None, None
+        if str(l) in m.paw:
+            out = m.paw[str(l)](xn, self.emb_v, self.keys_v[str(l)], soft=False, truncate=True)
+            h, new_z, k = h + out.z, out.zlow, out.k_hard
+        if str(l) in m.ch:
+            head = m.ch[str(l)]
+            if xn.shape[1] == 1:
+                state = self.chunks[l].select(torch.tensor(rows))
+                c, _, bound = head.step(xn, state)
+                self.chunks[l].assign(torch.tensor(rows), state)
+            else:
+                cout, state = head(xn, return_state=True)
+                c, bound = cout.c, cout.boundary
+                self.chunks[l].assign(torch.tensor(rows), state)
+            h = h + c
+        return h + m.base.mlp(l, m.base.norm2(l, h)), new_z, k, bound
+
+    def _write_only(self, l, rows, xn, cos, sin, positions):
+        """``project`` policy for skipped rows: K/V (and chunk entry) from the unchanged state, nothing else."""
+        k, v = self.m.base.key_value(l, xn, cos, sin)
+        self.cache.write(l, rows, k, v, positions)
+        if str(l) in self.m.ch:
+            state = self.chunks[l].select(torch.tensor(rows))
+            self.m.ch[str(l)].step(xn, state, attend=False)
+            self.chunks[l].assign(torch.tensor(rows), state)
+
+    # ---- prefill ------------------------------------------------------------
+    def prefill(self) -> list[torch.Tensor]:
+        """Run every layer over each prompt; returns next-token logits per row."""
+        groups: dict[int, list[int]] = {}
+        for r, p in enumerate(self.prompts):
+            groups.setdefault(len(p), []).append(r)
+        logits = [None] * self.B
+        for length, rows in groups.items():
+            # rows of equal length run as one batch (rows need not be contiguous for the cache)
+            ids = torch.tensor([self.prompts[r] for r in rows], device=self.dev)
+            pos = torch.arange(length, device=self.dev).expand(len(rows), length)
+            x = self.m.base.embed(ids)
+            cos, sin = self.m.base.rope(x, pos)
+            plist = [list(range(length))] * len(rows)
+            for l in range(self.L):
+                xn = self.m.base.norm1(l, x)
+                x, _, _, _ = self._layer(l, rows, x, xn, cos, sin, plist, None)
+            last = self.m.base.head(x[:, -1:])[:, 0]
+            for i, r in enumerate(rows):
+                logits[r] = last[i]
+        return logits
+
+    # ---- decode -------------------------------------------------------------
+    def _skip_decision(self, l, step, rows, xn, rel, zlow):
+        """Returns (skip list[bool] per row, p tensor (b,) or None)."""
+        o = self.opts
+        if o.force_compute:
+            return [False] * len(rows), None
+        if self.plan is not None:
+            s = self.plan[min(step, len(self.plan) - 1)][l]
+            return [s] * len(rows), None
+        if not self.gated[l]:
+            return [False] * len(rows), None
+        p = self.m.gates.prob(l, xn, rel, zlow)[:, 0]  # (b,)
+        if o.gate_sampling:
+            dec = torch.bernoulli(p, generator=self.gen).bool().tolist()
+        else:
+            taus = [self._row_tau(r) for r in rows]
+            dec = [pi > ti for pi, ti in zip(p.tolist(), taus)]
+        return dec, p
+
+    def _row_tau(self, row: int) -> float:
+        if self.structure is None:
+            return self.tau
+        last = self.out[row][-1] if self.out[row] else self.prompts[row][-1]
+        if self.depth[row] > 0 or self.structure.is_structure[last]:
+            return max(self.tau, self.opts.structure_tau)
+        return self.tau
+
+    def decode_step(self, step: int, tokens: list[int]) -> torch.Tensor:
+        """One token for every active row; returns next-token logits (b, V) for the active rows."""
+        rows = self.active
+        b, m = len(rows), self.m
+        pos_list = [len(self.prompts[r]) + step for r in rows]
+        ids = torch.tensor(tokens, device=self.dev).view(b, 1)
+        x = m.base.embed(ids)
+        cos, sin = m.base.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
+        zlow = x.new_zeros(b, 1, m.config.preview_rank)
+        rel = x.new_ones(b, 1)
+        idx_rows = torch.tensor(rows)
+        self.t_ctx[idx_rows, step] = torch.tensor(pos_list)
+        self.t_valid[idx_rows, step] = True
+        positions = [[p] for p in pos_list]
+        for l in range(self.L):
+            xn = m.base.norm1(l, x)
+            skip, p = self._skip_decision(l, step, rows, xn, rel, zlow)
+            if p is not None:
+                self.t_p[idx_rows, step, l] = p.float()
+            run = [not s for s in skip]
+            if self.opts.batch_policy == "all" and any(run):
+                run = [True] * b
+            self.t_intent[idx_rows, step, l] = torch.tensor(skip)
+            self.t_exec[idx_rows, step, l] = torch.tensor(run)
+            if all(run):
+                new, new_z, k, bound = self._layer(l, rows, x, xn, cos, sin, positions, zlow)
+                sel = None
+            elif any(run):
+                sel = [i for i, r in enumerate(run) if r]
+                sub = [rows[i] for i in sel]
+                ti = torch.tensor(sel, device=self.dev)
+                out, new_z, k, bound = self._layer(l, sub, x[ti], xn[ti], cos[ti], sin[ti],
+                                                   [positions[i] for i in sel], zlow[ti])
+                new = x.clone()
+                new[ti] = out
+            else:
+                new, new_z, k, bound, sel = x, None, None, None, []
+            skipped = [i for i, r in enumerate(run) if not r]
+            kv_rows = [i for i, r in enumerate(run) if r]
+            if skipped and self.policy == "project":
+                ti = torch.tensor(skipped, device=self.dev)
+                self._write_only(l, [rows[i] for i in skipped], xn[ti], cos[ti], sin[ti],
+                                 [positions[i] for i in skipped])
+                kv_rows = list(range(b))
+            self.t_kv[idx_rows[kv_rows], step, l] = True
+            if new_z is not None:
+                if sel is None:
+                    zlow = new_z
+                else:
+                    zlow = zlow.clone()
+                    zlow[torch.tensor(sel)] = new_z
+                if l == m.layers_cfg.paw[0]:
+                    target = idx_rows if sel is None else idx_rows[sel]
+                    self.t_k[target, step] = k[:, 0].cpu()
+            if bound is not None and l == m.layers_cfg.ch[0]:
+                target = idx_rows if sel is None else idx_rows[sel]
+                self.t_bound[target, step] = bound.cpu()
+            rel = (new - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)
+            x = new
+        return m.base.head(x)[:, 0]
+
+    # ---- sampling -----------------------------------------------------------
+    def pick(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        o = self.opts
+        logits = logits.float()
+        for i, r in enumerate(rows):
+            if len(self.out[r]) < o.min_new_tokens and self.eos:
+                logits[i, list(self.eos)] = float("-inf")
+        if not o.do_sample:
+            return logits.argmax(-1).tolist()
+        logits = logits / o.temperature
+        if o.top_k > 0:
+            kth = logits.topk(min(o.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if o.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) > o.top_p  # keep the smallest prefix reaching top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = logits.softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.gen)[:, 0].tolist()
+
+    def finished(self, row: int, token: int) -> bool:
+        o = self.opts
+        n = len(self.out[row])
+        if n >= o.max_new_tokens:
+            return True
+        if n < o.min_new_tokens:
+            return False
+        if token in self.eos:
+            return True
+        if o.stop_strings and self.tok is not None:
+            tail = self.tok.decode(self.out[row][-16:], skip_special_tokens=False)
+            return any(s in tail for s in o.stop_strings)
+        return False
+
+
+def stream(model, input_ids, attention_mask=None, tokenizer=None, **kwargs) -> Iterator[StepOutput]:
+    """Yield the tokens of each decode step as they are produced (see :func:`generate` for options)."""
+    dec = _start(model, input_ids, attention_mask, tokenizer, kwargs)
+    yield from _run(dec)
+
+
+def _start(model, input_ids, attention_mask, tokenizer, kwargs) -> _Decoder:
+    opts = DecodeOptions(**kwargs)
+    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    if opts.stop_strings and tok is None:
+        raise ValueError("stop_strings need a tokenizer (pass tokenizer=)")
+    return _Decoder(model, _rows_from_input(input_ids, attention_mask), opts, tok)
+
+
+@torch.inference_mode()
+def _run(dec: _Decoder) -> Iterator[StepOutput]:
+    t0 = time.perf_counter()
+    logits = torch.stack(dec.prefill())
+    dec.timings = {"prefill_s": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    tokens = dec.pick(logits, dec.active)
+    step = 0
+    while True:
+        rows = dec.active
+        for r, t in zip(rows, tokens):
+            dec.out[r].append(t)
+            if dec.structure is not None:
+                dec.depth[r] = max(0, dec.depth[r] + dec.structure.depth_delta[t])
+        yield StepOutput(step, list(rows), list(tokens))
+        keep = [i for i, (r, t) in enumerate(zip(rows, tokens)) if not dec.finished(r, t)]
+        if not keep:
+            break
+        dec.active = [rows[i] for i in keep]
+        tokens = [tokens[i] for i in keep]
+        logits = dec.decode_step(step, tokens)
+        step += 1
+        tokens = dec.pick(logits, dec.active)
+    dec.timings["decode_s"] = time.perf_counter() - t1
+    dec.timings["total_s"] = time.perf_counter() - t0
+
+
+def generate(model, input_ids, attention_mask=None, tokenizer=None, **kwargs) -> GenerationResult:
+    """Generate with KV caching and true layer skipping.
+
+    ``input_ids``: (B, T) tensor (with ``attention_mask`` for padded rows) or a list of token-id lists.
+    Keyword options are the fields of :class:`DecodeOptions`. Returns sequences, per-row new tokens, the
+    per-step trace (what ran, gate probabilities, k(t), chunk boundaries, TFLOPs(rel)) and timings.
+    """
+    dec = _start(model, input_ids, attention_mask, tokenizer, kwargs)
+    for _ in _run(dec):
+        pass
+    result = _finish(dec)
+    validator = dec.opts.validator
+    if validator is not None:
+        check = VALIDATORS[validator] if isinstance(validator, str) else validator
+        if dec.tok is None:
+            raise ValueError("a validator needs a tokenizer (pass tokenizer=)")
+        bad = [r for r in range(dec.B) if not check(dec.tok.decode(result.new_tokens[r], skip_special_tokens=True))]
+        if bad:
+            result = _fallback(model, dec, result, bad, kwargs)
+    return result
+
+
+def _fallback(model, dec: _Decoder, result: GenerationResult, bad: list[int], kwargs) -> GenerationResult:
+    """Regenerate the rows whose output failed the validator with the conservative ``fallback_tau``."""
+    retry = dict(kwargs, tau=dec.opts.fallback_tau, validator=None)
+    again = generate(model, [dec.prompts[r] for r in bad], tokenizer=dec.tok, **retry)
+    for i, r in enumerate(bad):
+        dec.out[r] = again.new_tokens[i]
+        for name in ("executed", "intended_skip", "kv_written", "gate_p"):
+            getattr(dec, {"executed": "t_exec", "intended_skip": "t_intent", "kv_written": "t_kv", "gate_p": "t_p"}[name])[r] = getattr(again.trace, name)[i]
+        dec.t_k[r], dec.t_bound[r] = again.trace.window_k[i], again.trace.chunk_boundary[i]
+        dec.t_ctx[r], dec.t_valid[r] = again.trace.context_len[i], again.trace.valid[i]
+    dec.timings = {k: result.timings[k] + again.timings[k] for k in result.timings}
+    out = _finish(dec)
+    out.trace.fallback = [r in bad for r in range(dec.B)]
+    return out
+
+
+def _finish(dec: _Decoder) -> GenerationResult:
+    pad = dec.opts.pad_token_id
+    if pad is None:
+        pad = getattr(dec.tok, "pad_token_id", None) if dec.tok is not None else None
+        pad = pad if pad is not None else (min(dec.eos) if dec.eos else 0)
+    width = max(len(p) for p in dec.prompts) + max(len(o) for o in dec.out)
+    seq = torch.full((dec.B, width), pad, dtype=torch.long)
+    for r in range(dec.B):
+        row = dec.prompts[r] + dec.out[r]
+        seq[r, : len(row)] = torch.tensor(row)
+    # the decode step for generated token i runs at step i-1; token 0 comes from prefill
+    n = max(len(o) for o in dec.out)
+    shift = lambda t: t[:, :n]  # noqa: E731  trace index s describes the step that consumed token s
+    tr = DecodeTrace(
+        executed=shift(dec.t_exec), intended_skip=shift(dec.t_intent), kv_written=shift(dec.t_kv),
+        gate_p=shift(dec.t_p), window_k=shift(dec.t_k), chunk_boundary=shift(dec.t_bound),
+        context_len=shift(dec.t_ctx), valid=shift(dec.t_valid), tflops_rel=0.0, tflops_rel_exact=0.0,
+        fallback=[False] * dec.B,
+    )
+    tr.tflops_rel, tr.tflops_rel_exact = dec.flops.relative(tr)
+    return GenerationResult(seq, [list(o) for o in dec.out], tr, dict(dec.timings))

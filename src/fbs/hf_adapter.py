@@ -1,0 +1,159 @@
+"""The one module that knows transformers' internals.
+
+It wraps a pretrained Hugging Face decoder (Llama / Qwen2 / Qwen3 / Mistral family: pre-norm, RoPE, GQA,
+SwiGLU) and exposes the pieces of one decoder layer as plain functions over tensors, so the FBS model and
+the decoding engine can run, skip or partially run a layer without going through HF's forward, masks or
+cache classes. The HF submodules themselves are called (``q_proj``, ``mlp`` ...), so weights are shared
+with the HF model and forward hooks on them see every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The base model is not a decoder family FBS supports."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """Shape facts about the base decoder, used by the FBS modules and by FLOP accounting."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    attn_bias: bool
+
+
+def decoder_spec(hf_config) -> DecoderSpec:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedArchitectureError(
+            f"base model type {model_type!r} is not supported; FBS supports decoder-only models of type "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (pre-norm, RoPE, GQA, SwiGLU)"
+        )
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = any(t != "full_attention" for t in layer_types) or (
+        model_type == "mistral" and window is not None and window < hf_config.max_position_embeddings
+    )
+    if uses_window and getattr(hf_config, "use_sliding_window", True):
+        raise UnsupportedArchitectureError(
+            f"{model_type} checkpoint uses sliding-window attention (window {window}); FBS supports full "
+            "causal attention only — load a checkpoint with use_sliding_window=False"
+        )
+    heads = hf_config.num_attention_heads
+    return DecoderSpec(
+        model_type=model_type,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        intermediate_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        max_positions=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qk_norm=model_type == "qwen3",
+        attn_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, hd); cos/sin: (B, T, hd)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+    return x * cos + _rotate_half(x) * sin
+
+
+class BaseDecoder(nn.Module):
+    """A pretrained HF causal LM seen as embed -> layers -> norm -> head, with per-layer pieces."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.spec = decoder_spec(hf_model.config)
+        self.hf = hf_model
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = hf_model.lm_head
+        self.scaling = self.spec.head_dim ** -0.5
+
+    # ---- whole-model pieces -------------------------------------------------
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        """(V, d) input embedding matrix (tied with the LM head in SmolLM2 / Qwen2.5-0.5B)."""
+        return self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (B, T, hd) for integer positions (B, T)."""
+        return self.rotary(x, positions)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    # ---- one layer's pieces -------------------------------------------------
+    def norm1(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].input_layernorm(x)
+
+    def norm2(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].post_attention_layernorm(x)
+
+    def _heads(self, proj: nn.Module, norm: nn.Module | None, xn: torch.Tensor) -> torch.Tensor:
+        b, t, _ = xn.shape
+        y = proj(xn).view(b, t, -1, self.spec.head_dim)  # (B, T, heads, hd)
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)  # (B, heads, T, hd)
+
+    def query(self, layer: int, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        attn = self.layers[layer].self_attn
+        q = self._heads(attn.q_proj, getattr(attn, "q_norm", None), xn)
+        return apply_rope(q, cos, sin)  # (B, H, T, hd)
+
+    def key_value(self, layer: int, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE-rotated keys and values (B, Hkv, T, hd) of normalized layer inputs ``xn``."""
+        attn = self.layers[layer].self_attn
+        k = apply_rope(self._heads(attn.k_proj, getattr(attn, "k_norm", None), xn), cos, sin)
+        v = self._heads(attn.v_proj, None, xn)
+        return k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        """Scaled dot-product attention with GQA; mask is bool (B, 1, Tq, Tk), True = attend."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=self.scaling,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+
+    def attn_out(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, hd) attention output -> (B, T, d)."""
+        b, _, t, _ = o.shape
+        return self.layers[layer].self_attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[layer].mlp(x)

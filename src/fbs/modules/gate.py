@@ -1,0 +1,75 @@
+"""SG, the skip gates (paper §2.4, appendix E.1-E.2, E.5-E.6).
+
+For every layer l that may be skipped, p_t^(l) = sigmoid(MLP_l([r_t^(l); z_t])) is the probability of
+*skipping* layer l for token t, computed before the layer runs, from:
+
+* r_t^(l), the residual signal: ``P_r · RMSNorm_l(h_t^(l))`` (the layer's own input norm, projected to
+  ``gate_rank`` by a projection shared across layers) and ``log(u + 1e-3)`` with
+  u = ||h^(l) - h^(l-1)|| / ||h^(l-1)||, the relative update the previous layer made to this token
+  (0 when it was skipped). Small updates upstream predict small updates here (DESIGN.md §7's oracle).
+* z_t, the PAW preview summary (``zlow`` of the most recent PAW layer at or below l; zeros before it).
+
+``gate_input`` selects residual, preview or both (appendix E.5). The last linear layer starts at zero
+with bias ``gate_init_bias`` so fresh gates compute (p ~= 0.018).
+
+Training (appendix E.2): g = g_hard + p - stopgrad(p) with g_hard ~ Bernoulli(p) and the soft mixture
+h' = g h + (1 - g) f(h). Inference: g = 1[p > tau] (threshold) or g ~ Bernoulli(p) (sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import FBSConfig
+
+
+class SkipGates(nn.Module):
+    def __init__(self, cfg: FBSConfig, hidden_size: int, gated_layers: tuple[int, ...]):
+        super().__init__()
+        self.use_residual = cfg.gate_input in ("residual", "both")
+        self.use_preview = cfg.gate_input in ("preview", "both")
+        in_dim = (cfg.gate_rank + 1 if self.use_residual else 0) + (cfg.preview_rank if self.use_preview else 0)
+        self.resid_proj = nn.Linear(hidden_size, cfg.gate_rank, bias=False) if self.use_residual else None
+        self.layer_ids = tuple(gated_layers)
+        self.hidden = nn.ModuleDict({str(l): nn.Linear(in_dim, cfg.gate_width) for l in gated_layers})
+        self.out = nn.ModuleDict({str(l): nn.Linear(cfg.gate_width, 1) for l in gated_layers})
+        for lin in self.out.values():
+            nn.init.zeros_(lin.weight)
+            nn.init.constant_(lin.bias, cfg.gate_init_bias)
+
+    def __contains__(self, layer: int) -> bool:
+        return str(layer) in self.hidden
+
+    def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor) -> torch.Tensor:
+        """xn: (B, T, d) normalized layer input; rel_update: (B, T); zlow: (B, T, R) -> (B, T) skip logits."""
+        parts = []
+        if self.use_residual:
+            parts += [self.resid_proj(xn), torch.log(rel_update + 1e-3).unsqueeze(-1)]
+        if self.use_preview:
+            parts.append(zlow)
+        feats = torch.cat(parts, dim=-1)
+        return self.out[str(layer)](F.silu(self.hidden[str(layer)](feats))).squeeze(-1)
+
+    def prob(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logits(layer, xn, rel_update, zlow))
+
+    def macs(self, hidden_size: int) -> int:
+        """Decode-time multiply-accumulates of one layer's gate."""
+        some = next(iter(self.hidden.values()))
+        m = some.in_features * some.out_features + some.out_features
+        if self.resid_proj is not None:
+            m += hidden_size * self.resid_proj.out_features
+        return m
+
+
+def relative_update(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """||new - old|| / ||old|| over the last dim."""
+    return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-6)
+
+
+def straight_through(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """g = Bernoulli(p) + p - stopgrad(p): a hard sample forward, d g / d p = 1 backward (appendix E.2)."""
+    hard = torch.bernoulli(p.detach(), generator=generator)
+    return hard + p - p.detach()
