@@ -54,6 +54,7 @@ class DecodeOptions:
     validator: str | Callable[[str], bool] | None = None  # json | brackets | python | callable
     fallback_tau: float = 0.9                # tau of the fallback rerun
     batch_policy: str = "gather"             # gather | all
+    output_scores: bool = False              # keep each step's next-token logits in the result
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -124,6 +125,7 @@ class GenerationResult:
     new_tokens: list[list[int]]   # per row, the generated ids
     trace: DecodeTrace
     timings: dict[str, float]     # prefill_s, decode_s, total_s
+    scores: list[torch.Tensor] | None = None  # per row (n_new, V) logits that chose each new token
 
 
 # --------------------------------------------------------------------------- validators (appendix E.9)
@@ -247,6 +249,7 @@ class _Decoder:
         self.t_valid = torch.zeros(self.B, n, dtype=torch.bool)
         self.flops = FlopCounter(model)
         self.out: list[list[int]] = [[] for _ in range(self.B)]
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.B)]
         self.active = list(range(self.B))
 
     # ---- per-layer pieces -------------------------------------------------
@@ -407,6 +410,9 @@ class _Decoder:
     def pick(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
         o = self.opts
         logits = logits.float()
+        if o.output_scores:
+            for i, r in enumerate(rows):
+                self.scores[r].append(logits[i].clone())
         for i, r in enumerate(rows):
             if len(self.out[r]) < o.min_new_tokens and self.eos:
                 logits[i, list(self.eos)] = float("-inf")
@@ -539,4 +545,5 @@ def _finish(dec: _Decoder) -> GenerationResult:
         fallback=[False] * dec.B,
     )
     tr.tflops_rel, tr.tflops_rel_exact = dec.flops.relative(tr)
-    return GenerationResult(seq, [list(o) for o in dec.out], tr, dict(dec.timings))
+    scores = [torch.stack(s) for s in dec.scores] if dec.opts.output_scores else None
+    return GenerationResult(seq, [list(o) for o in dec.out], tr, dict(dec.timings), scores)

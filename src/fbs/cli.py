@@ -1,0 +1,188 @@
+"""The ``fbs`` command line. Only this module (and the subcommand modules' cli.py files) print."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from pathlib import Path
+
+#: Subpackages that add their own subcommands through ``register(subparsers)``.
+SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.bench.cli", "fbs.train.cli")
+
+ASSETS = Path(__file__).parent / "assets"
+
+
+def shipped_checkpoint(base: str) -> Path | None:
+    """The trained FBS weights shipped in the package for a bundled base model, if any."""
+    path = ASSETS / f"fbs-{base}"
+    return path if (path / "fbs_config.json").is_file() else None
+
+
+def load_model(args):
+    """Build the FBS model the CLI options ask for: a checkpoint, the shipped weights, or a fresh FBS."""
+    from . import FBSConfig, FBSForCausalLM
+
+    overrides = {k: v for k, v in (("tau", args.tau), ("kv_policy", args.kv_policy)) if v is not None}
+    ckpt = args.checkpoint or (None if args.fresh else shipped_checkpoint(args.model))
+    if ckpt is not None:
+        logging.getLogger(__name__).info("loading FBS checkpoint %s", ckpt)
+        return FBSForCausalLM.from_pretrained(ckpt, base=args.model if args.checkpoint else None, **overrides)
+    return FBSForCausalLM.from_base(args.model, config=FBSConfig(**overrides))
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="base model: a bundled name (smollm2-135m, qwen2.5-coder-0.5b) or an HF directory")
+    p.add_argument("--checkpoint", help="FBS checkpoint directory (default: the weights shipped for --model)")
+    p.add_argument("--fresh", action="store_true", help="ignore shipped weights: untrained FBS modules")
+    p.add_argument("--tau", type=float, help="skip threshold (default: the checkpoint's operating point)")
+    p.add_argument("--kv-policy", choices=("hole", "project"), help="KV cache policy for skipped layers")
+
+
+def cmd_info(args) -> int:
+    model = load_model(args)
+    counts = model.param_counts()
+    cfg = model.config
+    spec = model.base.spec
+    rows = [
+        ("base model", f"{cfg.base_model} ({spec.model_type}, {spec.num_layers} layers, d={spec.hidden_size})"),
+        ("base parameters", f"{counts['base']:,}"),
+        ("added parameters", f"{counts['added']:,}  (PAW {counts['added_paw']:,}, CH {counts['added_ch']:,}, "
+                             f"SG {counts['added_sg']:,})"),
+        ("added fraction", f"{100 * counts['added_fraction']:.3f}%  (budget 1%)"),
+        ("PAW layers", str(model.layers_cfg.paw)), ("CH layers", str(model.layers_cfg.ch)),
+        ("never-skip layers", str(model.layers_cfg.never_skip)),
+        ("tau / KV policy", f"{cfg.tau} / {cfg.kv_policy}"),
+    ]
+    if args.json:
+        print(json.dumps({**counts, "config": cfg.to_dict()}, indent=2))
+    else:
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _prompt_ids(model, tok, text: str, chat: bool):
+    if tok is None:
+        raise SystemExit("this model has no tokenizer; pass an HF directory that contains one")
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+    else:
+        ids = tok(text)["input_ids"]
+    return list(ids)
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not text.strip():
+        print("error: empty prompt (pass it as an argument or on stdin)", file=sys.stderr)
+        return 2
+    model = load_model(args)
+    tok = model.tokenizer
+    ids = _prompt_ids(model, tok, text, not args.no_chat_template)
+    opts = dict(
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=args.do_sample,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        stop_strings=args.stop or None, protect_structure=args.protect_structure, validator=args.validator,
+        force_compute=args.force_compute, never_skip=tuple(args.never_skip or ()), tokenizer=tok,
+    )
+    if args.stream and not args.json:
+        from .engine import stream
+
+        printed = ""
+        new: list[int] = []
+        t0 = time.perf_counter()
+        for step in stream(model, [ids], **opts):
+            new.extend(step.tokens)
+            full = tok.decode(new, skip_special_tokens=True)
+            print(full[len(printed):], end="", flush=True)
+            printed = full
+        print(f"\n[{len(new)} tokens in {time.perf_counter() - t0:.2f} s]")
+        return 0
+    res = model.generate([ids], **opts)
+    new = res.new_tokens[0]
+    out_text = tok.decode(new, skip_special_tokens=True)
+    decode_tokens = max(len(new) - 1, 0)
+    tps = decode_tokens / res.timings["decode_s"] if res.timings["decode_s"] > 0 else float("nan")
+    summary = {
+        "text": out_text, "new_tokens": len(new), "tokens_per_s": tps, "skip_ratio": res.trace.skip_ratio,
+        "tflops_rel": res.trace.tflops_rel, "tflops_rel_exact": res.trace.tflops_rel_exact,
+        "prefill_s": res.timings["prefill_s"], "decode_s": res.timings["decode_s"],
+        "tau": model.config.tau, "kv_policy": model.config.kv_policy, "fallback": res.trace.fallback[0],
+    }
+    if args.json:
+        if args.trace:
+            summary["trace"] = res.trace.to_dict()
+        print(json.dumps(summary))
+    else:
+        print(out_text)
+        print(f"[{len(new)} tokens | decode {tps:.1f} tok/s | skip {100 * res.trace.skip_ratio:.1f}% | "
+              f"TFLOPs(rel) {res.trace.tflops_rel:.3f} (exact {res.trace.tflops_rel_exact:.3f}) | "
+              f"tau {model.config.tau} | kv {model.config.kv_policy}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fbs", description="Fovea-Block-Skip Transformer tools")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="parameter counts and layer layout of an FBS model")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="generate text with layer skipping")
+    p.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
+    _add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--min-new-tokens", type=int, default=0)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--never-skip", type=int, action="append", help="extra layer never skipped (repeatable)")
+    p.add_argument("--protect-structure", action="store_true", help="no skipping on structure tokens / open brackets")
+    p.add_argument("--validator", choices=("json", "brackets", "python"), help="fallback rerun at tau 0.9 if invalid")
+    p.add_argument("--force-compute", action="store_true", help="run every layer (no skipping)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", action="store_true", help="with --json: include the per-step trace")
+    p.set_defaults(func=cmd_generate)
+
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name):
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

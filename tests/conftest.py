@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random decoders (no files) and FBS models over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+from fbs import FBSConfig, FBSForCausalLM
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+VOCAB = 256
+
+
+def tiny_hf(family: str = "llama", layers: int = 6, seed: int = 0):
+    cfg_cls, model_cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=True,
+                  eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0)
+    return model_cls(cfg).eval()
+
+
+def tiny_config(**kw) -> FBSConfig:
+    base = dict(k_max=6, preview_vocab_size=48, preview_top_k=8, preview_rank=16, chunk_rank=16, chunk_cache_size=4,
+                gate_rank=8, gate_width=8, paw_layers=(1,), ch_layers=(3,), never_skip_first=1, never_skip_last=1)
+    base.update(kw)
+    return FBSConfig(**base)
+
+
+def randomize(model: FBSForCausalLM, seed: int = 1, gate_bias: float = 0.0, scale: float = 0.2) -> FBSForCausalLM:
+    """Non-zero FBS weights so PAW/CH contribute and gates skip roughly half the time."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.paw.named_parameters()) + list(model.ch.named_parameters()) + \
+                list(model.gates.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+        for lin in model.gates.out.values():
+            lin.weight.mul_(10)
+            lin.bias.fill_(gate_bias)
+    return model
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+def fbs_tiny(family="llama", seed=0, layers=6, **cfg) -> FBSForCausalLM:
+    return FBSForCausalLM.from_base(tiny_hf(family, layers, seed), config=tiny_config(**cfg)).eval()
