@@ -157,3 +157,51 @@ def test_gate_sampling_inference_is_seeded():
     a = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True, gate_sampling=True, seed=4)
     b = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True, gate_sampling=True, seed=4)
     assert torch.equal(a.trace.executed, b.trace.executed)
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: token i is one character; '{' and '}' are ids 10 and 11."""
+
+    chars = "abcdefghij{}\n:,()[]" + "x" * 237
+    eos_token_id, pad_token_id, all_special_ids = 255, 0, []
+
+    def __len__(self):
+        return 256
+
+    def decode(self, ids, **_):
+        return "".join(self.chars[i] for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.chars[i] for i in ids]
+
+    def convert_tokens_to_string(self, toks):
+        return "".join(toks)
+
+
+def test_fallback_rerun_when_validator_fails():
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    tok = CharTokenizer()
+    calls = []
+
+    def validator(text):
+        calls.append(text)
+        return False  # always invalid: every row is regenerated once at fallback_tau
+
+    res = model.generate(PROMPT, max_new_tokens=6, ignore_eos=True, tokenizer=tok, validator=validator,
+                         fallback_tau=1.0)
+    assert res.trace.fallback == [True] and len(calls) == 1
+    assert res.trace.skip_ratio == 0.0  # tau 1.0: the rerun skipped nothing
+    assert res.new_tokens == model.generate(PROMPT, max_new_tokens=6, ignore_eos=True, tau=1.0).new_tokens
+
+
+def test_structure_protection_blocks_skipping_inside_brackets():
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    with torch.no_grad():
+        for lin in model.gates.out.values():
+            lin.weight.zero_()
+            lin.bias.fill_(5.0)  # gates skip everything they can
+    prompt = [[1, 2, 10, 3]]  # "bc{d": an open brace
+    res = model.generate(prompt, max_new_tokens=5, ignore_eos=True, tokenizer=CharTokenizer(),
+                         protect_structure=True)
+    assert res.trace.skip_ratio == 0.0
+    assert model.generate(prompt, max_new_tokens=5, ignore_eos=True).trace.skip_ratio > 0.5

@@ -191,6 +191,29 @@ class _Structure:
 
 
 # --------------------------------------------------------------------------- the engine
+class _TraceRecorder:
+    """Per-step records in plain Python lists (cheap on the hot path), turned into tensors once."""
+
+    def __init__(self, batch: int, steps: int, layers: int):
+        grid = lambda v: [[[v] * layers for _ in range(steps)] for _ in range(batch)]  # noqa: E731
+        self.executed, self.intended, self.kv, self.p = grid(False), grid(False), grid(False), grid(float("nan"))
+        self.k = [[-1] * steps for _ in range(batch)]
+        self.bound = [[False] * steps for _ in range(batch)]
+        self.ctx = [[0] * steps for _ in range(batch)]
+        self.valid = [[False] * steps for _ in range(batch)]
+
+    def rows(self, keep: int) -> dict[str, list]:
+        """Field name of :class:`DecodeTrace` -> nested lists truncated to ``keep`` steps."""
+        cut = lambda rows: [r[:keep] for r in rows]  # noqa: E731
+        return {"executed": cut(self.executed), "intended_skip": cut(self.intended), "kv_written": cut(self.kv),
+                "gate_p": cut(self.p), "window_k": cut(self.k), "chunk_boundary": cut(self.bound),
+                "context_len": cut(self.ctx), "valid": cut(self.valid)}
+
+    def replace_row(self, row: int, other: "_TraceRecorder", other_row: int) -> None:
+        for name in ("executed", "intended", "kv", "p", "k", "bound", "ctx", "valid"):
+            getattr(self, name)[row] = getattr(other, name)[other_row]
+
+
 class _Decoder:
     """State of one generate call: cache, chunk states, per-row bookkeeping, trace buffers."""
 
@@ -230,7 +253,11 @@ class _Decoder:
         if opts.seed is not None:
             self.gen = torch.Generator(device=self.dev).manual_seed(opts.seed)
         self.structure = _Structure(tokenizer, spec.vocab_size) if opts.protect_structure else None
-        self.depth = [0] * self.B
+        self.depth = [0] * self.B  # open-bracket depth of prompt + output, for structure protection
+        if self.structure is not None:
+            for r, prompt in enumerate(prompts):
+                for t in prompt:
+                    self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
         self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
         eos = opts.eos_token_id
         if eos is None and not opts.ignore_eos:
@@ -238,15 +265,7 @@ class _Decoder:
             if eos is None and tokenizer is not None:
                 eos = tokenizer.eos_token_id
         self.eos = set() if opts.ignore_eos or eos is None else set([eos] if isinstance(eos, int) else eos)
-        n, L = opts.max_new_tokens, self.L
-        self.t_exec = torch.zeros(self.B, n, L, dtype=torch.bool)
-        self.t_intent = torch.zeros(self.B, n, L, dtype=torch.bool)
-        self.t_kv = torch.zeros(self.B, n, L, dtype=torch.bool)
-        self.t_p = torch.full((self.B, n, L), float("nan"))
-        self.t_k = torch.full((self.B, n), -1, dtype=torch.long)
-        self.t_bound = torch.zeros(self.B, n, dtype=torch.bool)
-        self.t_ctx = torch.zeros(self.B, n, dtype=torch.long)
-        self.t_valid = torch.zeros(self.B, n, dtype=torch.bool)
+        self.rec = _TraceRecorder(self.B, opts.max_new_tokens, self.L)
         self.flops = FlopCounter(model)
         self.out: list[list[int]] = [[] for _ in range(self.B)]
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.B)]
@@ -347,62 +366,54 @@ class _Decoder:
 
     def decode_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         """One token for every active row; returns next-token logits (b, V) for the active rows."""
-        rows = self.active
-        b, m = len(rows), self.m
+        rows, m, rec = self.active, self.m, self.rec
+        b = len(rows)
         pos_list = [len(self.prompts[r]) + step for r in rows]
-        ids = torch.tensor(tokens, device=self.dev).view(b, 1)
-        x = m.base.embed(ids)
+        x = m.base.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
         cos, sin = m.base.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
         rel = x.new_ones(b, 1)
-        idx_rows = torch.tensor(rows)
-        self.t_ctx[idx_rows, step] = torch.tensor(pos_list)
-        self.t_valid[idx_rows, step] = True
         positions = [[p] for p in pos_list]
+        for i, r in enumerate(rows):
+            rec.ctx[r][step], rec.valid[r][step] = pos_list[i], True
         for l in range(self.L):
             xn = m.base.norm1(l, x)
             skip, p = self._skip_decision(l, step, rows, xn, rel, zlow)
-            if p is not None:
-                self.t_p[idx_rows, step, l] = p.float()
             run = [not s for s in skip]
             if self.opts.batch_policy == "all" and any(run):
                 run = [True] * b
-            self.t_intent[idx_rows, step, l] = torch.tensor(skip)
-            self.t_exec[idx_rows, step, l] = torch.tensor(run)
-            if all(run):
+            sel = [i for i in range(b) if run[i]]
+            if len(sel) == b:
                 new, new_z, k, bound = self._layer(l, rows, x, xn, cos, sin, positions, zlow)
-                sel = None
-            elif any(run):
-                sel = [i for i, r in enumerate(run) if r]
-                sub = [rows[i] for i in sel]
+            elif sel:
                 ti = torch.tensor(sel, device=self.dev)
-                out, new_z, k, bound = self._layer(l, sub, x[ti], xn[ti], cos[ti], sin[ti],
+                out, new_z, k, bound = self._layer(l, [rows[i] for i in sel], x[ti], xn[ti], cos[ti], sin[ti],
                                                    [positions[i] for i in sel], zlow[ti])
-                new = x.clone()
-                new[ti] = out
+                new = x.index_copy(0, ti, out)
             else:
-                new, new_z, k, bound, sel = x, None, None, None, []
-            skipped = [i for i, r in enumerate(run) if not r]
-            kv_rows = [i for i, r in enumerate(run) if r]
+                new, new_z, k, bound = x, None, None, None
+            skipped = [i for i in range(b) if not run[i]]
             if skipped and self.policy == "project":
                 ti = torch.tensor(skipped, device=self.dev)
                 self._write_only(l, [rows[i] for i in skipped], xn[ti], cos[ti], sin[ti],
                                  [positions[i] for i in skipped])
-                kv_rows = list(range(b))
-            self.t_kv[idx_rows[kv_rows], step, l] = True
+            p_list = p.tolist() if p is not None else None
+            for i, r in enumerate(rows):
+                rec.executed[r][step][l] = run[i]
+                rec.intended[r][step][l] = skip[i]
+                rec.kv[r][step][l] = run[i] or self.policy == "project"
+                if p_list is not None:
+                    rec.p[r][step][l] = p_list[i]
             if new_z is not None:
-                if sel is None:
-                    zlow = new_z
-                else:
-                    zlow = zlow.clone()
-                    zlow[torch.tensor(sel)] = new_z
+                zlow = new_z if len(sel) == b else zlow.index_copy(0, torch.tensor(sel, device=self.dev), new_z)
                 if l == m.layers_cfg.paw[0]:
-                    target = idx_rows if sel is None else idx_rows[sel]
-                    self.t_k[target, step] = k[:, 0].cpu()
+                    for i, kv in zip(sel, k[:, 0].tolist()):
+                        rec.k[rows[i]][step] = kv
             if bound is not None and l == m.layers_cfg.ch[0]:
-                target = idx_rows if sel is None else idx_rows[sel]
-                self.t_bound[target, step] = bound.cpu()
-            rel = (new - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)
+                for i, bv in zip(sel, bound.tolist()):
+                    rec.bound[rows[i]][step] = bv
+            if l + 1 < self.L and self.gated[l + 1] and m.gates.use_residual and not self.opts.force_compute:
+                rel = (new - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)
             x = new
         return m.base.head(x)[:, 0]
 
@@ -512,13 +523,12 @@ def generate(model, input_ids, attention_mask=None, tokenizer=None, **kwargs) ->
 def _fallback(model, dec: _Decoder, result: GenerationResult, bad: list[int], kwargs) -> GenerationResult:
     """Regenerate the rows whose output failed the validator with the conservative ``fallback_tau``."""
     retry = dict(kwargs, tau=dec.opts.fallback_tau, validator=None)
-    again = generate(model, [dec.prompts[r] for r in bad], tokenizer=dec.tok, **retry)
+    again = _start(model, [dec.prompts[r] for r in bad], None, dec.tok, retry)
+    for _ in _run(again):
+        pass
     for i, r in enumerate(bad):
-        dec.out[r] = again.new_tokens[i]
-        for name in ("executed", "intended_skip", "kv_written", "gate_p"):
-            getattr(dec, {"executed": "t_exec", "intended_skip": "t_intent", "kv_written": "t_kv", "gate_p": "t_p"}[name])[r] = getattr(again.trace, name)[i]
-        dec.t_k[r], dec.t_bound[r] = again.trace.window_k[i], again.trace.chunk_boundary[i]
-        dec.t_ctx[r], dec.t_valid[r] = again.trace.context_len[i], again.trace.valid[i]
+        dec.out[r], dec.scores[r] = again.out[i], again.scores[i]
+        dec.rec.replace_row(r, again.rec, i)
     dec.timings = {k: result.timings[k] + again.timings[k] for k in result.timings}
     out = _finish(dec)
     out.trace.fallback = [r in bad for r in range(dec.B)]
@@ -535,15 +545,12 @@ def _finish(dec: _Decoder) -> GenerationResult:
     for r in range(dec.B):
         row = dec.prompts[r] + dec.out[r]
         seq[r, : len(row)] = torch.tensor(row)
-    # the decode step for generated token i runs at step i-1; token 0 comes from prefill
+    # trace step s is the decode step that consumed generated token s (the last token is never consumed)
     n = max(len(o) for o in dec.out)
-    shift = lambda t: t[:, :n]  # noqa: E731  trace index s describes the step that consumed token s
-    tr = DecodeTrace(
-        executed=shift(dec.t_exec), intended_skip=shift(dec.t_intent), kv_written=shift(dec.t_kv),
-        gate_p=shift(dec.t_p), window_k=shift(dec.t_k), chunk_boundary=shift(dec.t_bound),
-        context_len=shift(dec.t_ctx), valid=shift(dec.t_valid), tflops_rel=0.0, tflops_rel_exact=0.0,
-        fallback=[False] * dec.B,
-    )
+    dtypes = {"executed": torch.bool, "intended_skip": torch.bool, "kv_written": torch.bool, "gate_p": torch.float32,
+              "window_k": torch.long, "chunk_boundary": torch.bool, "context_len": torch.long, "valid": torch.bool}
+    fields = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in dec.rec.rows(n).items()}
+    tr = DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[False] * dec.B)
     tr.tflops_rel, tr.tflops_rel_exact = dec.flops.relative(tr)
     scores = [torch.stack(s) for s in dec.scores] if dec.opts.output_scores else None
     return GenerationResult(seq, [list(o) for o in dec.out], tr, dict(dec.timings), scores)

@@ -40,9 +40,10 @@ class LayerCost:
     per_key: int  # QK^T and AV per attended key, summed over query heads
     lm_head: int  # hidden -> vocabulary
     num_layers: int
-    weight_bytes_per_layer: int  # fp32 bytes of one layer's weights (norms included)
-    kv_bytes_per_key: int  # fp32 bytes of one cached token's K and V in one layer
+    weight_bytes_per_layer: int  # bytes of one layer's weights (norms included)
+    kv_bytes_per_key: int  # bytes of one cached token's K and V in one layer
     lm_head_bytes: int
+    dtype_bytes: int = 4
 
     @classmethod
     def from_config(cls, cfg, dtype_bytes: int = 4) -> "LayerCost":
@@ -65,6 +66,7 @@ class LayerCost:
             weight_bytes_per_layer=weights * dtype_bytes,
             kv_bytes_per_key=2 * hkv * hd * dtype_bytes,
             lm_head_bytes=d * cfg.vocab_size * dtype_bytes,
+            dtype_bytes=dtype_bytes,
         )
 
     @property
@@ -202,8 +204,11 @@ def speculative_ratios(candidates: list[int], new_tokens: int) -> dict[str, floa
     Each target pass (the prompt pass included) commits its accepted candidates plus one token of its own, so
     with K passes the accepted total is sum a_t = N - K. Plain decoding has m_t = 0 everywhere and no ratio.
     """
-    passes = len(candidates)
-    proposed = sum(candidates)
+    return speculative_ratios_from_counts(len(candidates), sum(candidates), new_tokens)
+
+
+def speculative_ratios_from_counts(passes: float, proposed: float, new_tokens: int) -> dict[str, float | None]:
+    """The same ratios from (mean) pass and proposal counts; pooled over prompts when given means."""
     accepted = max(new_tokens - passes, 0)
     return {
         "passes": passes,

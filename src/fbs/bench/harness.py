@@ -34,22 +34,24 @@ from typing import Any
 
 import torch
 
+from fbs.bench.accounting import speculative_ratios_from_counts
+
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class BenchConfig:
-    """Fixed-length protocol knobs. Defaults follow appendix B.3 except warm-up/runs (CPU budget)."""
+    """Fixed-length protocol knobs. Defaults follow appendix B.3."""
 
     prompt_len: int = 512
     """Prompt tokens per row."""
     new_tokens: int = 128
     """Generated tokens per row, exactly (EOS ignored)."""
     batch_size: int = 1
-    warmup: int = 3
-    """Discarded runs before measuring (paper: 20)."""
-    runs: int = 10
-    """Measured runs (paper: 50)."""
+    warmup: int = 20
+    """Discarded runs before measuring (paper: 20; lower it on a CPU budget)."""
+    runs: int = 50
+    """Measured runs (paper: 50; lower it on a CPU budget)."""
     num_prompts: int = 4
     """Distinct prompts; runs cycle through them and match rates are computed over all of them."""
     threads: int | None = None
@@ -144,6 +146,7 @@ class SystemResult:
     family: str
     batch_size: int
     params: dict[str, Any]
+    ratio_kind: str | None = None  # layer_skip | acceptance | verified_advance | None (baseline)
     status: str = "ok"  # ok | unavailable | failed
     note: str = ""
     prefill_s: Summary | None = None
@@ -240,7 +243,14 @@ def probe(system, prompt_batches: list[torch.Tensor], new_tokens: int) -> tuple[
             raise RuntimeError(f"{system.name}: generated {gen.shape[1]} tokens, expected exactly {new_tokens}")
         outs.append(gen)
         stats.append(out.stats)
-    return torch.cat(outs), _average_stats(stats)
+    avg = _average_stats(stats)
+    if avg.get("passes"):  # speculative: pool the counts over prompts (Eqs. accept / verify-advance are sums)
+        pooled = speculative_ratios_from_counts(avg["passes"], avg["proposed"], new_tokens)
+        kind = getattr(system, "ratio_kind", None)
+        avg.update(pooled)
+        avg["method_ratio"] = pooled.get({"acceptance": "acceptance_rate",
+                                          "verified_advance": "verified_advance_ratio"}.get(kind, ""), None)
+    return torch.cat(outs), avg
 
 
 def _average_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,7 +269,8 @@ def _average_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
     """Run the protocol for one system at ``cfg.batch_size``; failures are recorded, not raised."""
-    res = SystemResult(name=system.name, family=system.family, batch_size=cfg.batch_size, params=system.params)
+    res = SystemResult(name=system.name, family=system.family, batch_size=cfg.batch_size, params=system.params,
+                       ratio_kind=getattr(system, "ratio_kind", None))
     reason = system.unavailable(cfg.batch_size)
     if reason:
         res.status, res.note = "unavailable", reason

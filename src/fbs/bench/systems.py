@@ -206,78 +206,50 @@ class FBSSystem:
 
 
 def _config_policy(model) -> str:
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "kv_policy", "project")
+    return model.config.kv_policy
 
 
 def fbs_trace_stats(trace, model, prompt_len: int, new_tokens: int, kv_policy: str) -> dict[str, Any]:
-    """Skip ratio and both TFLOPs(rel) from the engine's trace, recomputed here from ``trace.executed``.
+    """Skip ratio and both TFLOPs(rel) of one engine run.
 
-    The engine's own figures (``trace.tflops_rel``, ``tflops_rel_exact``) are kept next to ours as a
-    cross-check. ``executed`` is (B, N, L); entry s is the forward that consumed the token at position
-    prompt_len + s - 1 ... so only entries that are decode forwards (s >= 1: the token at position
-    prompt_len + s - 1 >= prompt_len) count; entry 0 is the prompt pass.
+    The reported figures are the engine's (``fbs.flops.FlopCounter``: it prices PAW per window size k(t), CH and
+    SG exactly). They are recomputed here independently from ``trace.executed`` with this package's cost
+    model, against the same plain-decoding denominator as the HF systems, and kept as ``bench_*`` cross-checks
+    (the bench's exact variant prices the FBS overhead at one MAC per added parameter per token).
+    Trace entry s is the decode step that consumed generated token s (position ``trace.context_len``); the
+    last entry never runs (``trace.valid`` is False there), so N new tokens take N-1 decode steps.
     """
-    executed = trace.executed.bool().cpu()
-    B, N, L = executed.shape
-    hf_config = _hf_config(model)
+    valid = trace.valid.bool().cpu()
+    executed = trace.executed.bool().cpu() & valid.unsqueeze(-1)
+    B = executed.shape[0]
+    hf_config = model.base.hf.config
     cost = LayerCost.from_config(hf_config)
-    overhead = _overhead_macs_per_token(model)
-    dec = executed[:, 1:, :] if N == new_tokens else executed  # drop the prompt pass when the trace has it
-    positions = torch.arange(dec.shape[1]) + prompt_len
-    inv, macs = skip_trace_macs(cost, dec, prompt_len, kv_policy, overhead, positions)
+    overhead = float(sum(p.numel() for p in model.fbs_parameters()))
+    inv = macs = 0
+    for b in range(B):  # rows may have different valid steps in general; here all have N-1
+        steps = valid[b]
+        i, m = skip_trace_macs(cost, executed[b, steps][None], prompt_len, kv_policy, overhead,
+                               trace.context_len[b, steps].cpu())
+        inv, macs = inv + i, macs + m
     base_inv, base_macs = baseline_decode_macs(cost, prompt_len, new_tokens, batch=B)
     stats = {
-        "layer_skip_ratio": 1.0 - dec.float().mean().item(),
-        "tflops_rel": inv / base_inv if base_inv else None,
-        "tflops_rel_exact": macs / base_macs if base_macs else None,
-        "overhead_macs_per_token": overhead,
+        "layer_skip_ratio": float(trace.skip_ratio),
+        "intended_skip_ratio": float(trace.intended_skip_ratio),
+        "tflops_rel": float(trace.tflops_rel),
+        "tflops_rel_exact": float(trace.tflops_rel_exact),
+        "bench_tflops_rel": inv / base_inv if base_inv else None,
+        "bench_tflops_rel_exact": macs / base_macs if base_macs else None,
+        "fbs_params": overhead,
+        "fallback_rows": float(sum(trace.fallback)),
     }
-    for key in ("skip_ratio", "tflops_rel", "tflops_rel_exact", "intended_skips", "executed_skips"):
-        val = getattr(trace, key, None)
-        if isinstance(val, torch.Tensor):
-            val = val.float().mean().item() if val.numel() > 1 else val.item()
-        if val is not None:
-            stats[f"engine_{key}"] = float(val)
     stats["method_ratio"] = stats["layer_skip_ratio"]
     return stats
 
 
-def _hf_config(model):
-    for attr in ("hf_config", "base_config"):
-        if hasattr(model, attr):
-            return getattr(model, attr)
-    base = getattr(model, "base", None) or getattr(model, "hf_model", None)
-    if base is not None and hasattr(base, "config"):
-        return base.config
-    raise AttributeError("cannot find the base model's HF config on the FBS model")
-
-
-def _overhead_macs_per_token(model) -> float:
-    """PAW/CH/SG MACs per decoded token: the lead's flops module when it has the function, else #params.
-
-    Counting one MAC per FBS parameter is exact for the linear maps that dominate these modules (each weight
-    is used once per token) and ignores the few that run only on some layers' tokens; it is an upper bound
-    when PAW's horizons stop at k(t) < k_max.
-    """
-    try:
-        from fbs import flops
-
-        fn = getattr(flops, "overhead_macs_per_token", None) or getattr(flops, "fbs_overhead_macs", None)
-        if fn is not None:
-            return float(fn(model))
-    except ImportError:
-        pass
-    params = getattr(model, "fbs_parameters", None)
-    if params is None:
-        return 0.0
-    return float(sum(p.numel() for p in params()))
-
-
-def forced_plan(num_layers: int, fraction: float, never_first: int = 2, never_last: int = 6) -> torch.Tensor:
-    """(L,) bool static plan skipping about ``fraction`` of all layers, spread evenly over the skippable ones."""
+def forced_plan(num_layers: int, fraction: float, never_skip: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
+    """(L,) bool static plan skipping round(fraction * L) layers, spread evenly over the skippable ones."""
     plan = torch.zeros(num_layers, dtype=torch.bool)
-    skippable = list(range(never_first, num_layers - never_last))
+    skippable = [l for l in range(num_layers) if l not in never_skip]
     k = min(round(fraction * num_layers), len(skippable))
     if k > 0:
         idx = torch.linspace(0, len(skippable) - 1, k).round().long()

@@ -115,6 +115,18 @@ def segment_spans(text: str, segmenter: Segmenter, flt: SegmentFilter = SegmentF
     return spans
 
 
+def pkuseg_segmenter() -> Segmenter:
+    """pkuseg's bundled default model as a :data:`Segmenter` (offline; ~4 s to load)."""
+    try:
+        import pkuseg
+    except ImportError as exc:
+        raise ImportError(
+            "pkuseg is not installed; run `scripts/install_data_deps.sh .venv/bin/python` "
+            "(it needs `pip install --no-build-isolation pkuseg==0.0.25` after numpy and cython)"
+        ) from exc
+    return pkuseg.pkuseg().cut
+
+
 class IdiomLexicon:
     """Set of idioms indexed by length for longest-match-first scanning."""
 
@@ -181,6 +193,7 @@ class Alignment(NamedTuple):
     n_dropped: int  # chunks with no fully contained token
     n_touching: int  # tokens intersecting some chunk: the "Chinese-aligned spans" of D.2.4
     n_covered: int  # of those, tokens fully inside a retained chunk
+    touched: list[bool]  # per token: intersects some chunk (for per-block coverage)
 
     @property
     def coverage(self) -> float:
@@ -222,7 +235,7 @@ def align_chunks(chunks: Sequence[Span | tuple[int, int]], offsets: Sequence[tup
                 labels[k] = I
         covered += len(inside)
     touching = sum(touched)
-    return Alignment(labels, len(chunks), dropped, touching, covered)
+    return Alignment(labels, len(chunks), dropped, touching, covered, touched)
 
 
 def han_token_share(labels: Sequence[int], offsets: Sequence[tuple[int, int]], text: str) -> float:
@@ -345,6 +358,6 @@ class BIOSLoss(torch.nn.Module):
 __all__ = [
     "LABELS", "B", "I", "O", "S", "Q0", "Span", "SegmentFilter", "Segmenter", "IdiomLexicon", "Alignment",
     "is_han", "is_punct", "chinese_spans", "word_offsets", "keep_segment", "segment_spans", "idiom_spans",
-    "resolve_chunks", "weak_chunks", "align_chunks", "han_token_share", "bios_ce_loss", "ctc_targets",
+    "resolve_chunks", "weak_chunks", "pkuseg_segmenter", "align_chunks", "han_token_share", "bios_ce_loss", "ctc_targets",
     "bios_ctc_loss", "confidence_score", "bios_loss", "BIOSLoss", "BIOSLossOutput",
 ]

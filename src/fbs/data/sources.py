@@ -201,18 +201,25 @@ def pd_line_text(line: str) -> str:
     return "".join(words)
 
 
-def pd_articles(lines: Iterable[str], max_heading_chars: int = 40) -> Iterator[list[str]]:
-    """Group paragraphs into articles: a heading line after a body line starts a new article."""
+def pd_articles(lines: Iterable[str], max_heading_chars: int = 40, min_article_chars: int = 200) -> Iterator[list[str]]:
+    """Group paragraphs into articles.
+
+    A heading is a line of at most ``max_heading_chars`` that does not end in sentence punctuation.
+    A heading that follows a body line starts a new article, unless the current article is still
+    shorter than ``min_article_chars`` (a title or caption alone is not an article).
+    """
     article: list[str] = []
+    size = 0
     prev_heading = False
     for line in lines:
         if not line:
             continue
         heading = len(line) <= max_heading_chars and not line.endswith(_SENTENCE_END)
-        if heading and not prev_heading and article:
+        if heading and not prev_heading and size >= min_article_chars:
             yield article
-            article = []
+            article, size = [], 0
         article.append(line)
+        size += len(line)
         prev_heading = heading
     if article:
         yield article

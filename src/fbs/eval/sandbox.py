@@ -138,10 +138,14 @@ def run_program(
     memory_mb: int = MEMORY_MB,
     level: str | None = None,
     file_size_mb: int = FILE_SIZE_MB,
+    guard: bool = True,
 ) -> SandboxResult:
-    """Run ``source`` as a Python program in the sandbox and report how it ended."""
+    """Run ``source`` as a Python program in the sandbox and report how it ended.
+
+    ``guard=False`` leaves out the audit hook (tests use it to check the OS-level layer alone).
+    """
     level = level or isolation_level()
-    program = _GUARD + "\n" + source
+    program = (_GUARD + "\n" + source) if guard else source
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "HOME": "/tmp"}
     limits = _limits(memory_mb, max(1, int(timeout) + 1), file_size_mb)
     workdir = None

@@ -35,6 +35,10 @@ def ppl_metric(nll: np.ndarray) -> float:
     return float(np.exp(np.mean(nll)))
 
 
+#: Aggregates by name, as stored in run records.
+AGGREGATES_FOR_STATS: dict[str, Callable[[np.ndarray], float]] = {"mean": mean_metric, "exp_mean": ppl_metric}
+
+
 @dataclasses.dataclass(frozen=True)
 class BootstrapResult:
     """Difference ``metric(A) - metric(B)`` with its bootstrap CI and two-sided p-value."""

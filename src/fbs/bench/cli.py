@@ -1,0 +1,95 @@
+"""``fbs bench``: the paper-protocol speed benchmark (appendix B.3-B.5, E.8, F.2).
+
+:func:`register` adds the command to the top-level ``fbs`` parser; :func:`cmd_bench` is a plain function of
+the parsed arguments returning an exit code. Only this module prints. Standalone: ``python -m fbs.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fbs.bench.harness import BenchConfig
+    from fbs.bench.runner import RunSpec, run, write_outputs
+
+    warmup, runs = (args.warmup, args.runs)
+    if args.quick:
+        warmup, runs = 1, 3
+    try:
+        bench = BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, warmup=warmup, runs=runs,
+                            num_prompts=args.num_prompts, threads=args.threads)
+        spec = RunSpec(base=args.model, checkpoint=args.checkpoint, fresh=args.fresh, systems=args.systems,
+                       taus=args.taus, plans=args.plans, early_exit_layer=args.early_exit_layer,
+                       num_assistant_tokens=args.num_assistant_tokens, prompt_lookup_tokens=args.prompt_lookup_tokens,
+                       draft=args.draft, batch_sizes=args.batch_sizes,
+                       long_context=args.long_lengths if args.long_context else (),
+                       long_warmup=args.long_warmup, long_runs=args.long_runs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = " ".join(shlex.quote(a) for a in sys.argv)
+    doc = run(spec, bench, command=command)
+    paths = write_outputs(doc, Path(args.out_dir))
+    print(Path(paths["markdown"]).read_text())
+    for kind, path in paths.items():
+        print(f"{kind}: {path if path is not None else 'not written (matplotlib missing)'}")
+    failed = [r["system"] for r in doc["results"] if r["status"] == "failed"]
+    if failed:
+        print(f"failed systems: {', '.join(failed)} (see the JSON notes)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from fbs.bench.harness import BenchConfig
+    from fbs.bench.runner import GROUPS, RunSpec
+
+    d, s = BenchConfig(), RunSpec()
+    p.add_argument("--model", default=s.base, help="base model: bundled name or HF directory")
+    p.add_argument("--checkpoint", help="FBS checkpoint directory (default: the weights shipped for --model)")
+    p.add_argument("--fresh", action="store_true", help="untrained FBS modules even if weights are shipped")
+    p.add_argument("--systems", type=_strs, default=s.systems,
+                   help=f"comma list from: all, {', '.join(GROUPS)} (default: all)")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="exactly this many (EOS ignored)")
+    p.add_argument("--batch-sizes", type=_ints, default=s.batch_sizes, help="comma list, e.g. 1,4,8")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="discarded runs per system (paper: 20)")
+    p.add_argument("--runs", type=int, default=d.runs, help="measured runs per system (paper: 50)")
+    p.add_argument("--quick", action="store_true", help="1 warm-up and 3 measured runs (development only)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="distinct prompts (runs cycle)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--taus", type=_floats, default=s.taus, help="FBS tau sweep, comma list")
+    p.add_argument("--plans", type=_floats, default=s.plans, help="forced static plans: skipped-layer fractions")
+    p.add_argument("--early-exit-layer", type=int, help="HF self-speculative draft depth (default: half)")
+    p.add_argument("--num-assistant-tokens", type=int, default=s.num_assistant_tokens)
+    p.add_argument("--prompt-lookup-tokens", type=int, default=s.prompt_lookup_tokens)
+    p.add_argument("--draft", help="draft model for assisted generation (bundled name or HF directory)")
+    p.add_argument("--long-context", action="store_true", help="also run the long-context pass (appendix F.2)")
+    p.add_argument("--long-lengths", type=_ints, default=(8192, 16384),
+                   help="long prompt lengths, clipped to the model's positions (default 8192,16384)")
+    p.add_argument("--long-warmup", type=int, default=s.long_warmup)
+    p.add_argument("--long-runs", type=int, default=s.long_runs)
+    p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="paper-protocol speed benchmark: HF baselines vs the FBS engine",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,260 @@
+"""Benchmark results as a versioned JSON document, a markdown table and a PNG plot.
+
+The JSON layout is ``SCHEMA_VERSION``; every key is listed in ``RESULT_KEYS`` / ``TOP_KEYS`` (and described
+in docs/bench.md). Adding keys is allowed within a version; renaming or removing one bumps the version.
+
+Public entry points:
+    result_record(res, ...)        one system x batch size as a JSON-ready dict
+    long_context_record(res, ...)  one long-context measurement
+    validate(doc)                  raise ValueError if a document lacks a documented key
+    markdown(doc)                  the efficiency table (paper main-table columns + consistency + memory)
+    plot(doc, path)                decode latency vs layer-skip ratio (PNG; needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from fbs.bench.harness import SystemResult, Summary
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = "fbs.bench/1"
+
+#: Top-level keys of a result document and their meaning.
+TOP_KEYS: dict[str, str] = {
+    "schema": "schema version string, 'fbs.bench/1'",
+    "created": "UTC time the run finished, ISO 8601",
+    "command": "the command line that produced the document",
+    "model": "base model: name, fingerprint, layers, parameters",
+    "protocol": "prompt_len, new_tokens, warmup, runs, num_prompts, batch_sizes, greedy, eos_ignored, "
+                "prompt_source, prompts_sha256, timing notes",
+    "environment": "cpu, threads, python/torch/transformers versions, load average at start and end",
+    "machine": "measured read/copy/GEMV bandwidth (GB/s) and fp32 matmul throughput (GFLOP/s)",
+    "results": "list of per-system records (RESULT_KEYS)",
+    "long_context": "list of long-context records (LONG_KEYS); empty when not run",
+}
+
+#: Keys of every record in ``results``.
+RESULT_KEYS: dict[str, str] = {
+    "system": "system name (hf-greedy, hf-prompt-lookup, hf-early-exit-<k>, hf-assisted, fbs-...)",
+    "family": "baseline | speculative | fbs",
+    "batch_size": "rows per generate call",
+    "status": "ok | unavailable | failed",
+    "note": "why a system is unavailable or failed; empty otherwise",
+    "params": "the system's knobs",
+    "latency_ms": "{prefill, decode, total}: each {median, mean, std, min, max} in ms over the measured runs",
+    "decode_tok_s": "batch x (N-1) / median decode time: tokens after the first, per second",
+    "throughput_tok_s": "batch x N / median total time",
+    "speedup": "baseline median total latency / this system's, same batch size (ratio measured in one run)",
+    "tflops_rel": "paper Eq. (tflops-rel): executed decode layer invocations / plain decoding's",
+    "tflops_rel_exact": "executed decode MACs / plain decoding's, incl. attention over context, LM head, "
+                        "K/V projections of project-skipped layers, drafts and verification, PAW/CH/SG",
+    "layer_skip_ratio": "fraction of (token, layer) decode invocations skipped (FBS); 0 for the baseline",
+    "method_ratio": "the paper's method-specific ratio in [0, 1]: layer-skip (FBS), acceptance rate "
+                    "(draft models, early exit), verified/advance ratio (prompt lookup); 0 for the baseline",
+    "method_ratio_kind": "layer_skip | acceptance | verified_advance | none",
+    "token_match_pct": "generated tokens equal to the baseline's at the same position, % (appendix E.8)",
+    "exact_match_pct": "prompts whose whole generation equals the baseline's, %",
+    "peak_rss_mb": "peak resident memory of the process during the measured runs (weights included)",
+    "rss_before_mb": "resident memory right before the measured runs",
+    "peak_device_mb": "torch.cuda.max_memory_allocated during the measured runs; null on CPU",
+    "roofline": "{baseline_tok_s, system_tok_s, fraction_of_baseline, fraction_of_system, bound}",
+    "probe": "raw statistics of the untimed probe run (passes, proposed, accepted, engine cross-checks, ...)",
+}
+
+#: Keys of every record in ``long_context``.
+LONG_KEYS: dict[str, str] = {
+    "system": "system name",
+    "requested_prompt_len": "prompt length asked for (8192 or 16384)",
+    "prompt_len": "prompt length used: min(requested, max_position_embeddings - new_tokens)",
+    "new_tokens": "generated tokens",
+    "status": "ok | unavailable | failed",
+    "note": "reason when not ok, or that the length was clipped",
+    "ttft_ms": "median time to first token (prefill) in ms",
+    "decode_tok_s": "(N-1) / median decode time",
+    "total_ms": "median total latency in ms",
+    "peak_rss_mb": "peak resident memory during the measured runs",
+    "peak_device_mb": "torch.cuda.max_memory_allocated; null on CPU",
+    "layer_skip_ratio": "as in results",
+}
+
+
+def _summary_ms(s: Summary | None) -> dict[str, float] | None:
+    return None if s is None else {k: 1e3 * v for k, v in dataclasses.asdict(s).items()}
+
+
+def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | None,
+                  match: tuple[float, float] | None, roofline: dict[str, Any] | None) -> dict[str, Any]:
+    ok = res.status == "ok"
+    B = res.batch_size
+    probe = res.probe or {}
+    kind = res.ratio_kind or "none"
+    return {
+        "system": res.name,
+        "family": res.family,
+        "batch_size": B,
+        "status": res.status,
+        "note": res.note,
+        "params": res.params,
+        "latency_ms": {"prefill": _summary_ms(res.prefill_s), "decode": _summary_ms(res.decode_s),
+                       "total": _summary_ms(res.total_s)},
+        "decode_tok_s": B * (new_tokens - 1) / res.decode_s.median if ok and res.decode_s.median > 0 else None,
+        "throughput_tok_s": B * new_tokens / res.total_s.median if ok else None,
+        "speedup": baseline_total_s / res.total_s.median if ok and baseline_total_s else None,
+        "tflops_rel": probe.get("tflops_rel"),
+        "tflops_rel_exact": probe.get("tflops_rel_exact"),
+        "layer_skip_ratio": probe.get("layer_skip_ratio"),
+        "method_ratio": probe.get("method_ratio"),
+        "method_ratio_kind": kind,
+        "token_match_pct": match[0] if match else None,
+        "exact_match_pct": match[1] if match else None,
+        "peak_rss_mb": res.peak_rss_mb,
+        "rss_before_mb": res.rss_before_mb,
+        "peak_device_mb": res.peak_device_mb,
+        "roofline": roofline,
+        "probe": probe,
+    }
+
+
+def long_context_record(res: SystemResult, requested: int, used: int, new_tokens: int) -> dict[str, Any]:
+    ok = res.status == "ok"
+    note = res.note
+    if ok and used != requested:
+        note = f"clipped from {requested}: the model allows {used + new_tokens} positions"
+    return {
+        "system": res.name,
+        "requested_prompt_len": requested,
+        "prompt_len": used,
+        "new_tokens": new_tokens,
+        "status": res.status,
+        "note": note,
+        "ttft_ms": 1e3 * res.prefill_s.median if ok else None,
+        "decode_tok_s": res.batch_size * (new_tokens - 1) / res.decode_s.median if ok else None,
+        "total_ms": 1e3 * res.total_s.median if ok else None,
+        "peak_rss_mb": res.peak_rss_mb,
+        "peak_device_mb": res.peak_device_mb,
+        "layer_skip_ratio": (res.probe or {}).get("layer_skip_ratio"),
+    }
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Raise ValueError naming every documented key a document lacks (or an unknown schema version)."""
+    problems = []
+    if doc.get("schema") != SCHEMA_VERSION:
+        problems.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA_VERSION!r}")
+    problems += [f"missing top-level key {k!r}" for k in TOP_KEYS if k not in doc]
+    for i, rec in enumerate(doc.get("results", [])):
+        problems += [f"results[{i}] lacks {k!r}" for k in RESULT_KEYS if k not in rec]
+    for i, rec in enumerate(doc.get("long_context", [])):
+        problems += [f"long_context[{i}] lacks {k!r}" for k in LONG_KEYS if k not in rec]
+    if problems:
+        raise ValueError("invalid benchmark document: " + "; ".join(problems))
+
+
+def save_json(doc: dict[str, Any], path: Path) -> None:
+    validate(doc)
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False, default=_jsonable) + "\n")
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return str(x)
+
+
+# ----------------------------------------------------------------------------------------------- markdown
+
+
+def _f(x, fmt: str, scale: float = 1.0) -> str:
+    return "–" if x is None else format(x * scale, fmt)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """Efficiency table shaped like the paper's main table (latency, TFLOPs(rel), method ratio) plus the
+    prefill/decode split, consistency with the baseline (appendix E.8), memory and roofline fraction."""
+    p = doc["protocol"]
+    head = (f"prompt {p['prompt_len']} -> {p['new_tokens']} new tokens, greedy, EOS ignored; median of "
+            f"{p['runs']} runs after {p['warmup']} warm-up; {doc['environment']['cpu']}, "
+            f"{doc['environment']['torch_threads']} threads, torch {doc['environment']['torch']}")
+    cols = ["System", "B", "Latency (ms)", "± std", "Prefill (ms)", "Decode (ms)", "Decode tok/s", "Speed-up",
+            "TFLOPs (rel)", "TFLOPs (rel, exact)", "Ratio (%)", "Ratio kind", "Token-match (%)",
+            "Exact-match (%)", "Peak RSS (MB)", "Roofline (%)"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in doc["results"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['system']} | {r['batch_size']} | {r['status']}: {r['note']} |"
+                         + " |" * (len(cols) - 3))
+            continue
+        lat = r["latency_ms"]
+        roof = r.get("roofline") or {}
+        lines.append("| " + " | ".join([
+            r["system"], str(r["batch_size"]), _f(lat["total"]["median"], ".0f"), _f(lat["total"]["std"], ".0f"),
+            _f(lat["prefill"]["median"], ".0f"), _f(lat["decode"]["median"], ".0f"), _f(r["decode_tok_s"], ".1f"),
+            _f(r["speedup"], ".2f"), _f(r["tflops_rel"], ".2f"), _f(r["tflops_rel_exact"], ".2f"),
+            _f(r["method_ratio"], ".1f", 100), r["method_ratio_kind"], _f(r["token_match_pct"], ".1f"),
+            _f(r["exact_match_pct"], ".1f"), _f(r["peak_rss_mb"], ".0f"),
+            _f(roof.get("fraction_of_baseline"), ".0f", 100),
+        ]) + " |")
+    m = doc.get("machine") or {}
+    if m:
+        lines += ["", f"Machine: read {m['read_gbs']:.1f} GB/s, GEMV {m['gemv_gbs']:.1f} GB/s, fp32 matmul "
+                      f"{m['matmul_gflops']:.0f} GFLOP/s. Roofline (%) = decode tok/s over the plain-decoding "
+                      f"bound of this machine."]
+    if doc.get("long_context"):
+        lines += ["", "| System | Prompt | TTFT (ms) | Decode tok/s | Total (ms) | Peak RSS (MB) | Note |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in doc["long_context"]:
+            lines.append(f"| {r['system']} | {r['prompt_len']} | {_f(r['ttft_ms'], '.0f')} | "
+                         f"{_f(r['decode_tok_s'], '.1f')} | {_f(r['total_ms'], '.0f')} | "
+                         f"{_f(r['peak_rss_mb'], '.0f')} | {r['note'] or r['status']} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------- plot
+
+
+def plot(doc: dict[str, Any], path: Path) -> bool:
+    """Decode latency (median ± std) vs layer-skip ratio, batch size 1; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot (scripts/install_bench_deps.sh installs it)")
+        return False
+    rows = [r for r in doc["results"] if r["status"] == "ok" and r["batch_size"] == 1]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    base = [r for r in rows if r["family"] == "baseline"]
+    if base:
+        ax.axhline(base[0]["latency_ms"]["decode"]["median"], color="grey", ls="--", lw=1,
+                   label=f"{base[0]['system']} (no skip)")
+    markers = {"fbs": "o", "speculative": "s", "baseline": "D"}
+    for fam in ("fbs", "speculative", "baseline"):
+        pts = [r for r in rows if r["family"] == fam]
+        if not pts:
+            continue
+        xs = [100 * (r["layer_skip_ratio"] or 0.0) if fam != "speculative" else 0.0 for r in pts]
+        ys = [r["latency_ms"]["decode"]["median"] for r in pts]
+        es = [r["latency_ms"]["decode"]["std"] for r in pts]
+        ax.errorbar(xs, ys, yerr=es, fmt=markers[fam], capsize=3, label=fam)
+        for x, y, r in zip(xs, ys, pts):
+            ax.annotate(r["system"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    p = doc["protocol"]
+    ax.set_xlabel("layer-skip ratio (%) [speculative methods plotted at 0]")
+    ax.set_ylabel(f"decode latency, {p['new_tokens'] - 1} tokens (ms)")
+    ax.set_title(f"{doc['model']['name']}: prompt {p['prompt_len']}, batch 1, {doc['environment']['cpu']}",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

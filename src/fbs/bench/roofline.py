@@ -1,0 +1,114 @@
+"""Roofline of one decode step: the fastest a machine could decode, from bytes moved and FLOPs done.
+
+A decode step of a batch of B rows must at least read the weights of every layer that runs (once for the
+batch), the K/V cache those layers attend to (per row), and the LM head; and it must do 2·MACs FLOPs per
+row. With a measured memory bandwidth BW and matmul throughput P:
+
+    t_step >= max(bytes / BW, flops / P),   roofline tok/s = B / t_step
+
+evaluated at the mean decode context (prompt + N/2). On CPUs, fp32 decode of small models is far on the
+bandwidth side, so skipping a layer saves its weight bytes almost one for one. A system's *fraction of
+roofline* is its measured decode tok/s over the baseline roofline (the same bound for every system, so that
+the fractions compare), and, for layer-skipping systems, also over its own skip-adjusted roofline.
+
+Public entry points:
+    measure_machine(size_mb, repeats)   -> MachinePeaks (bandwidth: streaming read, copy, GEMV; fp32 matmul)
+    decode_roofline(cost, peaks, ...)   -> dict with bytes, FLOPs, bound and tok/s of one decode step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from fbs.bench.accounting import LayerCost
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class MachinePeaks:
+    read_gbs: float  # streaming read (sum over a large fp32 tensor)
+    copy_gbs: float  # bytes read + written by a large copy
+    gemv_gbs: float  # weight bytes per second of a large fp32 matrix-vector product (decode's kernel)
+    matmul_gflops: float  # fp32 square matmul
+    threads: int
+
+    @property
+    def bandwidth_gbs(self) -> float:
+        """Best measured read bandwidth: the ceiling that decoding's weight reads can reach."""
+        return max(self.read_gbs, self.gemv_gbs)
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def measure_machine(size_mb: int = 256, repeats: int = 5, matmul_n: int = 2048) -> MachinePeaks:
+    """Measure bandwidth and matmul throughput (best of ``repeats``) on the current torch thread setting.
+
+    ``size_mb`` must be well above the last-level cache. Takes a few seconds at the defaults.
+    """
+    n = size_mb * 2**20 // 4
+    a = torch.rand(n)
+    b = torch.empty_like(a)
+    nbytes = a.numel() * 4
+    read = nbytes / _best_time(lambda: a.sum(), repeats) / 1e9
+    copy = 2 * nbytes / _best_time(lambda: b.copy_(a), repeats) / 1e9
+    side = int((n // 1) ** 0.5)
+    w = a[: side * side].view(side, side)
+    x = torch.rand(side)
+    gemv = side * side * 4 / _best_time(lambda: torch.mv(w, x), repeats) / 1e9
+    del a, b, w
+    m1, m2 = torch.rand(matmul_n, matmul_n), torch.rand(matmul_n, matmul_n)
+    mm = 2 * matmul_n**3 / _best_time(lambda: m1 @ m2, repeats) / 1e9
+    peaks = MachinePeaks(read_gbs=read, copy_gbs=copy, gemv_gbs=gemv, matmul_gflops=mm,
+                         threads=torch.get_num_threads())
+    logger.info("machine: read %.1f GB/s, copy %.1f GB/s, gemv %.1f GB/s, matmul %.1f GFLOP/s (%d threads)",
+                read, copy, gemv, mm, peaks.threads)
+    return peaks
+
+
+def decode_roofline(cost: LayerCost, peaks: MachinePeaks, prompt_len: int, new_tokens: int, batch: int = 1,
+                    executed_fraction: float = 1.0, kv_policy: str = "project",
+                    overhead_macs_per_token: float = 0.0) -> dict[str, float]:
+    """Lower bound on one decode step's time, at the mean decode context, for a given executed-layer fraction.
+
+    Skipped layers read nothing under ``hole``; under ``project`` they read their K/V projection weights and
+    write one K/V entry. The embedding row read is negligible and ignored. Weights are read once per step for
+    the whole batch; K/V is read per row.
+    """
+    L = cost.num_layers
+    ctx = prompt_len + new_tokens / 2
+    run = executed_fraction * L
+    skipped = L - run
+    kv_w_bytes = cost.kv_proj * cost.dtype_bytes  # K/V projection weights: one weight per MAC
+    weight_bytes = run * cost.weight_bytes_per_layer + cost.lm_head_bytes
+    kv_read = batch * run * ctx * cost.kv_bytes_per_key
+    macs_row = run * cost.layer_macs(int(ctx)) + cost.lm_head + overhead_macs_per_token
+    if kv_policy == "project":
+        weight_bytes += skipped * kv_w_bytes
+        macs_row += skipped * cost.kv_proj
+    total_bytes = weight_bytes + kv_read
+    flops = 2 * macs_row * batch
+    t_mem = total_bytes / (peaks.bandwidth_gbs * 1e9)
+    t_cmp = flops / (peaks.matmul_gflops * 1e9)
+    t = max(t_mem, t_cmp)
+    return {
+        "context": ctx,
+        "bytes_per_step": total_bytes,
+        "flops_per_step": flops,
+        "bound": "memory" if t_mem >= t_cmp else "compute",
+        "step_s": t,
+        "tok_s": batch / t,
+    }

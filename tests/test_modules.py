@@ -1,0 +1,93 @@
+"""PAW and CH on their own: parallel vs online forms, truncation, window weights, validators."""
+
+import math
+
+import torch
+
+from conftest import tiny_config
+from fbs.engine import VALIDATORS
+from fbs.modules.chunk import ChunkHead, ChunkState
+from fbs.modules.preview import ParafoveaWindow, soft_window_weights
+
+
+def _rand_module(mod, seed=0, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return mod
+
+
+def test_chunk_parallel_equals_online():
+    cfg = tiny_config(chunk_cache_size=3)
+    head = _rand_module(ChunkHead(cfg, 32))
+    xn = torch.randn(2, 30, 32, generator=torch.Generator().manual_seed(1))
+    write = torch.rand(2, 30, generator=torch.Generator().manual_seed(2)) > 0.2
+    with torch.no_grad():
+        par = head(xn, write=write)
+        state = ChunkState(2, 3, cfg.chunk_rank, None, torch.float32)
+        for t in range(30):
+            for r in range(2):
+                if not write[r, t]:
+                    continue
+                sub = state.select(torch.tensor([r]))
+                c, logits, start = head.step(xn[r:r + 1, t:t + 1], sub)
+                state.assign(torch.tensor([r]), sub)
+                assert torch.allclose(c[0, 0], par.c[r, t], atol=1e-5)
+                assert bool(start[0]) == bool(par.boundary[r, t])
+    assert par.boundary.sum() > 5 and (~par.boundary & write).sum() > 5  # both chunk starts and continuations
+
+
+def test_chunk_prefill_state_equals_online_state():
+    cfg = tiny_config(chunk_cache_size=4)
+    head = _rand_module(ChunkHead(cfg, 32), seed=3)
+    xn = torch.randn(1, 25, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, par_state = head(xn, return_state=True)
+        state = ChunkState(1, 4, cfg.chunk_rank, None, torch.float32)
+        for t in range(25):
+            head.step(xn[:, t:t + 1], state)
+    assert torch.equal(par_state.n_closed, state.n_closed) and torch.equal(par_state.open_count, state.open_count)
+    assert torch.allclose(par_state.open_sum, state.open_sum, atol=1e-5)
+    assert torch.allclose(par_state.closed, state.closed, atol=1e-5)
+
+
+def test_soft_window_weights_hand_computed():
+    w = soft_window_weights(torch.tensor([[2.0]]), k_max=3, gamma=4.0)[0, 0]
+    expected = [1 / (1 + math.exp(-4 * (2 - r + 0.5))) for r in (1, 2, 3)]
+    assert torch.allclose(w, torch.tensor(expected), atol=1e-6)
+
+
+def test_paw_truncated_decode_equals_full_window_and_k_zero_gives_zero():
+    for comp in ("conv", "mean", "linear", "none"):
+        cfg = tiny_config(paw_compression=comp, k_max=6)
+        paw = _rand_module(ParafoveaWindow(cfg, 32), seed=5)
+        emb = torch.randn(cfg.preview_vocab_size, 32)
+        keys = paw.vocab_proj(emb)
+        xn = torch.randn(4, 1, 32, generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            full = paw(xn, emb, keys, soft=False)
+            trunc = paw(xn, emb, keys, soft=False, truncate=True)
+        assert torch.allclose(full.z, trunc.z, atol=1e-5), comp
+        assert (full.k_hard < cfg.k_max).all()
+
+
+def test_paw_fixed_k_mode_and_expectation_paths_agree():
+    cfg = tiny_config(fixed_k=3, k_max=6)
+    paw = _rand_module(ParafoveaWindow(cfg, 32), seed=7)
+    emb = torch.randn(cfg.preview_vocab_size, 32)
+    keys = paw.vocab_proj(emb)
+    xn = torch.randn(1, 40, 32)  # 40 x 6 rows: dense path; 1 row below: gather path
+    with torch.no_grad():
+        out = paw(xn, emb, keys, soft=True)
+        assert (out.k_hard == 3).all() and torch.equal(out.weights[0, 0], torch.tensor([1., 1, 1, 0, 0, 0]))
+        logits = paw.horizon_logits(xn, keys, 6)
+        dense = paw.expected_embeddings(logits, emb)
+        gathered = paw.expected_embeddings(logits[:1, :1, :2], emb)
+    assert torch.allclose(dense[0, 0, :2], gathered[0, 0], atol=1e-5)
+
+
+def test_validators():
+    assert VALIDATORS["json"]('{"a": [1, 2]}') and not VALIDATORS["json"]('{"a": [1, 2}')
+    assert VALIDATORS["brackets"]("f(a[0], {b})") and not VALIDATORS["brackets"]("f(a[0)]")
+    assert VALIDATORS["python"]("def f(x):\n    return x\n") and not VALIDATORS["python"]("def f(x) return")
