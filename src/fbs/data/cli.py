@@ -93,8 +93,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
         model, tok = load_base(args.model)
         config = ProbeConfig(layer=args.layer, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                              seed=args.seed)
-        train = corpus_sequences(args.corpus, args.train_split, tok, args.seq_len, args.train_seqs, args.seed)
-        evaluation = corpus_sequences(args.corpus, args.eval_split, tok, args.seq_len, args.eval_seqs, args.seed + 1)
+        train = corpus_sequences(args.corpus, args.train_split, tok, args.seq_len, args.train_seqs or None, args.seed)
+        evaluation = corpus_sequences(args.corpus, args.eval_split, tok, args.seq_len, args.eval_seqs or None,
+                                      args.seed + 1)
         items = idiom_items(load_idiom_examples(), tok, args.idiom_items, args.seed) if args.idiom_items else []
         result = run_probe(model, train, evaluation, items, config, progress=_progress)
     except (SourceError, ValueError, ImportError) as exc:
@@ -153,8 +154,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--train-split", default="validation")
     p.add_argument("--eval-split", default="test")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--train-seqs", type=int, default=256, help="probe training sequences (None = all)")
-    p.add_argument("--eval-seqs", type=int, default=64)
+    p.add_argument("--train-seqs", type=int, default=256, help="probe training sequences (0 = all)")
+    p.add_argument("--eval-seqs", type=int, default=64, help="evaluation sequences (0 = all)")
     p.add_argument("--idiom-items", type=int, default=200, help="idiom-recognition items (0 to skip)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
