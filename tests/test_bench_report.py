@@ -89,3 +89,18 @@ def test_validate_names_missing_keys():
         report.validate({"schema": report.SCHEMA_VERSION, **{k: None for k in report.TOP_KEYS if k != "schema"},
                          "results": [{k: None for k in report.RESULT_KEYS if k != "tflops_rel"}],
                          "long_context": []})
+
+
+def test_cli_registers_bench_with_paper_defaults():
+    from fbs.bench.cli import cmd_bench
+    from fbs.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--batch-sizes", "1,4,8", "--taus", "0.6,0.8"])
+    assert args.func is cmd_bench
+    assert (args.prompt_len, args.new_tokens, args.warmup, args.runs) == (512, 128, 20, 50)
+    assert args.batch_sizes == (1, 4, 8) and args.taus == (0.6, 0.8) and args.systems == ("all",)
+
+
+def test_run_spec_rejects_unknown_systems():
+    with pytest.raises(ValueError, match="unknown systems"):
+        RunSpec(systems=("hf-greedy", "medusa"))

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 #: Subpackages that add their own subcommands through ``register(subparsers)``.
-SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.bench.cli", "fbs.train.cli")
+SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.bench.cli", "fbs.train.cli", "fbs.rl.cli")
 
 ASSETS = Path(__file__).parent / "assets"
 

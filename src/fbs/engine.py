@@ -276,10 +276,13 @@ class _Decoder:
         base = self.m.base
         q = base.query(l, xn, cos, sin)
         k, v = base.key_value(l, xn, cos, sin)
-        self.cache.write(l, rows, k, v, positions)
-        kk, vv, mask = self.cache.view(l, rows)
         t = xn.shape[1]
-        if t > 1:  # prefill: causal within the new tokens, everything before them visible
+        fresh = all(self.cache.lengths[l][r] == 0 for r in rows)
+        self.cache.write(l, rows, k, v, positions)
+        if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
+            return base.attn_out(l, base.attend(q, k, v, None, causal=True))
+        kk, vv, mask = self.cache.view(l, rows)
+        if t > 1:  # chunked prefill: causal within the new tokens, everything cached before them visible
             n = kk.shape[2]
             causal = torch.ones(t, n, dtype=torch.bool, device=xn.device).tril(n - t)
             mask = causal[None, None] if mask is None else mask & causal[None, None]

@@ -39,7 +39,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        num_assistant_tokens=args.num_assistant_tokens, prompt_lookup_tokens=args.prompt_lookup_tokens,
                        draft=args.draft, batch_sizes=args.batch_sizes,
                        long_context=args.long_lengths if args.long_context else (),
-                       long_warmup=args.long_warmup, long_runs=args.long_runs)
+                       long_warmup=args.long_warmup, long_runs=args.long_runs, device=args.device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1 warm-up and 3 measured runs (development only)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="distinct prompts (runs cycle)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default=s.device, help="cpu or cuda (timing syncs the device around each run)")
     p.add_argument("--taus", type=_floats, default=s.taus, help="FBS tau sweep, comma list")
     p.add_argument("--plans", type=_floats, default=s.plans, help="forced static plans: skipped-layer fractions")
     p.add_argument("--early-exit-layer", type=int, help="HF self-speculative draft depth (default: half)")

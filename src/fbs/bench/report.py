@@ -237,18 +237,26 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
         ax.axhline(base[0]["latency_ms"]["decode"]["median"], color="grey", ls="--", lw=1,
                    label=f"{base[0]['system']} (no skip)")
     markers = {"fbs": "o", "speculative": "s", "baseline": "D"}
+    core = [r["latency_ms"]["decode"]["median"] for r in rows if r["family"] != "speculative"]
+    top = 1.5 * max(core) if core else None  # speculative rows far above the rest are drawn at the edge
     for fam in ("fbs", "speculative", "baseline"):
         pts = [r for r in rows if r["family"] == fam]
         if not pts:
             continue
-        xs = [100 * (r["layer_skip_ratio"] or 0.0) if fam != "speculative" else 0.0 for r in pts]
+        xs = [100 * (r["layer_skip_ratio"] or 0.0) for r in pts]
         ys = [r["latency_ms"]["decode"]["median"] for r in pts]
         es = [r["latency_ms"]["decode"]["std"] for r in pts]
-        ax.errorbar(xs, ys, yerr=es, fmt=markers[fam], capsize=3, label=fam)
-        for x, y, r in zip(xs, ys, pts):
-            ax.annotate(r["system"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        clipped = [top is not None and y > top for y in ys]
+        ys_drawn = [top if c else y for y, c in zip(ys, clipped)]
+        es_drawn = [0.0 if c else e for e, c in zip(es, clipped)]
+        ax.errorbar(xs, ys_drawn, yerr=es_drawn, fmt=markers[fam], capsize=3, label=fam)
+        for x, y, r, c in zip(xs, ys_drawn, pts, clipped):
+            label = r["system"] + (f" (off scale: {r['latency_ms']['decode']['median']:.0f} ms)" if c else "")
+            ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    if top is not None:
+        ax.set_ylim(0, top * 1.05)
     p = doc["protocol"]
-    ax.set_xlabel("layer-skip ratio (%) [speculative methods plotted at 0]")
+    ax.set_xlabel("layer-skip ratio (%)  [speculative methods skip no layers: plotted at 0]")
     ax.set_ylabel(f"decode latency, {p['new_tokens'] - 1} tokens (ms)")
     ax.set_title(f"{doc['model']['name']}: prompt {p['prompt_len']}, batch 1, {doc['environment']['cpu']}",
                  fontsize=8)

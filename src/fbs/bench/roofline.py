@@ -43,35 +43,43 @@ class MachinePeaks:
         return max(self.read_gbs, self.gemv_gbs)
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults, thread pool
+def _best_time(fn, repeats: int, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()  # warm-up: page faults, thread pool, kernel selection
     best = float("inf")
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 @torch.inference_mode()
-def measure_machine(size_mb: int = 256, repeats: int = 5, matmul_n: int = 2048) -> MachinePeaks:
+def measure_machine(size_mb: int = 256, repeats: int = 5, matmul_n: int = 2048,
+                    device: torch.device | str = "cpu") -> MachinePeaks:
     """Measure bandwidth and matmul throughput (best of ``repeats``) on the current torch thread setting.
 
     ``size_mb`` must be well above the last-level cache. Takes a few seconds at the defaults.
     """
+    device = torch.device(device)
     n = size_mb * 2**20 // 4
-    a = torch.rand(n)
+    a = torch.rand(n, device=device)
     b = torch.empty_like(a)
     nbytes = a.numel() * 4
-    read = nbytes / _best_time(lambda: a.sum(), repeats) / 1e9
-    copy = 2 * nbytes / _best_time(lambda: b.copy_(a), repeats) / 1e9
+    read = nbytes / _best_time(lambda: a.sum(), repeats, device) / 1e9
+    copy = 2 * nbytes / _best_time(lambda: b.copy_(a), repeats, device) / 1e9
     side = int((n // 1) ** 0.5)
     w = a[: side * side].view(side, side)
-    x = torch.rand(side)
-    gemv = side * side * 4 / _best_time(lambda: torch.mv(w, x), repeats) / 1e9
+    x = torch.rand(side, device=device)
+    gemv = side * side * 4 / _best_time(lambda: torch.mv(w, x), repeats, device) / 1e9
     del a, b, w
-    m1, m2 = torch.rand(matmul_n, matmul_n), torch.rand(matmul_n, matmul_n)
-    mm = 2 * matmul_n**3 / _best_time(lambda: m1 @ m2, repeats) / 1e9
+    m1, m2 = (torch.rand(matmul_n, matmul_n, device=device) for _ in range(2))
+    mm = 2 * matmul_n**3 / _best_time(lambda: m1 @ m2, repeats, device) / 1e9
     peaks = MachinePeaks(read_gbs=read, copy_gbs=copy, gemv_gbs=gemv, matmul_gflops=mm,
                          threads=torch.get_num_threads())
     logger.info("machine: read %.1f GB/s, copy %.1f GB/s, gemv %.1f GB/s, matmul %.1f GFLOP/s (%d threads)",

@@ -61,6 +61,8 @@ class RunSpec:
     """Buffer size of the bandwidth measurement (well above the last-level cache)."""
     matmul_n: int = 2048
     """Side of the square fp32 matmul that measures peak throughput."""
+    device: str = "cpu"
+    """Where the models run (``cuda`` works through the same code path but has not been measured here)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - {"all"}
@@ -170,8 +172,12 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     draft = draft_tok = None
     if spec.draft and spec.wants("assisted"):
         draft, draft_tok = load_base(spec.draft)
-    env = environment("cpu")
-    peaks = measure_machine(spec.machine_mb, matmul_n=spec.matmul_n)
+    device = torch.device(spec.device)
+    for m in (model, fbs_model, draft):
+        if m is not None:
+            m.to(device)
+    env = environment(device)
+    peaks = measure_machine(spec.machine_mb, matmul_n=spec.matmul_n, device=device)
     cost = LayerCost.from_config(model.config)
     extra_bytes = 0.0 if fbs_model is None else 4.0 * sum(p.numel() for p in fbs_model.fbs_parameters())
     systems = build_systems(model, tok, fbs_model, spec, draft, draft_tok)
@@ -181,6 +187,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
         cfg = dataclasses.replace(bench, batch_size=B, num_prompts=max(bench.num_prompts, B))
         prompts = build_prompts(tok, cfg.num_prompts, cfg.prompt_len)
         digests[B] = prompts_digest(prompts)
+        prompts = prompts.to(device)
         results = _measure_all(systems, prompts, cfg)
         base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
         for r in results:
@@ -190,7 +197,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
             records.append(rec)
 
     long_records = _long_context(spec, bench, model, tok, systems)
-    env["load_avg_1m_end"] = environment("cpu")["load_avg_1m"]
+    env["load_avg_1m_end"] = environment(device)["load_avg_1m"]
     counts = fbs_model.param_counts() if fbs_model is not None else None
     return {
         "schema": report.SCHEMA_VERSION,
@@ -222,15 +229,15 @@ def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems) -> lis
     if not spec.long_context:
         return []
     limit = model.config.max_position_embeddings - bench.new_tokens
-    chosen = [s for s in systems if s.name == "hf-greedy" or s.family == "fbs" and
-              (s.name == "fbs-full-compute" or s.name.startswith(f"fbs-tau{systems_tau(systems)}"))]
+    wanted = {"hf-greedy", "fbs-full-compute", first_tau_system(systems)}
+    chosen = [s for s in systems if s.name in wanted]
     records = []
     done: set[int] = set()
     for requested in spec.long_context:
         used = min(requested, limit)
         cfg = dataclasses.replace(bench, prompt_len=used, batch_size=1, num_prompts=1,
                                   warmup=spec.long_warmup, runs=spec.long_runs)
-        prompts = build_prompts(tok, 1, used)
+        prompts = build_prompts(tok, 1, used).to(model.device)
         for system in chosen:
             if used in done:
                 res = SystemResult(system.name, system.family, 1, system.params, status="unavailable",
@@ -244,12 +251,12 @@ def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems) -> lis
     return records
 
 
-def systems_tau(systems) -> str:
-    """Name fragment of the first tau-sweep system (the long-context FBS representative)."""
+def first_tau_system(systems) -> str | None:
+    """Name of the first tau-sweep system: the FBS representative of the long-context pass."""
     for s in systems:
-        if s.family == "fbs" and "tau" in s.knobs and "kv_policy" in s.knobs and len(s.knobs) == 2:
-            return f"{s.knobs['tau']:g}"
-    return "none"
+        if s.family == "fbs" and set(getattr(s, "knobs", {})) == {"tau", "kv_policy"}:
+            return s.name
+    return None
 
 
 def write_outputs(doc: dict[str, Any], out_dir: Path) -> dict[str, Path | None]:

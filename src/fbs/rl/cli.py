@@ -1,0 +1,96 @@
+"""``fbs train stage2`` (or ``fbs stage2``): the Stage-2 PPO recipe from a YAML config plus overrides.
+
+``register(subparsers)`` adds ``stage2`` under the ``train`` command when :mod:`fbs.train.cli` has
+registered it first, else as a top-level ``stage2`` command. ``python -m fbs.rl.cli`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def cmd_stage2(args: argparse.Namespace) -> int:
+    from .stage2 import Stage2Config, Stage2ConfigError, train_stage2
+
+    overrides = list(args.set or [])
+    for flag in ("out_dir", "max_steps", "init_from", "model", "pool", "pool_size"):
+        v = getattr(args, flag)
+        if v is not None:
+            overrides.append(f"{flag}={v}")
+    if args.no_progress:
+        overrides.append("progress=false")
+    try:
+        cfg = Stage2Config.from_yaml(args.config, overrides)
+    except (Stage2ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+    if args.build_pool:
+        from pathlib import Path
+
+        from .pool import load_default_pool, save_pool
+
+        items, report = load_default_pool(cfg.pool_size, cfg.pool_seed, cfg.pool_zh_fraction, cfg.check_overlap)
+        path = Path(cfg.pool or Path(cfg.out_dir) / "pool.jsonl")
+        save_pool(path, items, report)
+        print(json.dumps(report.to_dict(), indent=1, ensure_ascii=False))
+        print(f"wrote {len(items)} prompts to {path}")
+        return 0
+    try:
+        summary = train_stage2(cfg, resume=not args.no_resume)
+    except KeyboardInterrupt:
+        print(f"interrupted; checkpoint saved under {cfg.out_dir}/checkpoints (rerun the command to resume)",
+              file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def add_stage2_parser(sub: Any) -> argparse.ArgumentParser:
+    s = sub.add_parser("stage2", help="Stage-2 PPO fine-tuning of the skip gates (paper §3.1.3); resumes")
+    s.add_argument("--config", help="YAML file of Stage2Config fields (e.g. configs/stage2_smollm2.yaml)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field (YAML value), repeatable")
+    s.add_argument("--init-from", dest="init_from", help="Stage-1 export directory (runs/stage1/final)")
+    s.add_argument("--out-dir", dest="out_dir")
+    s.add_argument("--max-steps", dest="max_steps", type=int)
+    s.add_argument("--model", help="base model name or HF directory")
+    s.add_argument("--pool", help="prompt pool JSONL (default: build into out_dir/pool.jsonl)")
+    s.add_argument("--pool-size", dest="pool_size", type=int)
+    s.add_argument("--build-pool", action="store_true", help="only build the pool (with its overlap report) and exit")
+    s.add_argument("--no-resume", action="store_true", help="ignore checkpoints in out_dir")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    s.set_defaults(func=cmd_stage2)
+    return s
+
+
+def register(subparsers: Any) -> None:
+    train = subparsers.choices.get("train")
+    if train is not None:
+        for action in train._actions:  # argparse keeps the sub-command action here; no public accessor
+            if isinstance(action, argparse._SubParsersAction):
+                add_stage2_parser(action)
+                return
+    add_stage2_parser(subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m fbs.rl.cli")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_stage2_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
