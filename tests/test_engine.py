@@ -205,3 +205,18 @@ def test_structure_protection_blocks_skipping_inside_brackets():
                          protect_structure=True)
     assert res.trace.skip_ratio == 0.0
     assert model.generate(prompt, max_new_tokens=5, ignore_eos=True).trace.skip_ratio > 0.5
+
+
+def test_hole_policy_cache_lengths_and_positions_are_explicit():
+    model = fbs_tiny()
+    plan = torch.zeros(model.num_layers, dtype=torch.bool)
+    plan[2] = True
+    from fbs.engine import _run, _start
+
+    dec = _start(model, PROMPT, None, None, dict(max_new_tokens=6, ignore_eos=True, skip_plan=plan, kv_policy="hole"))
+    for _ in _run(dec):
+        pass
+    t0 = PROMPT.shape[1]
+    # 5 decode steps fed tokens at positions t0..t0+4; layer 2 stored none of them, layer 3 all
+    assert dec.cache.get_seq_length(2, 0) == t0 and dec.cache.get_seq_length(3, 0) == t0 + 5
+    assert dec.cache.positions[3][0] == list(range(t0 + 5)) and dec.cache.positions[2][0] == list(range(t0))

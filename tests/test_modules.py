@@ -91,3 +91,18 @@ def test_validators():
     assert VALIDATORS["json"]('{"a": [1, 2]}') and not VALIDATORS["json"]('{"a": [1, 2}')
     assert VALIDATORS["brackets"]("f(a[0], {b})") and not VALIDATORS["brackets"]("f(a[0)]")
     assert VALIDATORS["python"]("def f(x):\n    return x\n") and not VALIDATORS["python"]("def f(x) return")
+
+
+def test_fused_gates_equal_module_gates():
+    from fbs.modules.gate import SkipGates
+
+    for gate_input in ("both", "residual", "preview"):
+        cfg = tiny_config(gate_input=gate_input)
+        gates = _rand_module(SkipGates(cfg, 32, (1, 2, 4)), seed=8)
+        fused = gates.fused()
+        xn, rel = torch.randn(3, 1, 32), torch.rand(3, 1)
+        zlow = torch.randn(3, 1, cfg.preview_rank)
+        with torch.no_grad():
+            for l in (1, 2, 4):
+                assert torch.allclose(fused.logits(l, xn, rel, fused.preview_terms(zlow)),
+                                      gates.logits(l, xn, rel, zlow), atol=1e-5), (gate_input, l)

@@ -16,7 +16,8 @@ class KVCache:
         shape = (batch, num_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.positions = torch.full((num_layers, batch, capacity), -1, dtype=torch.long)
+        # RoPE position of every stored entry, per layer and row (python lists: appends cost nothing)
+        self.positions: list[list[list[int]]] = [[[] for _ in range(batch)] for _ in range(num_layers)]
         self.lengths = [[0] * batch for _ in range(num_layers)]  # python ints: no host syncs on the hot path
         self.capacity = capacity
 
@@ -40,7 +41,7 @@ class KVCache:
                 self.k[layer][r, :, s:s + t] = k[i]
                 self.v[layer][r, :, s:s + t] = v[i]
         for i, r in enumerate(rows):
-            self.positions[layer, r, starts[i]:starts[i] + t] = torch.tensor(positions[i])
+            self.positions[layer][r].extend(positions[i])
             lens[r] += t
 
     def view(self, layer: int, rows: list[int]):

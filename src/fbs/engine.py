@@ -259,6 +259,7 @@ class _Decoder:
                 for t in prompt:
                     self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
         self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
+        self.gates = model.gates.fused()
         eos = opts.eos_token_id
         if eos is None and not opts.ignore_eos:
             eos = getattr(getattr(model.base.hf, "generation_config", None), "eos_token_id", None)
@@ -288,7 +289,7 @@ class _Decoder:
             mask = causal[None, None] if mask is None else mask & causal[None, None]
         return base.attn_out(l, base.attend(q, kk, vv, mask))
 
-    def _layer(self, l, rows, x, xn, cos, sin, positions, zlow):
+    def _layer(self, l, rows, x, xn, cos, sin, positions):
         """Full FBS layer for ``rows`` (x: (b, T, d)). Returns (new x, new zlow or None, k, boundary)."""
         m = self.m
         h = x + self._attend_cached(l, rows, xn, cos, sin, positions)
@@ -334,14 +335,14 @@ class _Decoder:
             plist = [list(range(length))] * len(rows)
             for l in range(self.L):
                 xn = self.m.base.norm1(l, x)
-                x, _, _, _ = self._layer(l, rows, x, xn, cos, sin, plist, None)
+                x, _, _, _ = self._layer(l, rows, x, xn, cos, sin, plist)
             last = self.m.base.head(x[:, -1:])[:, 0]
             for i, r in enumerate(rows):
                 logits[r] = last[i]
         return logits
 
     # ---- decode -------------------------------------------------------------
-    def _skip_decision(self, l, step, rows, xn, rel, zlow):
+    def _skip_decision(self, l, step, rows, xn, rel, zterms):
         """Returns (skip list[bool] per row, p tensor (b,) or None)."""
         o = self.opts
         if o.force_compute:
@@ -351,7 +352,7 @@ class _Decoder:
             return [s] * len(rows), None
         if not self.gated[l]:
             return [False] * len(rows), None
-        p = self.m.gates.prob(l, xn, rel, zlow)[:, 0]  # (b,)
+        p = torch.sigmoid(self.gates.logits(l, xn, rel, zterms))[:, 0]  # (b,)
         if o.gate_sampling:
             dec = torch.bernoulli(p, generator=self.gen).bool().tolist()
         else:
@@ -375,23 +376,24 @@ class _Decoder:
         x = m.base.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
         cos, sin = m.base.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
+        zterms = self.gates.preview_terms(zlow)
         rel = x.new_ones(b, 1)
         positions = [[p] for p in pos_list]
         for i, r in enumerate(rows):
             rec.ctx[r][step], rec.valid[r][step] = pos_list[i], True
         for l in range(self.L):
             xn = m.base.norm1(l, x)
-            skip, p = self._skip_decision(l, step, rows, xn, rel, zlow)
+            skip, p = self._skip_decision(l, step, rows, xn, rel, zterms)
             run = [not s for s in skip]
             if self.opts.batch_policy == "all" and any(run):
                 run = [True] * b
             sel = [i for i in range(b) if run[i]]
             if len(sel) == b:
-                new, new_z, k, bound = self._layer(l, rows, x, xn, cos, sin, positions, zlow)
+                new, new_z, k, bound = self._layer(l, rows, x, xn, cos, sin, positions)
             elif sel:
                 ti = torch.tensor(sel, device=self.dev)
                 out, new_z, k, bound = self._layer(l, [rows[i] for i in sel], x[ti], xn[ti], cos[ti], sin[ti],
-                                                   [positions[i] for i in sel], zlow[ti])
+                                                   [positions[i] for i in sel])
                 new = x.index_copy(0, ti, out)
             else:
                 new, new_z, k, bound = x, None, None, None
@@ -409,6 +411,7 @@ class _Decoder:
                     rec.p[r][step][l] = p_list[i]
             if new_z is not None:
                 zlow = new_z if len(sel) == b else zlow.index_copy(0, torch.tensor(sel, device=self.dev), new_z)
+                zterms = self.gates.preview_terms(zlow)
                 if l == m.layers_cfg.paw[0]:
                     for i, kv in zip(sel, k[:, 0].tolist()):
                         rec.k[rows[i]][step] = kv

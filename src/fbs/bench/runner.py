@@ -27,7 +27,7 @@ from fbs.bench.systems import FBSSystem, forced_plan, hf_assisted, hf_early_exit
 logger = logging.getLogger(__name__)
 
 #: System groups accepted by ``RunSpec.systems`` (``all`` = every group).
-GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "fbs-full", "fbs-tau", "fbs-hole",
+GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "fbs-bare", "fbs-full", "fbs-tau", "fbs-hole",
           "fbs-protect", "fbs-plan")
 
 
@@ -103,6 +103,13 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
     if fbs_model is None:
         return systems
     tau0 = fbs_model.config.tau
+    if spec.wants("fbs-bare"):
+        from fbs import FBSForCausalLM
+
+        # the engine alone: same backbone, no PAW / CH layers, no gates evaluated (the overhead reference)
+        bare = FBSForCausalLM.from_base(model, config=fbs_model.config.replace(paw_layers=(), ch_layers=()),
+                                        tokenizer=tok).eval()
+        systems.append(FBSSystem("fbs-bare-engine", bare, {"force_compute": True}))
     if spec.wants("fbs-full"):
         systems.append(FBSSystem("fbs-full-compute", fbs_model, {"force_compute": True}))
     if spec.wants("fbs-tau"):
@@ -117,6 +124,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
             plan = forced_plan(L, frac, never)
             pct = round(100 * plan.float().mean().item())
             systems.append(FBSSystem(f"fbs-plan{pct}", fbs_model, {"skip_plan": plan, "kv_policy": "project"}))
+            systems.append(FBSSystem(f"fbs-plan{pct}-hole", fbs_model, {"skip_plan": plan, "kv_policy": "hole"}))
     return systems
 
 

@@ -42,7 +42,8 @@ def build_system(args):
 
 
 def cmd_run(args) -> int:
-    from fbs.eval.report import make_record, markdown_table, runtime_info, save_record, seed_everything
+    from fbs.eval.report import (load_record, make_record, markdown_table, runtime_info, save_record,
+                                 seed_everything)
     from fbs.eval.tasks import DEFAULT_TASKS, TASKS, run_task
 
     import torch
@@ -59,6 +60,11 @@ def cmd_run(args) -> int:
     start = time.perf_counter()
     results = {}
     out = Path(args.out)
+    if args.append and out.is_file():
+        previous = load_record(out)
+        if previous["system"].get("name") != system.name:
+            raise ValueError(f"--append: {out} holds results of {previous['system'].get('name')!r}, not {system.name!r}")
+        results = {k: v for k, v in previous["tasks"].items() if k not in tasks}
     for name in tasks:
         res = run_task(system, name, limit=limits.get(name), seed=args.seed, progress=not args.no_progress)
         results[name] = res
@@ -69,7 +75,7 @@ def cmd_run(args) -> int:
                              runtime_info(args.seed))
         save_record(record, out)  # after every task, so a long run keeps what it has
     md = out.with_suffix(".md")
-    md.write_text(f"# {system.name}\n\n" + markdown_table([record], [system.name]))
+    md.write_text(f"# {system.name}\n\n" + markdown_table([load_record(out)], [system.name]))
     print(f"wrote {out} and {md} ({time.perf_counter() - start:.0f}s)")
     return 0
 
@@ -116,7 +122,7 @@ def cmd_make_tasks(args) -> int:
                              limit=args.limit, seed=args.seed)
     for p in paths:
         print(p)
-    print(f"use: lm_eval --model fbs --include_path {Path(args.out_dir).expanduser()} --tasks "
+    print(f"use: python -m fbs.eval.lm_eval_backend --model fbs --include_path {Path(args.out_dir).expanduser()} --tasks "
           + ",".join(sorted({p.stem for p in paths if p.suffix == '.yaml'})))
     return 0
 
@@ -145,6 +151,8 @@ def register(subparsers) -> None:
     r.add_argument("--seed", type=int, default=42, help="global seed and subset seed (appendix B.1 default 42)")
     r.add_argument("--out", default="results/eval.json", help="JSON record path (markdown next to it)")
     r.add_argument("--name", help="system label in reports")
+    r.add_argument("--append", action="store_true",
+                   help="keep the other tasks already in --out (same system name) and add/replace these")
     r.add_argument("--max-length", type=int, default=2048, help="context length cap (left-truncation)")
     r.add_argument("--max-batch-tokens", type=int, default=2048, help="padded tokens per scoring batch")
     r.add_argument("--threads", type=int, help="torch threads (default: torch's)")

@@ -117,11 +117,9 @@ class System(abc.ABC):
             spans.append((row, len(inp) - len(cont), list(cont)))
         rows = list(keys)
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))
-        logprobs: dict[int, torch.Tensor] = {}  # row -> (T, ) log-probs of the wanted tokens at each position
-        wanted: dict[int, dict[int, int]] = {}
+        wanted: dict[int, set[tuple[int, int]]] = {}  # row -> {(position, token)} to read off its logits
         for row, start, cont in spans:
-            for j, t in enumerate(cont):
-                wanted.setdefault(row, {})[start + j] = t
+            wanted.setdefault(row, set()).update((start + j, t) for j, t in enumerate(cont))
         batches, cur = [], []
         for r in order:
             if cur and len(rows[cur[0]]) * (len(cur) + 1) > self.max_batch_tokens:
@@ -130,7 +128,7 @@ class System(abc.ABC):
             cur.append(r)
         if cur:
             batches.append(cur)
-        results: dict[int, dict[int, tuple[float, bool]]] = {}
+        results: dict[int, dict[tuple[int, int], tuple[float, bool]]] = {}
         for batch in tqdm(batches, desc=f"{self.name}: scoring", disable=not progress, leave=False):
             T = len(rows[batch[0]])
             ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
@@ -140,15 +138,15 @@ class System(abc.ABC):
                 mask[i, : len(rows[r])] = 1
             logits = self.forward_logits(ids, mask)  # (B, T, V)
             for i, r in enumerate(batch):
-                pos = sorted(wanted[r])
+                keys_r = sorted(wanted[r])
+                pos = sorted({p for p, _ in keys_r})
+                at = {p: k for k, p in enumerate(pos)}
                 lp = torch.log_softmax(logits[i, pos].float(), dim=-1)  # (n_pos, V)
-                tok = torch.tensor([wanted[r][p] for p in pos])
-                picked = lp.gather(-1, tok[:, None])[:, 0]
-                greedy = lp.argmax(-1) == tok
-                results[r] = {p: (float(picked[k]), bool(greedy[k])) for k, p in enumerate(pos)}
+                best = lp.argmax(-1)
+                results[r] = {(p, t): (float(lp[at[p], t]), bool(best[at[p]] == t)) for p, t in keys_r}
         out = []
         for row, start, cont in spans:
-            vals = [results[row][start + j] for j in range(len(cont))]
+            vals = [results[row][(start + j, t)] for j, t in enumerate(cont)]
             out.append(Score(logprob=sum(v[0] for v in vals), n_tokens=len(cont), is_greedy=all(v[1] for v in vals)))
         return out
 

@@ -55,6 +55,11 @@ class SkipGates(nn.Module):
     def prob(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.logits(layer, xn, rel_update, zlow))
 
+    @torch.no_grad()
+    def fused(self) -> "FusedGates":
+        """Inference-time algebraic fusion of all gates (weights frozen): fewer, larger ops per layer."""
+        return FusedGates(self)
+
     def macs(self, hidden_size: int) -> int:
         """Decode-time multiply-accumulates of one layer's gate."""
         some = next(iter(self.hidden.values()))
@@ -73,3 +78,40 @@ def straight_through(p: torch.Tensor, generator: torch.Generator | None = None) 
     """g = Bernoulli(p) + p - stopgrad(p): a hard sample forward, d g / d p = 1 backward (appendix E.2)."""
     hard = torch.bernoulli(p.detach(), generator=generator)
     return hard + p - p.detach()
+
+
+class FusedGates:
+    """The same gate logits with the shared residual projection folded into each layer's first linear and
+    the preview term of every layer computed in one matmul per token. Build once per decode call."""
+
+    def __init__(self, gates: SkipGates):
+        self.use_residual, self.use_preview = gates.use_residual, gates.use_preview
+        self.a, self.w_rel, self.out_w, self.out_b = {}, {}, {}, {}
+        z_blocks, self.z_slice = [], {}
+        for i, l in enumerate(gates.layer_ids):
+            hid, out = gates.hidden[str(l)], gates.out[str(l)]
+            w, col = hid.weight, 0
+            self.a[l] = (None, hid.bias)
+            if self.use_residual:
+                r = gates.resid_proj.out_features
+                self.a[l] = (w[:, :r] @ gates.resid_proj.weight, hid.bias)  # (width, d)
+                self.w_rel[l] = w[:, r]
+                col = r + 1
+            if self.use_preview:
+                z_blocks.append(w[:, col:])
+                self.z_slice[l] = slice(i * w.shape[0], (i + 1) * w.shape[0])
+            self.out_w[l], self.out_b[l] = out.weight, out.bias
+        self.z_all = torch.cat(z_blocks) if z_blocks else None  # (n_gated * width, R)
+
+    def preview_terms(self, zlow: torch.Tensor) -> torch.Tensor | None:
+        """All layers' preview contributions for a token: (b, 1, n_gated * width)."""
+        return None if self.z_all is None else F.linear(zlow, self.z_all)
+
+    def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zterms: torch.Tensor | None):
+        a, bias = self.a[layer]
+        pre = F.linear(xn, a, bias) if a is not None else bias.expand(*xn.shape[:-1], -1)
+        if self.use_residual:
+            pre = pre + torch.log(rel_update + 1e-3).unsqueeze(-1) * self.w_rel[layer]
+        if zterms is not None:
+            pre = pre + zterms[..., self.z_slice[layer]]
+        return F.linear(F.silu(pre), self.out_w[layer], self.out_b[layer]).squeeze(-1)

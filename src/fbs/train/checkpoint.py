@@ -60,7 +60,10 @@ def _load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
     for key, v in list(tensors.items()) + list(meta["scalars"].items()):
         idx, name = key.split(".", 1)
         state.setdefault(int(idx), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    # JSON turned tuples (betas) into lists; restore them so the groups equal the saved ones
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+              for g in meta["param_groups"]]
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, params: dict[str, torch.Tensor],

@@ -50,7 +50,7 @@ class TrainConfig:
     data: str = "wiki_demo"
     """``wiki_demo`` (English text of the llamafactory==0.9.5 sdist) or a corpus directory built by ``fbs data build``."""
     data_cache: str = "~/.cache/fbs/data/train"
-    """Where the wiki_demo download and token blocks are cached."""
+    """Where tokenized wiki_demo blocks are cached (per base model, block size and eval_blocks)."""
     block_size: int = 512
     """Tokens per training block (sequence length)."""
     eval_blocks: int = 8
@@ -95,6 +95,8 @@ class TrainConfig:
     """Weight of L_preview."""
     window_credit: float = 5.0
     """Nats credited per included preview horizon: horizon r is worth including when its CE is below this."""
+    preview_floor: float = 0.1
+    """Every horizon's preview CE also enters with this fixed weight (heads outside the window keep learning)."""
     lambda_gate: float = 1.0
     """Weight of L_gate (conservative regularizer)."""
     gate_max_rate: float = 0.5
@@ -126,6 +128,9 @@ class TrainConfig:
     """Run directory: checkpoints/, log.jsonl, final/ (save_pretrained output), tensorboard/."""
     eval_every: int = 50
     """Held-out evaluation every N optimizer steps (and at the end); 0 = only at the end."""
+    eval_at_start: bool = True
+    """Evaluate before the first step of a fresh run (fresh FBS modules leave the base model unchanged, so
+    ``ppl_full`` there is the base model's PPL)."""
     eval_taus: tuple[float, ...] = (0.9, 0.7, 0.5)
     """Extra thresholds evaluated at the end (skip ratio and PPL)."""
     save_every: int = 50
@@ -144,6 +149,13 @@ class TrainConfig:
     """torch intra-op threads on CPU (0 = torch default)."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # YAML reads "3e-4" as a string; coerce plain numeric fields
+            v = getattr(self, f.name)
+            if f.type in ("float", "int") and isinstance(v, str):
+                try:
+                    setattr(self, f.name, float(v) if f.type == "float" else int(v))
+                except ValueError:
+                    raise TrainConfigError(f"{f.name} must be a number, got {v!r}") from None
         self.lora_targets = tuple(self.lora_targets)
         self.train_layers = tuple(int(x) for x in self.train_layers)
         self.betas = tuple(float(x) for x in self.betas)
@@ -166,7 +178,7 @@ class TrainConfig:
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"bad betas {self.betas}")
         for name in ("lambda_bios", "lambda_align", "lambda_paw", "lambda_gate", "lambda_compute", "lambda_distill",
-                     "weight_decay", "grad_clip", "gate_entropy", "window_credit"):
+                     "weight_decay", "grad_clip", "gate_entropy", "window_credit", "preview_floor"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         check(self.align_kind in ("infonce", "cosine"), f"align_kind must be infonce|cosine, got {self.align_kind!r}")
         check(self.align_temperature > 0 and self.oracle_temperature > 0, "temperatures must be > 0")

@@ -64,7 +64,8 @@ def add_adapters(layers: nn.ModuleList, rank: int = 8, alpha: float = 16.0,
 
 
 def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items() if "lora_" in k}
+    """Adapter tensors by (deduplicated) parameter name."""
+    return {k: v.detach().contiguous().cpu() for k, v in module.named_parameters() if "lora_" in k}
 
 
 def save_adapters(module: nn.Module, path: str | os.PathLike) -> Path:
@@ -85,10 +86,13 @@ def load_adapters(model: nn.Module, path: str | os.PathLike, rank: int, alpha: f
 
     sd = load_file(str(Path(path) / ADAPTERS_NAME))
     add_adapters(model.base.layers, rank, alpha, targets)
-    own = {k for k in model.state_dict() if "lora_" in k}
-    if own != set(sd):
-        raise ValueError(f"adapter keys differ: missing {sorted(own - set(sd))[:3]}, unexpected {sorted(set(sd) - own)[:3]}")
-    model.load_state_dict(sd, strict=False)
+    own = {k: p for k, p in model.named_parameters() if "lora_" in k}
+    if set(own) != set(sd):
+        raise ValueError(f"adapter keys differ: missing {sorted(set(own) - set(sd))[:3]}, "
+                         f"unexpected {sorted(set(sd) - set(own))[:3]}")
+    with torch.no_grad():
+        for k, p in own.items():
+            p.copy_(sd[k])
 
 
 @torch.no_grad()

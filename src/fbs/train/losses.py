@@ -36,7 +36,7 @@ class LossParts(NamedTuple):
     skip_rate: torch.Tensor  # fraction of gated (token, layer) pairs actually skipped in this forward
 
     def scalars(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self._asdict().items()}
+        return {k: float(v.detach()) for k, v in self._asdict().items()}
 
 
 # ---------------------------------------------------------------------------- individual terms
@@ -109,7 +109,7 @@ class PreviewLoss(NamedTuple):
 
 
 def preview_loss(preview_logits: torch.Tensor | None, targets: torch.Tensor, weights: torch.Tensor | None,
-                 credit: float = 0.0, window_k: torch.Tensor | None = None) -> PreviewLoss | None:
+                 credit: float = 0.0, window_k: torch.Tensor | None = None, floor: float = 0.0) -> PreviewLoss | None:
     """L_preview = Σ_i Σ_r w_{i,r} CE(p_{i,r}, x_{i+r}) (appendix C.1) plus a per-horizon window credit.
 
     preview_logits (P, B, T, k, N+1); targets (B, T, k) preview-vocabulary classes, -100 past the end;
@@ -120,6 +120,10 @@ def preview_loss(preview_logits: torch.Tensor | None, targets: torch.Tensor, wei
     pays ``credit`` nats for every included horizon, so the window predictor includes horizon r exactly
     when the head's CE there is below ``credit``: k(t) grows where the continuation is predictable and
     shrinks where it is not, and neither 0 nor k_max is a trivial optimum.
+
+    ``floor`` adds ``floor * CE_{i,r}`` for every horizon (no gradient to w): the heads of horizons outside
+    the current window keep learning, so a window that shrank while the heads were still untrained
+    (CE above the credit everywhere) can grow again once they improve.
     """
     if preview_logits is None or weights is None:
         return None
@@ -130,7 +134,7 @@ def preview_loss(preview_logits: torch.Tensor | None, targets: torch.Tensor, wei
                          reduction="none").view(p, b, t, k)   # (P, B, T, k), 0 where ignored
     w = weights.float() * valid
     denom = valid.sum().clamp_min(1)
-    total = ((w * ce).sum() - credit * w.sum()) / denom
+    total = ((w * ce).sum() + floor * (ce * valid).sum() - credit * w.sum()) / denom
     mean_ce = (w * ce).sum().detach() / w.sum().detach().clamp_min(1e-6)
     wk = window_k.float().mean().detach() if window_k is not None else w.sum(-1).mean().detach()
     return PreviewLoss(total, mean_ce, wk)
@@ -205,9 +209,11 @@ class Stage1Loss(nn.Module):
     """Eq. (stage1_loss) plus the gate-learning terms. Call with one FBSOutput and its batch."""
 
     def __init__(self, weights: LossWeights, window_credit: float = 5.0, align_kind: str = "infonce",
-                 align_temperature: float = 0.1, gate_max_rate: float = 0.5, gate_entropy: float = 0.0):
+                 align_temperature: float = 0.1, gate_max_rate: float = 0.5, gate_entropy: float = 0.0,
+                 preview_floor: float = 0.0):
         super().__init__()
         self.w = weights
+        self.preview_floor = preview_floor
         self.window_credit, self.align_kind, self.align_temperature = window_credit, align_kind, align_temperature
         self.gate_max_rate, self.gate_entropy = gate_max_rate, gate_entropy
 
@@ -230,7 +236,7 @@ class Stage1Loss(nn.Module):
         prev = None
         if self.w.paw:
             prev = preview_loss(out.preview_logits, preview_targets, out.window_weights, self.window_credit,
-                                out.window_k)
+                                out.window_k, self.preview_floor)
             if prev is not None:
                 total = total + self.w.paw * prev.total
         gate = gate_regularizer(out.gate_probs, gate_mask, self.gate_max_rate, self.gate_entropy)

@@ -113,8 +113,21 @@ def build_optimizer(model: FBSForCausalLM, named: dict[str, nn.Parameter], cfg: 
 
 
 def load_data(cfg: TrainConfig, tokenizer) -> BlockData:
+    """Token blocks of ``cfg.data``; wiki_demo blocks are cached (safetensors) under ``cfg.data_cache``."""
     if cfg.data == "wiki_demo":
-        data = wiki_demo_blocks(tokenizer, cfg.block_size, cfg.eval_blocks)
+        from safetensors.torch import load_file, save_file
+
+        name = "".join(c if c.isalnum() else "_" for c in str(cfg.model))
+        cache = Path(cfg.data_cache).expanduser() / f"wiki_demo-{name}-{cfg.block_size}-{cfg.eval_blocks}.safetensors"
+        if cache.is_file():
+            t = load_file(str(cache))
+            data = BlockData(t["train_ids"], None, t["eval_ids"], None)
+        else:
+            data = wiki_demo_blocks(tokenizer, cfg.block_size, cfg.eval_blocks)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            save_file({"train_ids": data.train_ids.contiguous(), "eval_ids": data.eval_ids.contiguous()}, str(tmp))
+            tmp.replace(cache)
         if cfg.max_train_blocks:
             data = data._replace(train_ids=data.train_ids[: cfg.max_train_blocks])
         return data
@@ -152,15 +165,17 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: FBSForCausalLM, eval_ids: torch.Tensor, tau: float, gate_from: int = 0,
-             micro_batch_size: int = 2, seed: int = 0) -> EvalResult:
-    """Held-out PPL with nothing skipped, with threshold skipping at ``tau``, and with random and oracle
-    skips at the same per-batch ratio (teacher-forced parallel forward, ``project`` KV semantics)."""
+def evaluate(model: FBSForCausalLM, eval_ids: torch.Tensor, taus: float | list[float], gate_from: int = 0,
+             micro_batch_size: int = 2, seed: int = 0) -> list[EvalResult]:
+    """Held-out PPL with nothing skipped, with threshold skipping at each tau, and with random and oracle
+    skips at the same per-batch ratio (teacher-forced parallel forward, ``project`` KV semantics).
+    The full-compute pass is shared by all taus."""
+    taus = [taus] if isinstance(taus, float) else list(taus)
     was_training = model.training
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    sums = dict(full=0.0, skip=0.0, random=0.0, oracle=0.0)
-    n_tok, skipped, gated_total, all_total, psum = 0, 0.0, 0.0, 0.0, 0.0
+    full_nll, n_tok, gated_total, all_total, psum = 0.0, 0, 0.0, 0.0, 0.0
+    acc = {tau: dict(skip=0.0, random=0.0, oracle=0.0, skipped=0.0) for tau in taus}
     ps, us = [], []
     dev = next(model.parameters()).device
     for i in range(0, len(eval_ids), micro_batch_size):
@@ -169,33 +184,36 @@ def evaluate(model: FBSForCausalLM, eval_ids: torch.Tensor, tau: float, gate_fro
         mask = gate_mask(model, b, t, gate_from, dev)
         ntok = b * (t - 1)
         full = model(ids, gate_mode="off", output_hidden_states=True)
-        sums["full"] += float(lm_loss(full.logits, ids)) * ntok
+        full_nll += float(lm_loss(full.logits, ids)) * ntok
         u = relative_updates(full.hidden_states)  # (B, T, L)
         ps.append(full.gate_probs[mask].float().cpu()), us.append(u[mask].float().cpu())
         psum += float(full.gate_probs[mask].sum())
-        out = model(ids, gate_mode="threshold", tau=tau, gate_from=gate_from)
-        sums["skip"] += float(lm_loss(out.logits, ids)) * ntok
-        k = int(out.skips[mask].sum())
-        skipped += k
         gated_total += float(mask.sum())
         all_total += b * t * model.num_layers
-        # random and oracle plans with exactly k skipped gated pairs
-        rand_plan = torch.zeros_like(mask)
-        oracle_plan = torch.zeros_like(mask)
-        if k:
-            flat = mask.flatten().nonzero().squeeze(-1)
-            pick = flat[torch.randperm(len(flat), generator=g)[:k].to(dev)]
-            rand_plan.view(-1)[pick] = True
-            score = u.masked_fill(~mask, float("inf")).flatten()
-            oracle_plan.view(-1)[score.topk(k, largest=False).indices] = True
-        for name, plan in (("random", rand_plan), ("oracle", oracle_plan)):
-            o = model(ids, gate_mode="plan", skip_plan=plan, gate_from=0)
-            sums[name] += float(lm_loss(o.logits, ids)) * ntok
         n_tok += ntok
+        for tau in taus:
+            out = model(ids, gate_mode="threshold", tau=tau, gate_from=gate_from)
+            acc[tau]["skip"] += float(lm_loss(out.logits, ids)) * ntok
+            k = int(out.skips[mask].sum())
+            acc[tau]["skipped"] += k
+            # random and oracle plans with exactly k skipped gated pairs
+            rand_plan, oracle_plan = torch.zeros_like(mask), torch.zeros_like(mask)
+            if k:
+                flat = mask.flatten().nonzero().squeeze(-1)
+                rand_plan.view(-1)[flat[torch.randperm(len(flat), generator=g)[:k].to(dev)]] = True
+                score = u.masked_fill(~mask, float("inf")).flatten()
+                oracle_plan.view(-1)[score.topk(k, largest=False).indices] = True
+                for name, plan in (("random", rand_plan), ("oracle", oracle_plan)):
+                    o = model(ids, gate_mode="plan", skip_plan=plan, gate_from=0)
+                    acc[tau][name] += float(lm_loss(o.logits, ids)) * ntok
+            else:
+                acc[tau]["random"] += float(lm_loss(full.logits, ids)) * ntok
+                acc[tau]["oracle"] += float(lm_loss(full.logits, ids)) * ntok
     model.train(was_training)
-    ppl = {k: math.exp(v / n_tok) for k, v in sums.items()}
-    return EvalResult(tau, ppl["full"], ppl["skip"], skipped / all_total, ppl["random"], ppl["oracle"],
-                      _spearman(torch.cat(ps), -torch.cat(us).clamp_min(1e-8).log()), psum / max(gated_total, 1))
+    rho = _spearman(torch.cat(ps), -torch.cat(us).clamp_min(1e-8).log())
+    ppl = lambda nll: math.exp(nll / n_tok)  # noqa: E731
+    return [EvalResult(tau, ppl(full_nll), ppl(a["skip"]), a["skipped"] / all_total, ppl(a["random"]),
+                       ppl(a["oracle"]), rho, psum / max(gated_total, 1)) for tau, a in acc.items()]
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -225,7 +243,8 @@ class Trainer:
         self.loss_fn = Stage1Loss(
             LossWeights(bios=cfg.lambda_bios, align=cfg.lambda_align, paw=cfg.lambda_paw, gate=cfg.lambda_gate,
                         compute=cfg.lambda_compute, distill=cfg.lambda_distill),
-            cfg.window_credit, cfg.align_kind, cfg.align_temperature, cfg.gate_max_rate, cfg.gate_entropy)
+            cfg.window_credit, cfg.align_kind, cfg.align_temperature, cfg.gate_max_rate, cfg.gate_entropy,
+            cfg.preview_floor)
         self.step = 0
         self.tokens_seen = 0
         self.out_dir = Path(cfg.out_dir)
@@ -291,6 +310,8 @@ class Trainer:
             soft = is_soft(m, self.cfg)
             n_soft += soft
             for k, v in parts.scalars().items():
+                if k == "distill" and soft:
+                    continue  # distillation only runs on full-compute micro-batches
                 key = f"{k}_soft" if k in ("lm", "skip_rate") and soft else k
                 totals[key] = totals.get(key, 0.0) + v
         if self.cfg.grad_clip:
@@ -300,7 +321,7 @@ class Trainer:
         n_full = self.accum - n_soft
         out = {}
         for k, v in totals.items():
-            denom = n_soft if k.endswith("_soft") else (n_full if k in ("lm", "skip_rate") else self.accum)
+            denom = n_soft if k.endswith("_soft") else (n_full if k in ("lm", "skip_rate", "distill") else self.accum)
             out[k] = v / max(denom, 1)
         self.step += 1
         self.tokens_seen += self.accum * self.cfg.micro_batch_size * self.cfg.block_size * self.acc.num_processes
@@ -313,6 +334,8 @@ class Trainer:
         log = _Logger(self.out_dir, self.acc.is_main_process, cfg.tensorboard)
         bar = _progress(cfg, self.step, self.acc.is_main_process)
         old = _install_sigterm(self)
+        if cfg.eval_at_start and self.step == 0:
+            log.write({"step": 0, "eval": self.evaluate([cfg.tau_start])[0].to_dict()})
         rng = ckpt.capture_rng({"gate": self.gate_gen})
         t0, tok0 = time.perf_counter(), self.tokens_seen
         try:
@@ -327,11 +350,11 @@ class Trainer:
                 self.history.append(rec)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(lm=f"{parts['lm']:.3f}", prev=f"{parts['preview_ce']:.2f}",
-                                    k=f"{parts['window_k']:.1f}", p=f"{parts['compute']:.3f}",
-                                    dist=f"{parts['distill']:.3f}", tok_s=f"{tps:.0f}")
+                    show = {k: parts[k] for k in ("lm", "lm_soft", "preview_ce", "window_k", "compute", "distill")
+                            if k in parts}
+                    bar.set_postfix({k: f"{v:.3f}" for k, v in show.items()} | {"tok_s": f"{tps:.0f}"})
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
-                    log.write({"step": self.step, "eval": self.evaluate(tau_at(self.step - 1, cfg)).to_dict()})
+                    log.write({"step": self.step, "eval": self.evaluate([tau_at(self.step - 1, cfg)])[0].to_dict()})
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save(ckpt.capture_rng({"gate": self.gate_gen}))
         except KeyboardInterrupt:
@@ -344,18 +367,18 @@ class Trainer:
             if bar is not None:
                 bar.close()
             log.close()
-        if self._stop or (stop_after is not None and self.step < cfg.max_steps):
+        if not (cfg.save_every and self.step % cfg.save_every == 0):
             self.save(ckpt.capture_rng({"gate": self.gate_gen}))
         return self.history
 
-    def evaluate(self, tau: float) -> "EvalResult":
+    def evaluate(self, taus: list[float]) -> list[EvalResult]:
         model = self.acc.unwrap_model(self.wrapped)
-        return evaluate(model, self.data.eval_ids, tau, self.cfg.gate_from, self.cfg.micro_batch_size, self.cfg.seed)
+        return evaluate(model, self.data.eval_ids, taus, self.cfg.gate_from, self.cfg.micro_batch_size, self.cfg.seed)
 
     def finish(self) -> dict:
         """Final held-out evaluation at the annealed tau and ``eval_taus``; export to ``out_dir/final``."""
         cfg = self.cfg
-        results = [self.evaluate(tau).to_dict() for tau in sorted({cfg.tau_end, *cfg.eval_taus}, reverse=True)]
+        results = [r.to_dict() for r in self.evaluate(sorted({cfg.tau_end, *cfg.eval_taus}, reverse=True))]
         if self.acc.is_main_process:
             export(self.acc.unwrap_model(self.wrapped), cfg, self.out_dir / "final", results)
             _Logger(self.out_dir, True, False).write({"step": self.step, "final_eval": results})
@@ -449,14 +472,14 @@ def load_trained(path: str | Path, base: nn.Module | None = None) -> FBSForCausa
     """Load an :func:`export` directory: FBS weights, then adapters and trained backbone tensors."""
     from safetensors.torch import load_file
 
-    from .lora import ADAPTERS_NAME, load_adapters
+    from .lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters
 
     path = Path(path)
     model = FBSForCausalLM.from_pretrained(path, base=base)
     meta = model.config.extra.get("stage1", {})
     if (path / ADAPTERS_NAME).is_file():
         load_adapters(model, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
-                      tuple(meta.get("lora_targets", ())) or None)
+                      tuple(meta.get("lora_targets", ())) or DEFAULT_TARGETS)
     if (path / BACKBONE_NAME).is_file():
         res = model.load_state_dict(load_file(str(path / BACKBONE_NAME)), strict=False)
         if res.unexpected_keys:

@@ -1,0 +1,61 @@
+"""``fbs train stage1``: the Stage-1 recipe from a YAML config plus ``--set key=value`` overrides."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def cmd_stage1(args: argparse.Namespace) -> int:
+    from .config import TrainConfig, TrainConfigError
+    from .stage1 import train
+
+    overrides = list(args.set or [])
+    for flag, key in (("out_dir", "out_dir"), ("max_steps", "max_steps"), ("trainable", "trainable"),
+                      ("data", "data"), ("model", "model")):
+        v = getattr(args, flag)
+        if v is not None:
+            overrides.append(f"{key}={v}")
+    if args.no_progress:
+        overrides.append("progress=false")
+    try:
+        cfg = TrainConfig.from_yaml(args.config, overrides)
+    except (TrainConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(cfg.to_json())
+        return 0
+    try:
+        summary = train(cfg, resume=not args.no_resume)
+    except KeyboardInterrupt:
+        print(f"interrupted; checkpoint saved under {cfg.out_dir}/checkpoints (rerun the command to resume)",
+              file=sys.stderr)
+        return 130
+    print(json.dumps(summary, indent=1))
+    for r in summary["eval"]:
+        print(f"tau {r['tau']:.2f}: skip {100 * r['skip_ratio']:5.1f}% | PPL no-skip {r['ppl_full']:.2f} | "
+              f"gate {r['ppl_skip']:.2f} | random {r['ppl_random']:.2f} | oracle {r['ppl_oracle']:.2f} | "
+              f"spearman(p, oracle) {r['gate_oracle_spearman']:.3f}")
+    print(f"exported to {cfg.out_dir}/final")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("train", help="training recipes")
+    sub = p.add_subparsers(dest="train_command", required=True)
+    s = sub.add_parser("stage1", help="Stage-1 continual pretraining (paper §3.1.3); resumes from out_dir")
+    s.add_argument("--config", help="YAML file of TrainConfig fields (e.g. configs/stage1_smollm2.yaml)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a field (YAML value; fbs.FIELD for FBSConfig), repeatable")
+    s.add_argument("--out-dir", dest="out_dir")
+    s.add_argument("--max-steps", dest="max_steps", type=int)
+    s.add_argument("--trainable", choices=("all", "fbs", "adapters"))
+    s.add_argument("--data", help="wiki_demo or a corpus directory from `fbs data build`")
+    s.add_argument("--model", help="base model name or HF directory")
+    s.add_argument("--no-resume", action="store_true", help="ignore checkpoints in out_dir")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    s.set_defaults(func=cmd_stage1)
