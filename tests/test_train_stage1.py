@@ -36,7 +36,7 @@ def tiny_train_config(tmp_path, **kw) -> TrainConfig:
     base = dict(model="tiny", fbs=dataclasses.asdict(tiny_config()), trainable="adapters", block_size=32,
                 eval_blocks=2, max_steps=4, batch_tokens=128, micro_batch_size=2, lr=3e-3, fbs_lr=1e-2,
                 out_dir=str(tmp_path / "run"), eval_every=0, save_every=0, progress=False, tensorboard=False,
-                lora_rank=4, threads=1)
+                lora_rank=4, threads=1, skip_every=2, lambda_compute=0.05)
     base.update(kw)
     return TrainConfig(**base)
 

@@ -105,15 +105,16 @@ class TrainConfig:
     """L_gate's entropy weight (crisp decisions)."""
 
     # ---- gate learning (docs/train.md) ----
-    lambda_compute: float = 0.05
-    """Reward per unit mean skip probability on skip micro-batches (straight-through gates)."""
+    lambda_compute: float = 0.0
+    """Reward per unit mean skip probability on skip micro-batches (straight-through gates). Off by default:
+    with it on (0.05) the gates drifted towards skipping without learning *where* (docs/train.md, measured)."""
     lambda_distill: float = 1.0
     """Weight of the oracle distillation BCE on full-compute micro-batches."""
     oracle_rate: float = 0.3
     """Fraction of gated (token, layer) pairs the oracle labels skippable (smallest relative updates)."""
     oracle_temperature: float = 0.25
     """Softness of the oracle targets in log-update units."""
-    skip_every: int = 2
+    skip_every: int = 4
     """Every ``skip_every``-th micro-batch runs soft straight-through gates; the others run full compute
     (LM loss without skipping + distillation). 1 = always soft, 0 = never soft."""
     gate_from: int = 0
