@@ -336,9 +336,31 @@ class FBSForCausalLM(nn.Module):
         missing, unexpected = model._load_fbs_state(sd)
         if missing or unexpected:
             raise CheckpointError(f"{w_file} does not match the config: missing {missing}, unexpected {unexpected}")
+        model._load_backbone_deltas(path, merge=base is None)
         if overrides:
             model.configure(**overrides)
         return model
+
+    def _load_backbone_deltas(self, path: Path, merge: bool) -> None:
+        """Apply what Stage-1 trained in the backbone, if the checkpoint has it: LoRA adapters
+        (``adapters.safetensors``) and other trained backbone tensors (``backbone_trainable.safetensors``). Adapters are merged
+        into the weights (no decode overhead) when the base was loaded here, else kept as wrappers so a
+        caller's model is not modified behind its back."""
+        from safetensors.torch import load_file
+
+        from .train.lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters, merge_adapters
+
+        meta = self.config.extra.get("stage1", {})
+        if (path / ADAPTERS_NAME).is_file():
+            load_adapters(self, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
+                          tuple(meta.get("lora_targets", ())) or DEFAULT_TARGETS)
+            if merge:
+                merge_adapters(self.base.layers)
+        backbone = path / "backbone_trainable.safetensors"
+        if backbone.is_file():
+            res = self.load_state_dict(load_file(str(backbone)), strict=False)
+            if res.unexpected_keys:
+                raise CheckpointError(f"{backbone} has unknown tensors {res.unexpected_keys[:5]}")
 
     def _load_fbs_state(self, sd: dict[str, torch.Tensor]):
         missing, unexpected = [], []

@@ -469,22 +469,9 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
 
 
 def load_trained(path: str | Path, base: nn.Module | None = None) -> FBSForCausalLM:
-    """Load an :func:`export` directory: FBS weights, then adapters and trained backbone tensors."""
-    from safetensors.torch import load_file
-
-    from .lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters
-
-    path = Path(path)
-    model = FBSForCausalLM.from_pretrained(path, base=base)
-    meta = model.config.extra.get("stage1", {})
-    if (path / ADAPTERS_NAME).is_file():
-        load_adapters(model, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
-                      tuple(meta.get("lora_targets", ())) or DEFAULT_TARGETS)
-    if (path / BACKBONE_NAME).is_file():
-        res = model.load_state_dict(load_file(str(path / BACKBONE_NAME)), strict=False)
-        if res.unexpected_keys:
-            raise ValueError(f"{path / BACKBONE_NAME} has unknown tensors {res.unexpected_keys[:5]}")
-    return model.eval()
+    """Load an :func:`export` directory: FBS weights, adapters and trained backbone tensors
+    (``FBSForCausalLM.from_pretrained`` applies them)."""
+    return FBSForCausalLM.from_pretrained(Path(path), base=base).eval()
 
 
 def train(cfg: TrainConfig, resume: bool = True, data: BlockData | None = None,
