@@ -27,6 +27,7 @@ import yaml
 from .. import FBSForCausalLM
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
+from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
 from .pool import PoolItem, load_default_pool, load_pool, save_pool
 from .ppo import GateClippedPPOLoss, PPOStats, RewardBaseline, ppo_step
 from .rollout import RolloutOptions, Trajectory, generate_trajectory
@@ -350,16 +351,6 @@ class Stage2Trainer:
                     shutil.copy2(f, path / f.name)
         (path / "stage2_meta.json").write_text(json.dumps({"config": self.cfg.to_dict(), "steps": self.step}, indent=1))
         return path
-
-
-def _install_sigterm(trainer: Stage2Trainer):
-    def handler(signum, frame):
-        logger.warning("SIGTERM: stopping after this step")
-        trainer._stop = True
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        return None
 
 
 def prepare_pool(cfg: Stage2Config) -> list[PoolItem]:
