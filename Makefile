@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 EXTRAS := $(wildcard scripts/install_*_deps.sh)
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: demo test test-slow bench info clean-venv
+.PHONY: demo test test-slow bench bench-engine info clean-venv
 
 $(STAMP): pyproject.toml Makefile $(EXTRAS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ test-slow: $(STAMP)  ## slower tests marked `slow`
 
 bench: $(STAMP)  ## the paper-protocol speed benchmark on the default model
 	$(BIN)/fbs bench
+
+bench-engine: $(STAMP)  ## engine vs HF generate, systems interleaved run by run (BENCHMARKS.md table A)
+	$(BIN)/python scripts/engine_speed.py --reps 4
 
 info: $(STAMP)
 	$(BIN)/fbs info
