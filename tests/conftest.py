@@ -53,3 +53,12 @@ def family(request):
 
 def fbs_tiny(family="llama", seed=0, layers=6, **cfg) -> FBSForCausalLM:
     return FBSForCausalLM.from_base(tiny_hf(family, layers, seed), config=tiny_config(**cfg)).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread; restores torch's thread count afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,13 +9,7 @@ from fbs.rl.rollout import RolloutOptions, action_logprobs, gate_logprobs, gener
 from fbs.rl.stage2 import select_policy
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and the machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_clipped_loss_hand_computed():

@@ -10,13 +10,7 @@ from fbs.rl.reward import sequence_nll, skip_reward
 from fbs.rl.rollout import RolloutOptions, generate_trajectory
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and the machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_skip_reward_hand_computed():

@@ -7,13 +7,7 @@ from conftest import fbs_tiny, randomize
 from fbs.rl.rollout import RolloutOptions, decode_episodes, gate_logprobs
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and the machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_engine_gate_p_matches_parallel_recompute():

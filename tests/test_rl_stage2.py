@@ -11,13 +11,7 @@ from fbs.rl.pool import PoolItem
 from fbs.rl.stage2 import Stage2Config, prompt_order, train_stage2
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and the machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CharTokenizer:

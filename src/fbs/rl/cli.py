@@ -13,23 +13,13 @@ from typing import Any
 
 
 def cmd_stage2(args: argparse.Namespace) -> int:
+    from ..train.cli import config_from_args
     from .stage2 import Stage2Config, Stage2ConfigError, train_stage2
 
-    overrides = list(args.set or [])
-    for flag in ("out_dir", "max_steps", "init_from", "model", "pool", "pool_size"):
-        v = getattr(args, flag)
-        if v is not None:
-            overrides.append(f"{flag}={v}")
-    if args.no_progress:
-        overrides.append("progress=false")
-    try:
-        cfg = Stage2Config.from_yaml(args.config, overrides)
-    except (Stage2ConfigError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(cfg.to_json())
-        return 0
+    cfg = config_from_args(args, Stage2Config, Stage2ConfigError,
+                           ("out_dir", "max_steps", "init_from", "model", "pool", "pool_size"))
+    if isinstance(cfg, int):
+        return cfg
     if args.build_pool:
         from pathlib import Path
 

@@ -8,26 +8,31 @@ import sys
 from typing import Any
 
 
-def cmd_stage1(args: argparse.Namespace) -> int:
-    from .config import TrainConfig, TrainConfigError
-    from .stage1 import train
-
+def config_from_args(args: argparse.Namespace, config_cls, error_cls, flags: tuple[str, ...]):
+    """Load ``config_cls`` from ``--config`` YAML, ``--set`` overrides and the named shortcut flags.
+    Returns the config, or an exit code (2 on a bad config, 0 after ``--print-config``)."""
     overrides = list(args.set or [])
-    for flag, key in (("out_dir", "out_dir"), ("max_steps", "max_steps"), ("trainable", "trainable"),
-                      ("data", "data"), ("model", "model")):
-        v = getattr(args, flag)
-        if v is not None:
-            overrides.append(f"{key}={v}")
+    overrides += [f"{flag}={getattr(args, flag)}" for flag in flags if getattr(args, flag) is not None]
     if args.no_progress:
         overrides.append("progress=false")
     try:
-        cfg = TrainConfig.from_yaml(args.config, overrides)
-    except (TrainConfigError, OSError) as e:
+        cfg = config_cls.from_yaml(args.config, overrides)
+    except (error_cls, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print(cfg.to_json())
         return 0
+    return cfg
+
+
+def cmd_stage1(args: argparse.Namespace) -> int:
+    from .config import TrainConfig, TrainConfigError
+    from .stage1 import train
+
+    cfg = config_from_args(args, TrainConfig, TrainConfigError, ("out_dir", "max_steps", "trainable", "data", "model"))
+    if isinstance(cfg, int):
+        return cfg
     try:
         summary = train(cfg, resume=not args.no_resume)
     except KeyboardInterrupt:
