@@ -182,3 +182,41 @@ def test_gates_learn_the_oracle(tmp_path):
     after = evaluate(tr.model, data.eval_ids, 0.5)[0]
     assert after.gate_oracle_spearman > 0.5 > abs(before.gate_oracle_spearman)
     assert after.mean_p > 5 * before.mean_p
+
+
+def test_thresholded_straight_through_gate():
+    from fbs.modules.gate import straight_through
+
+    p = torch.tensor([0.2, 0.8, 0.71], requires_grad=True)
+    g = straight_through(p, tau=0.7)
+    assert g.tolist() == pytest.approx([0.0, 1.0, 1.0])
+    g.sum().backward()
+    assert p.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_continuing_an_adapter_run_trains_gates_on_its_backbone(tmp_path):
+    data = tiny_data()
+    cfg = tiny_train_config(tmp_path / "a", max_steps=2)
+    tr = Trainer(cfg, data, base=tiny_hf())
+    tr.run()
+    with torch.no_grad():
+        for n, p in tr.named.items():
+            if "lora_b" in n:
+                p.add_(0.01)
+    first = export(tr.model, cfg, tmp_path / "first")
+    with pytest.raises(ValueError, match="trainable=fbs"):
+        Trainer(tiny_train_config(tmp_path / "b", init_from=str(first)), data, base=tiny_hf())
+    cfg2 = tiny_train_config(tmp_path / "c", init_from=str(first), trainable="fbs", max_steps=2,
+                             gate_sample="threshold", tau_start=0.9, tau_end=0.9)
+    tr2 = Trainer(cfg2, data, base=tiny_hf())
+    assert not any("lora_" in n for n in tr2.named)
+    tr2.run()
+    second = export(tr2.model, cfg2, tmp_path / "second")
+    loaded = load_trained(second, base=tiny_hf())
+    tr2.model.eval()
+    ids = data.eval_ids[:1]
+    with torch.no_grad():
+        torch.testing.assert_close(tr2.model(ids, gate_mode="off").logits, loaded(ids, gate_mode="off").logits)
+        torch.testing.assert_close(tr2.model(ids, gate_mode="threshold", tau=0.5).logits,
+                                   loaded(ids, gate_mode="threshold", tau=0.5).logits)
+    assert loaded.config.tau == 0.9

@@ -157,11 +157,12 @@ class FBSForCausalLM(nn.Module):
                 gate_mode: GateMode | None = None, tau: float | None = None, skip_plan: torch.Tensor | None = None,
                 kv_policy: str | None = None, gate_from: int = 0, soft_window: bool | None = None,
                 bios_labels: torch.Tensor | None = None, output_hidden_states: bool = False,
-                generator: torch.Generator | None = None) -> FBSOutput:
+                generator: torch.Generator | None = None, soft_sample: str = "bernoulli") -> FBSOutput:
         """Run all positions at once.
 
         gate_mode: ``off`` (compute every layer), ``soft`` (straight-through Bernoulli gates with the soft
-        mixture; default in training), ``threshold`` (skip where p > tau; default in eval), ``plan`` (skip
+        mixture; default in training; ``soft_sample="threshold"`` makes the hard gate 1[p > tau] instead of a
+        Bernoulli sample), ``threshold`` (skip where p > tau; default in eval), ``plan`` (skip
         where ``skip_plan`` (B, T, L) or (L,) is True). Gates apply to positions >= ``gate_from`` (the
         prompt is prefilled with every layer at decode time). Hard modes honour ``kv_policy``: ``hole``
         hides a skipped token's K/V (and chunk update) at that layer from later tokens; ``project`` keeps them.
@@ -174,6 +175,8 @@ class FBSForCausalLM(nn.Module):
         if t > spec.max_positions:
             raise ValueError(f"sequence of {t} tokens exceeds the model's context of {spec.max_positions}")
         mode = gate_mode or ("soft" if self.training else "threshold")
+        if soft_sample not in ("bernoulli", "threshold"):
+            raise ValueError(f"soft_sample must be 'bernoulli' or 'threshold', got {soft_sample!r}")
         tau = cfg.tau if tau is None else tau
         policy = kv_policy or cfg.kv_policy
         soft_window = self.training if soft_window is None else soft_window
@@ -208,7 +211,7 @@ class FBSForCausalLM(nn.Module):
                 p = self.gates.prob(l, xn, rel, zlow)
                 probs[..., l] = p
                 if mode == "soft":
-                    g = straight_through(p, generator) * gated_pos
+                    g = straight_through(p, generator, tau if soft_sample == "threshold" else None) * gated_pos
                     skips[..., l] = g
                 elif mode != "off":
                     skip = ((p > tau) if mode == "threshold" else plan[..., l]) & gated_pos

@@ -127,6 +127,42 @@ def cmd_make_tasks(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    import torch
+
+    from fbs import FBSForCausalLM
+    from fbs.cli import load_model
+    from fbs.eval.report import runtime_info, seed_everything
+    from fbs.eval.sweep import heldout_documents, markdown, run_sweep
+    from fbs.models import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    taus = [float(t) for t in args.taus.split(",") if t.strip()]
+    model = load_model(args)
+    base = FBSForCausalLM.from_base(model.config.base_model or args.model)
+    tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
+    docs = heldout_documents(args.corpus, tok, args.split, args.per_lang, args.max_tokens, args.seed)
+    start = time.perf_counter()
+    res = run_sweep(model, base, docs, taus, args.batch_size, args.seed, not args.no_progress, args.tolerance)
+    langs = sorted({d.lang for d in docs})
+    res.update(corpus=str(args.corpus), split=args.split, per_lang=args.per_lang, max_tokens=args.max_tokens,
+               checkpoint=args.checkpoint, wall_s=time.perf_counter() - start, runtime=runtime_info(args.seed))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    table = markdown(res["rows"], langs)
+    op = res["operating_point"]
+    note = (f"operating point (most efficient tau with PPL within {100 * args.tolerance:.0f}% of base "
+            f"{res['base_ppl']:.3f}): " + ("none" if op is None else f"tau={op}"))
+    out.with_suffix(".md").write_text(table + "\n\n" + note + "\n")
+    print(table)
+    print(note)
+    print(f"wrote {out} and {out.with_suffix('.md')} ({len(docs)} documents, {res['wall_s']:.0f} s)")
+    return 0
+
+
 def cmd_list(args) -> int:
     from fbs.eval.tasks import DEFAULT_TASKS, TASKS
 
@@ -179,6 +215,23 @@ def register(subparsers) -> None:
     m.add_argument("--limit", type=int, help="seeded subset per task (same selection as `fbs eval run`)")
     m.add_argument("--seed", type=int, default=42)
     m.set_defaults(func=cmd_make_tasks)
+
+    w = sub.add_parser("sweep", help="tau sweep of an FBS checkpoint on held-out corpus documents: "
+                                     "skip %%, TFLOPs(rel), PPL with bootstrap CIs vs the base model")
+    _add_model_args(w)
+    w.add_argument("--corpus", required=True, help="corpus directory from `fbs data build`")
+    w.add_argument("--split", default="test")
+    w.add_argument("--per-lang", type=int, default=24, help="documents per language (seeded sample)")
+    w.add_argument("--max-tokens", type=int, default=512, help="tokens scored per document (its first ones)")
+    w.add_argument("--taus", default=",".join(str(t) for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)))
+    w.add_argument("--tolerance", type=float, default=0.02,
+                   help="operating point: the most efficient tau with PPL <= (1 + tolerance) x base PPL")
+    w.add_argument("--batch-size", type=int, default=4)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    w.add_argument("--out", default="results/sweep.json", help="JSON path (markdown next to it)")
+    w.add_argument("--no-progress", action="store_true")
+    w.set_defaults(func=cmd_sweep)
 
     ls = sub.add_parser("list", help="known tasks")
     ls.set_defaults(func=cmd_list)

@@ -74,9 +74,12 @@ def relative_update(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-6)
 
 
-def straight_through(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """g = Bernoulli(p) + p - stopgrad(p): a hard sample forward, d g / d p = 1 backward (appendix E.2)."""
-    hard = torch.bernoulli(p.detach(), generator=generator)
+def straight_through(p: torch.Tensor, generator: torch.Generator | None = None,
+                     tau: float | None = None) -> torch.Tensor:
+    """g = hard + p - stopgrad(p): a hard gate forward, d g / d p = 1 backward (appendix E.2).
+
+    hard = Bernoulli(p) by default, or 1[p > tau] when ``tau`` is given (the thresholded estimator)."""
+    hard = torch.bernoulli(p.detach(), generator=generator) if tau is None else (p.detach() > tau).to(p.dtype)
     return hard + p - p.detach()
 
 

@@ -117,6 +117,10 @@ class TrainConfig:
     skip_every: int = 4
     """Every ``skip_every``-th micro-batch runs soft straight-through gates; the others run full compute
     (LM loss without skipping + distillation). 1 = always soft, 0 = never soft."""
+    gate_sample: str = "bernoulli"
+    """How a soft micro-batch draws its hard gates: ``bernoulli`` (g ~ Bernoulli(p)) or ``threshold``
+    (g = 1[p > tau(step)] with the annealed threshold, so tau_start/tau_end shape training; the paper's
+    threshold-strategy ablation). Both pass d g / d p = 1 backward."""
     gate_from: int = 0
     """Positions before this are never skipped in training or held-out skip evaluation."""
     tau_start: float = 0.9
@@ -186,6 +190,8 @@ class TrainConfig:
         check(0 < self.oracle_rate < 1, f"oracle_rate must be in (0, 1), got {self.oracle_rate}")
         check(0 <= self.gate_max_rate <= 1, f"gate_max_rate must be in [0, 1], got {self.gate_max_rate}")
         check(self.skip_every >= 0 and self.gate_from >= 0, "skip_every and gate_from must be >= 0")
+        check(self.gate_sample in ("bernoulli", "threshold"),
+              f"gate_sample must be bernoulli|threshold, got {self.gate_sample!r}")
         for name in ("tau_start", "tau_end"):
             check(0 <= getattr(self, name) <= 1, f"{name} must be in [0, 1]")
         check(all(0 <= x <= 1 for x in self.eval_taus), f"eval_taus must lie in [0, 1], got {self.eval_taus}")

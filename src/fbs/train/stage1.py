@@ -73,12 +73,35 @@ def build_model(cfg: TrainConfig, base: nn.Module | None = None) -> FBSForCausal
     """The FBS model of ``cfg`` (``base``: an HF model instance to wrap instead of ``cfg.model``)."""
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
+        _check_init_from(cfg)
         model = FBSForCausalLM.from_pretrained(cfg.init_from, base=base)
     else:
         model = FBSForCausalLM.from_base(base if base is not None else cfg.model, config=cfg.fbs_config())
     if cfg.trainable == "adapters":
         add_adapters(model.base.layers, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     return model
+
+
+def _backbone_delta_files(path: Path) -> list[Path]:
+    from .lora import ADAPTERS_NAME
+
+    return [f for f in (path / ADAPTERS_NAME, path / BACKBONE_NAME) if f.is_file()]
+
+
+def _check_init_from(cfg: TrainConfig) -> None:
+    """A run started from a Stage-1 export that changed the backbone can only be exported faithfully when
+    it trains the FBS modules alone (the export then carries the init's backbone files unchanged) or the
+    whole backbone (the export then holds every backbone tensor)."""
+    if not _backbone_delta_files(Path(cfg.init_from)):
+        return
+    if cfg.trainable == "fbs" and not cfg.train_norms and not cfg.train_layers:
+        return
+    if cfg.trainable == "all":
+        return
+    raise ValueError(
+        f"init_from={cfg.init_from} carries trained backbone tensors (LoRA adapters / norms); continuing it with "
+        f"trainable={cfg.trainable!r} (or train_norms / train_layers) would export a checkpoint that cannot "
+        "represent both. Use trainable=fbs (gates, PAW, CH on the init's backbone) or trainable=all.")
 
 
 def select_trainable(model: FBSForCausalLM, cfg: TrainConfig) -> dict[str, nn.Parameter]:
@@ -283,7 +306,7 @@ class Trainer:
         targets = self.model.preview_targets(ids)
         if is_soft(micro_index, cfg):
             out = self.wrapped(ids, gate_mode="soft", gate_from=cfg.gate_from, soft_window=True,
-                               generator=self.gate_gen)
+                               generator=self.gate_gen, soft_sample=cfg.gate_sample, tau=tau_at(self.step, cfg))
             skip_targets = None
         else:
             out = self.wrapped(ids, gate_mode="off", soft_window=True, output_hidden_states=True)
@@ -451,12 +474,20 @@ class _Logger:
 # ---------------------------------------------------------------------------- export and entry point
 def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[dict] | None = None) -> Path:
     """``save_pretrained`` (FBS weights) + adapters / other trained backbone tensors + metadata."""
+    import shutil
+
     from safetensors.torch import save_file
 
-    model.config = model.config.replace(tau=cfg.tau_end, extra={**model.config.extra, "stage1": {
-        "trainable": cfg.trainable, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-        "lora_targets": list(cfg.lora_targets)}})
+    inherited = _backbone_delta_files(Path(cfg.init_from)) if cfg.init_from and cfg.trainable == "fbs" else []
+    if not inherited:
+        model.config = model.config.replace(tau=cfg.tau_end, extra={**model.config.extra, "stage1": {
+            "trainable": cfg.trainable, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
+            "lora_targets": list(cfg.lora_targets)}})
+    else:  # the backbone is the init's: keep its adapter metadata and files
+        model.config = model.config.replace(tau=cfg.tau_end)
     model.save_pretrained(path)
+    for f in inherited:
+        shutil.copyfile(f, path / f.name)
     if cfg.trainable == "adapters":
         save_adapters(model, path)
     fbs_ids = {id(p) for p in model.fbs_parameters()}
