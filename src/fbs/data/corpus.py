@@ -238,15 +238,11 @@ def read_split(corpus_dir: str | Path, split: str) -> Iterator[dict]:
     path = Path(corpus_dir) / f"{split}.jsonl"
     if not path.is_file():
         raise SourceError(f"{path} not found: build the corpus first with `fbs data build --out {Path(corpus_dir)}`")
+    from ..jsonl import iter_records
+
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SourceError(f"{path}:{n}: malformed JSONL ({exc.msg}); rebuild the corpus") from exc
-            if not isinstance(rec, dict) or not {"id", "lang", "text"} <= rec.keys():
+        for n, rec in iter_records(f, str(path), SourceError, "rebuild the corpus"):
+            if not {"id", "lang", "text"} <= rec.keys():
                 raise SourceError(f"{path}:{n}: a record needs the fields id, lang and text")
             yield rec
 

@@ -159,14 +159,10 @@ def read_wiki_demo(root: Path | None = None, **_) -> Iterator[Document]:
 
 def parse_jsonl_texts(text: str, origin: str, field: str = "text") -> Iterator[tuple[int, str]]:
     """``(line_number, record[field])`` for each non-empty JSONL line; clear error on a bad line."""
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{origin}:{n}: malformed JSONL ({exc.msg}); each line must be one JSON object") from exc
-        if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
+    from ..jsonl import iter_records
+
+    for n, rec in iter_records(text.split("\n"), origin, SourceError):
+        if not isinstance(rec.get(field), str):
             raise SourceError(f"{origin}:{n}: expected an object with a string field {field!r}")
         yield n, rec[field]
 

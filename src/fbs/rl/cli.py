@@ -41,6 +41,41 @@ def cmd_stage2(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .report import decomposition_table, grid_table, plot_decomposition, read_log
+
+    parts = []
+    for d in args.runs:
+        recs = read_log(d)
+        parts.append(f"## {d}: reward decomposition over {len(recs)} PPO steps\n\n"
+                     + decomposition_table(recs, args.windows))
+        png = Path(args.out_dir or d) / f"{Path(d).name}_reward.png"
+        if plot_decomposition(recs, png, title=f"Stage-2 reward decomposition ({Path(d).name})"):
+            parts.append(f"plot: {png}")
+    if len(args.runs) > 1:
+        parts.append("## operating points\n\n" + grid_table(args.runs, args.last, args.upto))
+    text = "\n\n".join(parts) + "\n"
+    print(text)
+    if args.out_dir:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.out_dir) / "stage2_report.md").write_text(text)
+    return 0
+
+
+def add_report_parser(sub: Any) -> argparse.ArgumentParser:
+    r = sub.add_parser("stage2-report", help="reward decomposition table + plot of Stage-2 runs; several runs "
+                                             "(e.g. an alpha/beta grid) also get a side-by-side table")
+    r.add_argument("runs", nargs="+", help="Stage-2 run directories (--out-dir of fbs train stage2)")
+    r.add_argument("--windows", type=int, default=6, help="rows of the decomposition table (step windows)")
+    r.add_argument("--last", type=int, default=5, help="grid table: average over each run's last N steps")
+    r.add_argument("--upto", type=int, help="grid table: only steps <= N of every run (compare equal lengths)")
+    r.add_argument("--out-dir", help="write stage2_report.md and the PNGs here (default: PNGs in each run)")
+    r.set_defaults(func=cmd_report)
+    return r
+
+
 def add_stage2_parser(sub: Any) -> argparse.ArgumentParser:
     s = sub.add_parser("stage2", help="Stage-2 PPO fine-tuning of the skip gates (paper §3.1.3); resumes")
     s.add_argument("--config", help="YAML file of Stage2Config fields (e.g. configs/stage2_smollm2.yaml)")
@@ -65,8 +100,10 @@ def register(subparsers: Any) -> None:
         for action in train._actions:  # argparse keeps the sub-command action here; no public accessor
             if isinstance(action, argparse._SubParsersAction):
                 add_stage2_parser(action)
+                add_report_parser(action)
                 return
     add_stage2_parser(subparsers)
+    add_report_parser(subparsers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     add_stage2_parser(sub)
+    add_report_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
