@@ -30,14 +30,17 @@ def test_nll_matches_the_hf_model_document_by_document(one_thread):
     assert s.skip_ratio == 0.0
 
 
-def test_skip_ratio_counts_every_gated_pair_at_tau_zero(one_thread):
+def test_skip_count_is_every_gated_pair_after_gate_from(one_thread):
     # gates with a large positive bias: p ~ 1 > tau everywhere, so exactly the gated layers are skipped
     model = randomize(fbs_tiny(), gate_bias=30.0)
     docs = _docs()
-    s = score(model, docs, tau=0.5, name="all", batch_size=3)
     gated = len(model.layers_cfg.gated)
+    s = score(model, docs, tau=0.5, name="all", batch_size=3, gate_from=0)
     assert s.skip_ratio == gated / model.num_layers
     assert s.pairs == [len(d.input_ids) * model.num_layers for d in docs]
+    # from position 2 on: the first two tokens of every document keep all their layers
+    s2 = score(model, docs, tau=0.5, name="all", batch_size=3, gate_from=2)
+    assert s2.skipped == [(len(d.input_ids) - 2) * gated for d in docs]
 
 
 def test_operating_point_is_the_cheapest_tau_within_tolerance():

@@ -145,7 +145,8 @@ def cmd_sweep(args) -> int:
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     docs = heldout_documents(args.corpus, tok, args.split, args.per_lang, args.max_tokens, args.seed)
     start = time.perf_counter()
-    res = run_sweep(model, base, docs, taus, args.batch_size, args.seed, not args.no_progress, args.tolerance)
+    res = run_sweep(model, base, docs, taus, args.batch_size, args.seed, not args.no_progress, args.tolerance,
+                    args.gate_from)
     langs = sorted({d.lang for d in docs})
     res.update(corpus=str(args.corpus), split=args.split, per_lang=args.per_lang, max_tokens=args.max_tokens,
                checkpoint=args.checkpoint, wall_s=time.perf_counter() - start, runtime=runtime_info(args.seed))
@@ -227,6 +228,8 @@ def register(subparsers) -> None:
     w.add_argument("--tolerance", type=float, default=0.02,
                    help="operating point: the most efficient tau with PPL <= (1 + tolerance) x base PPL")
     w.add_argument("--batch-size", type=int, default=4)
+    w.add_argument("--gate-from", type=int, default=1,
+                   help="never skip positions before this (decode prefills the prompt; 1 = all but the first token)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     w.add_argument("--out", default="results/sweep.json", help="JSON path (markdown next to it)")

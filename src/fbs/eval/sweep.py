@@ -6,7 +6,8 @@ measured on the held-out (test) split of a corpus built by ``fbs data build``:
 * documents: a seeded sample of ``per_lang`` test documents per language, each cut to its first
   ``max_tokens`` tokens (no special tokens, as in training);
 * each system scores every document in one teacher-forced parallel forward. FBS at a threshold skips
-  the (token, layer) pairs whose gate probability exceeds tau, with the K/V of a skipped pair computed
+  the (token, layer) pairs whose gate probability exceeds tau, from position ``gate_from`` on (default 1:
+  the first token, the attention sink, is always part of the prefilled prompt when decoding), with the K/V of a skipped pair computed
   from its layer input: exactly what cached decoding under the ``project`` KV policy computes
   (``tests/test_model_equivalence.py``), so the perplexity is that of decoding every token with skips;
 * per document: mean NLL, skipped pairs / all (token, layer) pairs. Perplexity = exp(mean over documents
@@ -100,8 +101,9 @@ def _batches(docs: Sequence[HeldoutDoc], batch_size: int) -> Iterable[list[int]]
 
 @torch.no_grad()
 def score(model, docs: Sequence[HeldoutDoc], tau: float | None, name: str, batch_size: int = 4,
-          progress=None) -> SystemScores:
-    """Per-document NLL and skips of ``model`` (an FBSForCausalLM) with gates off (``tau=None``) or at ``tau``."""
+          progress=None, gate_from: int = 1) -> SystemScores:
+    """Per-document NLL and skips of ``model`` (an FBSForCausalLM) with gates off (``tau=None``) or at ``tau``;
+    positions before ``gate_from`` are never skipped (at decode time they are the prefilled prompt)."""
     model.eval()
     dev = next(model.parameters()).device
     n = len(docs)
@@ -112,7 +114,7 @@ def score(model, docs: Sequence[HeldoutDoc], tau: float | None, name: str, batch
         if tau is None:
             out = model(ids, gate_mode="off")
         else:
-            out = model(ids, gate_mode="threshold", tau=tau)
+            out = model(ids, gate_mode="threshold", tau=tau, gate_from=gate_from)
         logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
         tok_nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
         for j, i in enumerate(idx):
@@ -166,7 +168,7 @@ def markdown(rows: Sequence[dict], langs: Sequence[str]) -> str:
 
 
 def run_sweep(model, base_model, docs: Sequence[HeldoutDoc], taus: Sequence[float], batch_size: int = 4,
-              seed: int = 0, progress: bool = True, tolerance: float = 0.02) -> dict:
+              seed: int = 0, progress: bool = True, tolerance: float = 0.02, gate_from: int = 1) -> dict:
     """Score the base model, the FBS model with nothing skipped and at every tau; rows + the chosen tau."""
     from tqdm.auto import tqdm
 
@@ -176,12 +178,12 @@ def run_sweep(model, base_model, docs: Sequence[HeldoutDoc], taus: Sequence[floa
     scores = []
     for name, m, tau in systems:
         bar.set_postfix_str(f"{name} tau={tau}")
-        scores.append(score(m, docs, tau, name, batch_size, progress=bar.update))
+        scores.append(score(m, docs, tau, name, batch_size, progress=bar.update, gate_from=gate_from))
     bar.close()
     base = scores[0]
     rows = [summarize(s, base, docs, seed) for s in scores]
     best = select_operating_point(rows, base.ppl, tolerance)
-    return {"rows": rows, "base_ppl": base.ppl, "tolerance": tolerance,
+    return {"rows": rows, "base_ppl": base.ppl, "tolerance": tolerance, "gate_from": gate_from,
             "operating_point": None if best is None else best["tau"],
             "documents": [{"id": d.id, "lang": d.lang, "tokens": len(d.input_ids)} for d in docs],
             "per_document": {f"{s.name}@{s.tau}": {"nll": s.nll, "skipped": s.skipped, "pairs": s.pairs}
