@@ -13,7 +13,7 @@ from typing import Any
 
 
 def cmd_stage2(args: argparse.Namespace) -> int:
-    from ..train.cli import config_from_args
+    from ..train.cli import config_from_args, run_resumable
     from .stage2 import Stage2Config, Stage2ConfigError, train_stage2
 
     cfg = config_from_args(args, Stage2Config, Stage2ConfigError,
@@ -31,12 +31,9 @@ def cmd_stage2(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=1, ensure_ascii=False))
         print(f"wrote {len(items)} prompts to {path}")
         return 0
-    try:
-        summary = train_stage2(cfg, resume=not args.no_resume)
-    except KeyboardInterrupt:
-        print(f"interrupted; checkpoint saved under {cfg.out_dir}/checkpoints (rerun the command to resume)",
-              file=sys.stderr)
-        return 130
+    summary = run_resumable(train_stage2, cfg, args)
+    if isinstance(summary, int):
+        return summary
     print(json.dumps(summary, indent=1))
     return 0
 

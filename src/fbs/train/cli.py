@@ -26,6 +26,16 @@ def config_from_args(args: argparse.Namespace, config_cls, error_cls, flags: tup
     return cfg
 
 
+def run_resumable(train_fn, cfg, args):
+    """``train_fn(cfg, resume=...)``'s summary, or exit code 130 after Ctrl-C (its checkpoint is on disk)."""
+    try:
+        return train_fn(cfg, resume=not args.no_resume)
+    except KeyboardInterrupt:
+        print(f"interrupted; checkpoint saved under {cfg.out_dir}/checkpoints (rerun the command to resume)",
+              file=sys.stderr)
+        return 130
+
+
 def cmd_stage1(args: argparse.Namespace) -> int:
     from .config import TrainConfig, TrainConfigError
     from .stage1 import train
@@ -33,12 +43,9 @@ def cmd_stage1(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, TrainConfig, TrainConfigError, ("out_dir", "max_steps", "trainable", "data", "model"))
     if isinstance(cfg, int):
         return cfg
-    try:
-        summary = train(cfg, resume=not args.no_resume)
-    except KeyboardInterrupt:
-        print(f"interrupted; checkpoint saved under {cfg.out_dir}/checkpoints (rerun the command to resume)",
-              file=sys.stderr)
-        return 130
+    summary = run_resumable(train, cfg, args)
+    if isinstance(summary, int):
+        return summary
     print(json.dumps(summary, indent=1))
     for r in summary["eval"]:
         print(f"tau {r['tau']:.2f}: skip {100 * r['skip_ratio']:5.1f}% | PPL no-skip {r['ppl_full']:.2f} | "
