@@ -9,7 +9,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from fbs.data.bios import IdiomLexicon
-from fbs.data.corpus import CorpusConfig, PackedBlocks, build_corpus, collate_blocks, label_corpus, read_split
+from fbs.data.corpus import (CorpusConfig, PackedBlocks, build_corpus, collate_blocks, label_corpus, label_statistics,
+                             read_split)
 from fbs.data.metrics import B, I, IGNORE_INDEX, O, S
 from fbs.data.sources import (Document, SourceError, bundle, fortune_records, parse_jsonl_texts, pd_articles,
                               pd_line_text, read_fortunes_zh)
@@ -129,3 +130,28 @@ def test_source_document_rules():
     assert [a[0] for a in arts] == ["标题一", "新标题"]
     assert fortune_records("\x1b[32m《静夜思》\x1b[m\n床前明月光\n%\n第二首\n%\n") == ["《静夜思》\n床前明月光", "第二首"]
     assert list(bundle(["ab", "cd", "ef"], "r", 5)) == [("r-00000", "ab\ncd"), ("r-00001", "ef")]
+
+
+def test_label_statistics_under_a_merging_tokenizer(tmp_path):
+    """Hand-computed alignment under a tokenizer whose tokens straddle word boundaries.
+
+    Text 我们工作认真 with chunks 我们 | 工作 | 认真 and tokens 我 | 们工 | 作认 | 真: all four tokens touch a
+    chunk, only 我 and 真 lie inside one -> labels S O O S, q = 2/4, the chunk 工作 has no token (dropped).
+    """
+    text = "我们工作认真"
+    (tmp_path / "train.jsonl").write_text(json.dumps({"id": "z", "lang": "zh", "text": text}) + "\n"
+                                          + json.dumps({"id": "e", "lang": "en", "text": "ignored"}) + "\n")
+    (tmp_path / "train.bios.jsonl").write_text(json.dumps({"id": "z", "chunks": [[0, 2, "seg"], [2, 4, "seg"],
+                                                                                   [4, 6, "seg"]]}) + "\n")
+    vocab = {"<eos>": 0, "<unk>": 1, "我": 2, "们工": 3, "作认": 4, "真": 5}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("我|们工|作认|真|[\\s\\S]"), behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<unk>")
+    r = label_statistics(tmp_path, tok, "train", block_size=2)
+    assert r["documents"] == 1 and r["tokens"] == 4 and r["chunks_dropped"] == 1
+    assert r["label_share"] == {"B": 0.0, "I": 0.0, "O": 0.5, "S": 0.5}
+    assert r["coverage_q"] == 0.5
+    # blocks of 2 over 我 们工 | 作认 真 (+ separator, dropped as a partial block): q = 1/2 each, both < q0
+    assert r["per_block"]["blocks"] == 2 and r["per_block"]["q_mean"] == 0.5 and r["per_block"]["below_q0"] == 1.0
+    with pytest.raises(SourceError, match="fbs data label"):
+        label_statistics(tmp_path, tok, "validation")

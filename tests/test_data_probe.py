@@ -88,3 +88,28 @@ def test_cli_register_and_clear_errors(tmp_path, capsys):
     assert args.func(args) == 2
     assert "build the corpus first" in capsys.readouterr().err
     assert parser.parse_args(["probe", "--corpus", str(tmp_path)]).func is cli.cmd_probe
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_hidden_features_early_stop_matches_full_forward(tiny_lm, layer):
+    """The truncated forward (hook + stop after block layer-1) returns HF's hidden_states[layer]."""
+    seqs = [[1, 2, 3, 4], [5, 6]]
+    hooks = {i: dict(block._forward_hooks) for i, block in enumerate(tiny_lm.model.layers)}
+    got = hidden_features(tiny_lm, seqs, layer=layer, batch_size=2)
+    with torch.no_grad():
+        ref = tiny_lm(torch.tensor([seqs[0]]), output_hidden_states=True).hidden_states[layer][0]
+    torch.testing.assert_close(got[0], ref, rtol=1e-5, atol=1e-6)
+    assert hooks == {i: dict(block._forward_hooks) for i, block in enumerate(tiny_lm.model.layers)}  # hook removed
+
+
+def test_hidden_features_stops_early(tiny_lm):
+    """At layer 1 of 2 the second block never runs."""
+    calls = []
+    h = tiny_lm.model.layers[1].register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        hidden_features(tiny_lm, [[1, 2, 3]], layer=1)
+        assert calls == []
+        hidden_features(tiny_lm, [[1, 2, 3]], layer=2)
+        assert calls == [1]
+    finally:
+        h.remove()

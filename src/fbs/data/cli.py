@@ -1,4 +1,4 @@
-"""``fbs data build``, ``fbs data label`` and ``fbs probe``.
+"""``fbs data build``, ``fbs data label``, ``fbs data stats`` and ``fbs probe``.
 
 :func:`register` adds the commands to the top-level ``fbs`` parser; each handler is a plain function
 of the parsed arguments returning an exit code. Run standalone with ``python -m fbs.data.cli``.
@@ -79,6 +79,30 @@ def cmd_label(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from fbs.data.corpus import SPLITS, label_statistics
+    from fbs.data.sources import SourceError
+
+    try:
+        tok = _load_tokenizer(args.tokenizer)
+        splits = tuple(args.splits.split(",")) if args.splits else SPLITS
+        report = {"tokenizer": args.tokenizer, "splits": {
+            split: label_statistics(args.corpus, tok, split, args.block_size, progress=_progress) for split in splits}}
+    except (SourceError, ValueError, ImportError) as exc:
+        return _error(str(exc))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"{'split':<11}{'tokens':>11}{'B':>8}{'I':>8}{'O':>8}{'S':>8}{'dropped':>9}{'q':>8}"
+          f"{'blocks':>8}{'q<q0':>8}")
+    for split, r in report["splits"].items():
+        sh, pb = r["label_share"], r["per_block"]
+        below = "-" if pb["below_q0"] is None else f"{pb['below_q0']:.1%}"
+        print(f"{split:<11}{r['tokens']:>11,}" + "".join(f"{sh[c]:>8.1%}" for c in "BIOS")
+              + f"{r['chunks_dropped']:>9,}{r['coverage_q']:>8.4f}{pb['blocks']:>8}{below:>8}")
+    return 0
+
+
 def cmd_probe(args: argparse.Namespace) -> int:
     import torch
 
@@ -146,6 +170,14 @@ def register(subparsers: Any) -> None:
     lab.add_argument("--no-pkuseg", action="store_true", help="idiom-only supervision (ablation)")
     lab.add_argument("--no-idioms", action="store_true", help="pkuseg-only supervision (ablation)")
     lab.set_defaults(func=cmd_label)
+
+    st = sub.add_parser("stats", help="label statistics of a labelled corpus under any tokenizer (B/I/O/S, q, CE/CTC)")
+    st.add_argument("--corpus", required=True, type=Path, help="directory labelled by `fbs data label`")
+    st.add_argument("--tokenizer", default="smollm2-135m", help="fbs.models name or HF directory")
+    st.add_argument("--splits", default=None, help="comma-separated splits (default: all)")
+    st.add_argument("--block-size", type=int, default=512, help="training block length for per-block coverage")
+    st.add_argument("--out", type=Path, default=None, help="write the statistics as JSON")
+    st.set_defaults(func=cmd_stats)
 
     p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
     p.add_argument("--model", default="smollm2-135m", help="fbs.models name or HF directory")

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fbs.data.bios import IdiomLexicon, Segmenter, SegmentFilter, Span, align_chunks, han_token_share, weak_chunks
+from fbs.data.bios import (Q0, IdiomLexicon, Segmenter, SegmentFilter, Span, align_chunks, han_token_share,
+                           weak_chunks)
 from fbs.data.dedup import DedupConfig, Deduplicator
 from fbs.data.metrics import IGNORE_INDEX, LABELS, O
 from fbs.data.sources import (ARCHIVES, DEFAULT_BUNDLE_CHARS, DEFAULT_SOURCES, SOURCES, Document, SourceError,
@@ -321,6 +322,32 @@ def _add_token_stats(st: LabelStats, text: str, chunks: Sequence[Span], tokenize
     st.touching += al.n_touching
     st.covered += al.n_covered
     st.han_share_sum += han_token_share(al.labels, enc.offsets, text)
+
+
+def label_statistics(corpus_dir: str | Path, tokenizer: Any, split: str, block_size: int = 512, q0: float = Q0,
+                     progress: Progress = _no_progress) -> dict:
+    """Token-level statistics of an already labelled split under any tokenizer (no re-segmentation).
+
+    The stored chunks are character spans, so a second model's tokenizer only needs the alignment:
+    B/I/O/S shares, dropped chunks and coverage q over the Chinese documents, and the per-block coverage
+    of ``block_size``-token training blocks with the share of blocks below ``q0`` (the ones the CE/CTC
+    switch of appendix D.2.4 trains with CTC).
+    """
+    chunks = read_chunks(corpus_dir, split)
+    if chunks is None:
+        raise SourceError(f"split {split!r} of {corpus_dir} has no labels: run `fbs data label --corpus {corpus_dir}`")
+    st = LabelStats()
+    for rec in progress([r for r in read_split(corpus_dir, split) if r["lang"] == "zh"], desc=f"align {split}",
+                        unit="doc"):
+        st.documents += 1
+        _add_token_stats(st, rec["text"], chunks.get(rec["id"], []), tokenizer)
+    qs = [b.coverage for b in PackedBlocks(corpus_dir, split, tokenizer, block_size=block_size, langs=("zh",))]
+    blocks = {"block_size": block_size, "blocks": len(qs), "q0": q0,
+              "q_min": min(qs) if qs else None, "q_mean": sum(qs) / len(qs) if qs else None,
+              "below_q0": sum(q < q0 for q in qs) / len(qs) if qs else None}
+    summary = st.summary()
+    del summary["chunks"]  # counted by `fbs data label`; this pass does not separate segment and idiom chunks
+    return {**summary, "per_block": blocks}
 
 
 def read_chunks(corpus_dir: str | Path, split: str) -> dict[str, list[tuple[int, int]]] | None:

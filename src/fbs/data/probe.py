@@ -81,12 +81,29 @@ def resolve_layer(model: torch.nn.Module, layer: int | None) -> int:
     return n // 2
 
 
+class _StopForward(Exception):
+    """Raised by the capture hook once the probed layer has run: the layers above it are not needed."""
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's decoder-layer list (the ModuleList of ``config.num_hidden_layers`` blocks), if unambiguous."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    return lists[0] if len(lists) == 1 else None
+
+
 @torch.no_grad()
 def hidden_features(
     model: torch.nn.Module, sequences: Sequence[Sequence[int]], layer: int, batch_size: int = 8,
     progress: Callable[..., Iterable] = lambda it, **_: it,
 ) -> list[torch.Tensor]:
     """Hidden states of ``layer`` for each sequence, a list of (len_i, d) float32 tensors.
+
+    ``layer`` indexes HF's ``hidden_states`` (0 = embeddings, i = output of decoder block i). For
+    0 < layer < num_hidden_layers the forward stops after block ``layer - 1`` (a hook captures its output
+    and aborts the call), so the probe pays for the layers it reads and no more: half the backbone at
+    the default middle layer. The last entry of ``hidden_states`` is post-norm in HF models, so it and
+    models without a recognisable layer list take the full ``output_hidden_states`` path.
 
     Sequences are right-padded; a causal model's states at real positions do not depend on the
     padding after them, so no attention mask is needed.
@@ -95,16 +112,36 @@ def hidden_features(
     device = next(model.parameters()).device
     # HF causal LMs can skip most of the LM head; the states are the same either way.
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    blocks = _decoder_layers(model)
+    early = blocks is not None and 0 < layer < len(blocks)
+    captured: list[torch.Tensor] = []
+
+    def capture(_module, _args, output):
+        captured.append(output[0] if isinstance(output, tuple) else output)
+        raise _StopForward
+
     out: list[torch.Tensor] = []
-    order = range(0, len(sequences), batch_size)
-    for i in progress(order, desc=f"hidden states (layer {layer})", unit="batch"):
-        batch = sequences[i:i + batch_size]
-        t = max(len(s) for s in batch)
-        ids = torch.zeros(len(batch), t, dtype=torch.long)  # (B, T)
-        for b, s in enumerate(batch):
-            ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        hs = model(ids.to(device), output_hidden_states=True, **extra).hidden_states[layer]  # (B, T, d)
-        out.extend(hs[b, :len(s)].float().cpu() for b, s in enumerate(batch))
+    handle = blocks[layer - 1].register_forward_hook(capture) if early else None
+    try:
+        for i in progress(range(0, len(sequences), batch_size), desc=f"hidden states (layer {layer})", unit="batch"):
+            batch = sequences[i:i + batch_size]
+            t = max(len(s) for s in batch)
+            ids = torch.zeros(len(batch), t, dtype=torch.long)  # (B, T)
+            for b, s in enumerate(batch):
+                ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+            if early:
+                captured.clear()
+                try:
+                    model(ids.to(device), **extra)
+                except _StopForward:
+                    pass
+                hs = captured[0]  # (B, T, d)
+            else:
+                hs = model(ids.to(device), output_hidden_states=True, **extra).hidden_states[layer]  # (B, T, d)
+            out.extend(hs[b, :len(s)].float().cpu() for b, s in enumerate(batch))
+    finally:
+        if handle is not None:
+            handle.remove()
     return out
 
 
