@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fbs.rl.report import decomposition_table, grid_table, read_log, windows
+from fbs.rl.report import decomposition_table, grid_table, read_log, read_sweep, windows
 
 
 def _run(tmp_path, name, alpha, beta, rewards):
@@ -48,3 +48,27 @@ def test_upto_cuts_every_run_at_the_same_step(tmp_path):
     assert [r["step"] for r in read_log(a, upto=3)] == [1, 2, 3]
     row = next(line for line in grid_table([a], last=1, upto=3).splitlines() if line.startswith("| a |"))
     assert "| 3 |" in row and "+3.0000" in row
+
+
+def _sweep(tmp_path, run, name, skip, ppl):
+    rows = [{"system": "base", "tau": None, "skip_ratio": 0.0, "tflops_rel": 1.0, "ppl": 15.0},
+            {"system": "fbs (nothing skipped)", "tau": None, "skip_ratio": 0.0, "tflops_rel": 1.0, "ppl": 12.5},
+            {"system": "fbs", "tau": 0.3, "skip_ratio": skip, "tflops_rel": 1 - skip, "ppl": ppl}]
+    path = tmp_path / name
+    path.write_text(json.dumps({"rows": rows, "checkpoint": str(run / "final")}))
+    return path
+
+
+def test_grid_table_adds_the_held_out_operating_point_of_each_run(tmp_path):
+    a = _run(tmp_path, "a", 0.1, 0.1, [1.0, 2.0])
+    b = _run(tmp_path, "b", 0.2, 0.1, [1.0, 2.0])
+    run, held = read_sweep(_sweep(tmp_path, a, "sa.json", 0.125, 14.0))
+    assert run == a.resolve() and held == {"base": 15.0, "no_skip": 12.5, "taus": {0.3: (0.125, 0.875, 14.0)}}
+    table = grid_table([a, b], last=1, sweeps=[tmp_path / "sa.json"])
+    assert "held-out Skip % @ τ=0.3" in table.splitlines()[0]
+    row_a = next(line for line in table.splitlines() if line.startswith("| a |"))
+    row_b = next(line for line in table.splitlines() if line.startswith("| b |"))
+    assert row_a.endswith("| 12.50 | 12.5% | 14.00 |")
+    assert row_b.endswith("| – | – | – |")  # no sweep for run b
+    with pytest.raises(ValueError, match="fbs eval sweep"):
+        read_sweep(tmp_path / "a" / "stage2_config.json")

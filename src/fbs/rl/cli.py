@@ -52,7 +52,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         if plot_decomposition(recs, png, title=f"Stage-2 reward decomposition ({Path(d).name})"):
             parts.append(f"plot: {png}")
     if len(args.runs) > 1:
-        parts.append("## operating points\n\n" + grid_table(args.runs, args.last, args.upto))
+        parts.append("## operating points\n\n" + grid_table(args.runs, args.last, args.upto, args.sweep or ()))
     text = "\n\n".join(parts) + "\n"
     print(text)
     if args.out_dir:
@@ -68,6 +68,9 @@ def add_report_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("--windows", type=int, default=6, help="rows of the decomposition table (step windows)")
     r.add_argument("--last", type=int, default=5, help="grid table: average over each run's last N steps")
     r.add_argument("--upto", type=int, help="grid table: only steps <= N of every run (compare equal lengths)")
+    r.add_argument("--sweep", action="append", metavar="JSON",
+                   help="grid table: `fbs eval sweep --checkpoint RUN/final` result of a run (held-out skip %% and "
+                        "PPL per tau), repeatable")
     r.add_argument("--out-dir", help="write stage2_report.md and the PNGs here (default: PNGs in each run)")
     r.set_defaults(func=cmd_report)
     return r

@@ -102,15 +102,55 @@ def plot_decomposition(records: Sequence[dict], path: str | Path, title: str = "
     return True
 
 
-def grid_table(run_dirs: Sequence[str | Path], last: int = 5, upto: int | None = None) -> str:
-    """One row per run: alpha, beta and the mean over its last ``last`` steps of every decomposition key."""
-    head = "| run | α | β | steps | " + " | ".join(h for _, h, _ in DECOMPOSITION) + " |"
-    rows = [head, "|" + "---|" * (4 + len(DECOMPOSITION))]
+def read_sweep(path: str | Path) -> tuple[Path, dict]:
+    """A ``fbs eval sweep`` JSON: (the run directory of its checkpoint, held-out figures).
+
+    Figures: ``no_skip`` (PPL with every layer), ``base`` (base-model PPL) and ``taus`` {tau: (skip ratio,
+    TFLOPs(rel), PPL)}. The run is the parent of the swept checkpoint (``runs/X/final`` -> ``runs/X``).
+    """
+    data = json.loads(Path(path).read_text())
+    if "rows" not in data or not data.get("checkpoint"):
+        raise ValueError(f"{path} is not an `fbs eval sweep --checkpoint RUN/final` result (no rows or checkpoint)")
+    out: dict = {"taus": {}}
+    for row in data["rows"]:
+        if row["system"] == "base":
+            out["base"] = row["ppl"]
+        elif row["tau"] is None:
+            out["no_skip"] = row["ppl"]
+        else:
+            out["taus"][float(row["tau"])] = (row["skip_ratio"], row["tflops_rel"], row["ppl"])
+    return Path(data["checkpoint"]).resolve().parent, out
+
+
+def grid_table(run_dirs: Sequence[str | Path], last: int = 5, upto: int | None = None,
+               sweeps: Sequence[str | Path] = ()) -> str:
+    """One row per run: alpha, beta and the mean over its last ``last`` steps of every decomposition key.
+
+    With ``sweeps`` (``fbs eval sweep`` JSONs of the runs' exports), each row also gets the held-out
+    operating point: PPL with nothing skipped, and skip %, PPL at every swept tau. That is where a run's
+    gates end up on text, while the decomposition columns describe its training episodes.
+    """
+    held = dict(read_sweep(p) for p in sweeps)
+    taus = sorted({t for h in held.values() for t in h["taus"]}, reverse=True)
+    extra = (["held-out PPL, no skip"] + [f"held-out {h} @ τ={t:g}" for t in taus for h in ("Skip %", "PPL")]
+             if held else [])
+    head = "| run | α | β | steps | " + " | ".join([h for _, h, _ in DECOMPOSITION] + extra) + " |"
+    rows = [head, "|" + "---|" * (4 + len(DECOMPOSITION) + len(extra))]
     for d in run_dirs:
         recs, cfg = read_log(d, upto), read_config(d)
         tail = recs[-last:]
         m = {k: sum(r[k] for r in tail) / len(tail) for k, _, _ in DECOMPOSITION}
         cells = [fmt.format(m[k]) for k, _, fmt in DECOMPOSITION]
+        if held:
+            h = held.get(Path(d).resolve())
+            cells.append("–" if h is None or "no_skip" not in h else f"{h['no_skip']:.2f}")
+            for t in taus:
+                point = None if h is None else h["taus"].get(t)
+                cells += ["–", "–"] if point is None else [f"{point[0]:.1%}", f"{point[2]:.2f}"]
         rows.append(f"| {Path(d).name} | {cfg.get('alpha', '?')} | {cfg.get('beta', '?')} | {len(recs)} | "
                     + " | ".join(cells) + " |")
-    return "\n".join(rows) + f"\n\n(means over each run's last {last} PPO steps)"
+    note = f"\n\n(decomposition: means over each run's last {last} PPO steps"
+    if held:
+        bases = sorted({round(h["base"], 2) for h in held.values() if "base" in h})
+        note += f"; held-out: `fbs eval sweep` of each run's export, base-model PPL {', '.join(map(str, bases))}"
+    return "\n".join(rows) + note + ")"
