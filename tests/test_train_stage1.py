@@ -146,13 +146,21 @@ def test_export_and_load_trained(tmp_path):
             if "lora_b" in n:
                 p.add_(0.01)
     path = export(tr.model, cfg, tmp_path / "final")
-    loaded = load_trained(path, base=tiny_hf())
+    hf = tiny_hf()
     ids = data.eval_ids[:1]
+    with torch.no_grad():
+        hf_before = hf(ids).logits
+    loaded = load_trained(path, base=hf)
     tr.model.eval()
     with torch.no_grad():
         a = tr.model(ids, gate_mode="off").logits
         b = loaded(ids, gate_mode="off").logits
+        hf_after = hf(ids).logits
     torch.testing.assert_close(a, b)
+    # the caller's base model is not modified: the adapters went into a private, merged copy
+    torch.testing.assert_close(hf_after, hf_before, rtol=0, atol=0)
+    assert not any("lora_" in n for n, _ in hf.named_parameters())
+    assert not any("lora_" in n for n, _ in loaded.named_parameters())  # merged: no decode overhead
 
 
 def test_cli_registers_train_stage1(tmp_path, capsys):

@@ -7,6 +7,7 @@ evaluation under skipping (thresholded or planned gates) and the equivalence tes
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -312,6 +313,9 @@ class FBSForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, base=None, tokenizer=None, **overrides) -> "FBSForCausalLM":
         """Load an FBS checkpoint onto its base model (``base`` defaults to the name recorded in it).
 
+        ``base`` may be a name, a directory or an HF model instance. An instance is shared (no copy) unless the
+        checkpoint changes backbone weights (Stage-1 adapters or trained tensors): then the model works on a
+        deep copy, so the caller's model keeps computing the base model.
         ``overrides`` replace inference-time config fields (tau, kv_policy, never_skip_*)."""
         from safetensors.torch import load_file
 
@@ -329,6 +333,13 @@ class FBSForCausalLM(nn.Module):
         bad = sorted(set(overrides) & structural - {"never_skip_first", "never_skip_last", "never_skip_layers"})
         if bad:
             raise CheckpointError(f"cannot override structural fields {bad} when loading a trained checkpoint")
+        own_base = base is None or isinstance(base, (str, os.PathLike))
+        if not own_base and cls._changes_backbone(path):
+            # The checkpoint changes backbone weights (adapters, trained tensors) and FBS calls the base's own
+            # modules: applying them to the caller's model would silently change it (e.g. a benchmark's HF
+            # baseline running this checkpoint's adapters). Work on a private copy instead.
+            logger.info("%s changes the backbone: loading it onto a copy of the given base model", path)
+            base, own_base = copy.deepcopy(base), True
         model = cls.from_base(base if base is not None else cfg.base_model, config=cfg, tokenizer=tokenizer)
         if cfg.base_fingerprint and model.config.base_fingerprint != cfg.base_fingerprint:
             raise CheckpointError(
@@ -339,16 +350,22 @@ class FBSForCausalLM(nn.Module):
         missing, unexpected = model._load_fbs_state(sd)
         if missing or unexpected:
             raise CheckpointError(f"{w_file} does not match the config: missing {missing}, unexpected {unexpected}")
-        model._load_backbone_deltas(path, merge=base is None)
+        model._load_backbone_deltas(path, merge=own_base)
         if overrides:
             model.configure(**overrides)
         return model
 
+    @staticmethod
+    def _changes_backbone(path: Path) -> bool:
+        from .train.lora import ADAPTERS_NAME
+
+        return (path / ADAPTERS_NAME).is_file() or (path / "backbone_trainable.safetensors").is_file()
+
     def _load_backbone_deltas(self, path: Path, merge: bool) -> None:
         """Apply what Stage-1 trained in the backbone, if the checkpoint has it: LoRA adapters
-        (``adapters.safetensors``) and other trained backbone tensors (``backbone_trainable.safetensors``). Adapters are merged
-        into the weights (no decode overhead) when the base was loaded here, else kept as wrappers so a
-        caller's model is not modified behind its back."""
+        (``adapters.safetensors``) and other trained backbone tensors (``backbone_trainable.safetensors``).
+        ``from_pretrained`` only calls this on a base it owns (loaded by name, or a copy of the caller's
+        model), so adapters are merged into the weights: no decode overhead."""
         from safetensors.torch import load_file
 
         from .train.lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters, merge_adapters

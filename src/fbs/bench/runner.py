@@ -79,7 +79,11 @@ class RunSpec:
 
 
 def load_fbs(model, tok, spec: RunSpec):
-    """The FBS model over the already-loaded base (weights shared), and a note on where its modules came from."""
+    """The FBS model over the already-loaded base, and a note on where its modules came from.
+
+    Untrained modules share the base's weights. A trained checkpoint with Stage-1 adapters gets a private,
+    merged copy of the base (``FBSForCausalLM.from_pretrained``), so the HF systems keep running the base model
+    and the FBS systems pay no adapter overhead; the FBS rows' peak RSS includes that copy."""
     from fbs import FBSForCausalLM
     from fbs.cli import shipped_checkpoint
 
