@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 GateMode = Literal["off", "soft", "threshold", "plan"]
 CONFIG_NAME = "fbs_config.json"
 WEIGHTS_NAME = "fbs_model.safetensors"
+BACKBONE_NAME = "backbone_trainable.safetensors"  # Stage-1 trained backbone tensors (not adapters)
 
 
 class CheckpointError(ValueError):
@@ -333,13 +334,12 @@ class FBSForCausalLM(nn.Module):
         bad = sorted(set(overrides) & structural - {"never_skip_first", "never_skip_last", "never_skip_layers"})
         if bad:
             raise CheckpointError(f"cannot override structural fields {bad} when loading a trained checkpoint")
-        own_base = base is None or isinstance(base, (str, os.PathLike))
-        if not own_base and cls._changes_backbone(path):
+        if base is not None and not isinstance(base, (str, os.PathLike)) and cls._changes_backbone(path):
             # The checkpoint changes backbone weights (adapters, trained tensors) and FBS calls the base's own
             # modules: applying them to the caller's model would silently change it (e.g. a benchmark's HF
             # baseline running this checkpoint's adapters). Work on a private copy instead.
             logger.info("%s changes the backbone: loading it onto a copy of the given base model", path)
-            base, own_base = copy.deepcopy(base), True
+            base = copy.deepcopy(base)
         model = cls.from_base(base if base is not None else cfg.base_model, config=cfg, tokenizer=tokenizer)
         if cfg.base_fingerprint and model.config.base_fingerprint != cfg.base_fingerprint:
             raise CheckpointError(
@@ -350,7 +350,7 @@ class FBSForCausalLM(nn.Module):
         missing, unexpected = model._load_fbs_state(sd)
         if missing or unexpected:
             raise CheckpointError(f"{w_file} does not match the config: missing {missing}, unexpected {unexpected}")
-        model._load_backbone_deltas(path, merge=own_base)
+        model._load_backbone_deltas(path)
         if overrides:
             model.configure(**overrides)
         return model
@@ -359,9 +359,9 @@ class FBSForCausalLM(nn.Module):
     def _changes_backbone(path: Path) -> bool:
         from .train.lora import ADAPTERS_NAME
 
-        return (path / ADAPTERS_NAME).is_file() or (path / "backbone_trainable.safetensors").is_file()
+        return (path / ADAPTERS_NAME).is_file() or (path / BACKBONE_NAME).is_file()
 
-    def _load_backbone_deltas(self, path: Path, merge: bool) -> None:
+    def _load_backbone_deltas(self, path: Path) -> None:
         """Apply what Stage-1 trained in the backbone, if the checkpoint has it: LoRA adapters
         (``adapters.safetensors``) and other trained backbone tensors (``backbone_trainable.safetensors``).
         ``from_pretrained`` only calls this on a base it owns (loaded by name, or a copy of the caller's
@@ -374,9 +374,8 @@ class FBSForCausalLM(nn.Module):
         if (path / ADAPTERS_NAME).is_file():
             load_adapters(self, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
                           tuple(meta.get("lora_targets", ())) or DEFAULT_TARGETS)
-            if merge:
-                merge_adapters(self.base.layers)
-        backbone = path / "backbone_trainable.safetensors"
+            merge_adapters(self.base.layers)
+        backbone = path / BACKBONE_NAME
         if backbone.is_file():
             res = self.load_state_dict(load_file(str(backbone)), strict=False)
             if res.unexpected_keys:

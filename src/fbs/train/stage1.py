@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .. import FBSForCausalLM
+from ..model import BACKBONE_NAME
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
@@ -39,7 +40,6 @@ from .losses import LossParts, LossWeights, Stage1Loss, lm_loss, oracle_targets,
 
 logger = logging.getLogger(__name__)
 
-BACKBONE_NAME = "backbone_trainable.safetensors"
 META_NAME = "train_meta.json"
 
 
