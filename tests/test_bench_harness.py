@@ -107,3 +107,34 @@ def test_peak_rss_sees_an_allocation():
 def test_bench_config_validates():
     with pytest.raises(ValueError):
         BenchConfig(new_tokens=0)
+
+
+def test_draft_runs_budget_measures_assisted_generation_on_the_first_prompts_only():
+    """A slow draft-model system gets no warm-up, N runs and N probed prompts; under greedy its output must
+    still equal the target's own greedy output (assisted generation is lossless)."""
+    from fbs.bench.report import markdown, result_record
+    from fbs.bench.systems import hf_assisted
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(**{**CFG, "num_hidden_layers": 1})).eval()
+    prompts = torch.randint(1, 200, (3, 8))
+    cfg = BenchConfig(prompt_len=8, new_tokens=6, warmup=2, runs=3, num_prompts=3)
+    system = hf_assisted(target, draft, num_assistant_tokens=3, max_runs=1)
+    calls = []
+    real = system.generate
+    system.generate = lambda ids, n, probe=False: calls.append(probe) or real(ids, n, probe)
+    res = measure(system, prompts, cfg)
+    assert res.status == "ok", res.note
+    assert calls == [True, False]  # one probe run (the first prompt), no warm-up, one measured run
+    assert res.budget == {"warmup": 0, "runs": 1, "probe_prompts": 1}
+    greedy = measure(hf_greedy(target), prompts, cfg)
+    assert greedy.budget == {"warmup": 2, "runs": 3, "probe_prompts": 3}
+    assert torch.equal(res.outputs, greedy.outputs[:1])
+    assert 0.0 <= res.probe["acceptance_rate"] <= 1.0
+    rec = result_record(res, cfg.new_tokens, greedy.total_s.median, match_rates(res.outputs, greedy.outputs[:1]),
+                        None)
+    assert rec["budget"] == res.budget and rec["token_match_pct"] == 100.0
+    doc = {"protocol": {"prompt_len": 8, "new_tokens": 6, "runs": 3, "warmup": 2},
+           "environment": {"cpu": "x", "torch_threads": 1, "torch": "t"}, "results": [rec]}
+    assert "| hf-assisted (1 run, 0 warm-up, 1 prompt matched) | 1 |" in markdown(doc)

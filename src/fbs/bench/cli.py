@@ -37,7 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         spec = RunSpec(base=args.model, checkpoint=args.checkpoint, fresh=args.fresh, systems=args.systems,
                        taus=args.taus, plans=args.plans, early_exit_layer=args.early_exit_layer,
                        num_assistant_tokens=args.num_assistant_tokens, prompt_lookup_tokens=args.prompt_lookup_tokens,
-                       draft=args.draft, batch_sizes=args.batch_sizes,
+                       draft=args.draft, draft_runs=args.draft_runs, batch_sizes=args.batch_sizes,
                        long_context=args.long_lengths if args.long_context else (),
                        long_warmup=args.long_warmup, long_runs=args.long_runs, device=args.device)
     except ValueError as e:
@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-assistant-tokens", type=int, default=s.num_assistant_tokens)
     p.add_argument("--prompt-lookup-tokens", type=int, default=s.prompt_lookup_tokens)
     p.add_argument("--draft", help="draft model for assisted generation (bundled name or HF directory)")
+    p.add_argument("--draft-runs", type=int,
+                   help="reduced budget for the slow draft-model system: no warm-up (its probe run warms it), "
+                        "this many measured runs, match rates over the first this-many prompts "
+                        "(default: the same protocol as every system)")
     p.add_argument("--long-context", action="store_true", help="also run the long-context pass (appendix F.2)")
     p.add_argument("--long-lengths", type=_ints, default=(8192, 16384),
                    help="long prompt lengths, clipped to the model's positions (default 8192,16384)")

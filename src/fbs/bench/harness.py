@@ -157,6 +157,7 @@ class SystemResult:
     peak_device_mb: float | None = None
     probe: dict[str, Any] = dataclasses.field(default_factory=dict)
     outputs: torch.Tensor | None = None  # generated ids of the probe runs, (P, N); not serialized
+    budget: dict[str, int] = dataclasses.field(default_factory=dict)  # warmup, runs, probe_prompts used
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -277,6 +278,11 @@ def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
         logger.info("%s: unavailable (%s)", system.name, reason)
         return res
     pbs = batches(prompts, cfg.batch_size)
+    max_runs = getattr(system, "max_runs", None)
+    if max_runs is not None:  # a slow system's reduced budget: the probe run is its warm-up
+        cfg = dataclasses.replace(cfg, warmup=0, runs=max_runs)
+        pbs = pbs[:max_runs]
+    res.budget = {"warmup": cfg.warmup, "runs": cfg.runs, "probe_prompts": sum(b.shape[0] for b in pbs)}
     try:
         res.outputs, res.probe = probe(system, pbs, cfg.new_tokens)
         for i in range(cfg.warmup):

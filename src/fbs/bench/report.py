@@ -65,6 +65,8 @@ RESULT_KEYS: dict[str, str] = {
     "peak_device_mb": "torch.cuda.max_memory_allocated during the measured runs; null on CPU",
     "roofline": "{baseline_tok_s, system_tok_s, fraction_of_baseline, fraction_of_system, bound}",
     "probe": "raw statistics of the untimed probe run (passes, proposed, accepted, engine cross-checks, ...)",
+    "budget": "{warmup, runs, probe_prompts} this system actually used: the protocol's, or the reduced budget "
+              "of a slow system (--draft-runs: no warm-up, N runs, match rates over the first N prompts)",
 }
 
 #: Keys of every record in ``long_context``.
@@ -118,6 +120,7 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "peak_device_mb": res.peak_device_mb,
         "roofline": roofline,
         "probe": probe,
+        "budget": res.budget,
     }
 
 
@@ -194,8 +197,13 @@ def markdown(doc: dict[str, Any]) -> str:
             continue
         lat = r["latency_ms"]
         roof = r.get("roofline") or {}
+        b = r.get("budget") or {}
+        name = r["system"]
+        if b and (b["runs"], b["warmup"]) != (p["runs"], p["warmup"]):
+            name += f" ({b['runs']} run{'s' if b['runs'] != 1 else ''}, {b['warmup']} warm-up, " \
+                    f"{b['probe_prompts']} prompt{'s' if b['probe_prompts'] != 1 else ''} matched)"
         lines.append("| " + " | ".join([
-            r["system"], str(r["batch_size"]), _f(lat["total"]["median"], ".0f"), _f(lat["total"]["std"], ".0f"),
+            name, str(r["batch_size"]), _f(lat["total"]["median"], ".0f"), _f(lat["total"]["std"], ".0f"),
             _f(lat["prefill"]["median"], ".0f"), _f(lat["decode"]["median"], ".0f"), _f(r["decode_tok_s"], ".1f"),
             _f(r["speedup"], ".2f"), _f(r["tflops_rel"], ".2f"), _f(r["tflops_rel_exact"], ".2f"),
             _f(r["method_ratio"], ".1f", 100), r["method_ratio_kind"], _f(r["token_match_pct"], ".1f"),

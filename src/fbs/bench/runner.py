@@ -52,6 +52,8 @@ class RunSpec:
     prompt_lookup_tokens: int = 10
     draft: str | None = None
     """Draft model (name or HF directory) for assisted generation; None = report that none is available."""
+    draft_runs: int | None = None
+    """Reduced budget for assisted generation (no warm-up, this many runs and matched prompts); None = protocol."""
     batch_sizes: tuple[int, ...] = (1,)
     long_context: tuple[int, ...] = ()
     """Long-context prompt lengths (paper: 8192, 16384), clipped to the model's positions minus new tokens."""
@@ -70,6 +72,8 @@ class RunSpec:
             raise ValueError(f"unknown systems {sorted(unknown)}; choose from all, {', '.join(GROUPS)}")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.draft_runs is not None and self.draft_runs < 1:
+            raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
     def wants(self, group: str) -> bool:
         return "all" in self.systems or group in self.systems
@@ -103,7 +107,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
     if spec.wants("early-exit"):
         systems.append(hf_early_exit(model, spec.early_exit_layer or L // 2, spec.num_assistant_tokens))
     if spec.wants("assisted"):
-        systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens))
+        systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens, spec.draft_runs))
     if fbs_model is None:
         return systems
     tau0 = fbs_model.config.tau
@@ -203,7 +207,9 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
         results = _measure_all(systems, prompts, cfg)
         base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
         for r in results:
-            match = match_rates(r.outputs, base.outputs) if base is not None and r.outputs is not None else None
+            match = None
+            if base is not None and r.outputs is not None:  # a reduced budget probes the first prompts only
+                match = match_rates(r.outputs, base.outputs[: r.outputs.shape[0]])
             rec = report.result_record(r, cfg.new_tokens, base.total_s.median if base else None, match,
                                        _roofline(r, cost, peaks, cfg, extra_bytes))
             records.append(rec)

@@ -67,6 +67,8 @@ class HFSystem:
     ratio_kind: str | None = None  # acceptance | verified_advance | None
     batch1_only: bool = False
     missing: str = ""  # non-empty: the system cannot run, and why
+    max_runs: int | None = None
+    """A reduced budget for a slow system: no warm-up, this many measured runs, probe over as many prompts."""
 
     @property
     def params(self) -> dict[str, Any]:
@@ -154,9 +156,11 @@ def hf_early_exit(model, exit_layer: int, num_assistant_tokens: int = 5) -> HFSy
                     ratio_kind="acceptance", batch1_only=True)
 
 
-def hf_assisted(model, draft=None, tokenizer=None, draft_tokenizer=None, num_assistant_tokens: int = 5) -> HFSystem:
+def hf_assisted(model, draft=None, tokenizer=None, draft_tokenizer=None, num_assistant_tokens: int = 5,
+                max_runs: int | None = None) -> HFSystem:
     """Assisted generation with a separate draft model; universal assisted generation (token re-encoding) when
-    the draft's tokenizer differs from the target's. Without a draft the system reports why it cannot run."""
+    the draft's tokenizer differs from the target's. Without a draft the system reports why it cannot run.
+    ``max_runs`` gives it the reduced budget of ``HFSystem.max_runs`` (a draft larger than the target is slow)."""
     if draft is None:
         return HFSystem("hf-assisted", model, "speculative", ratio_kind="acceptance", batch1_only=True,
                         missing=NO_DRAFT_REASON)
@@ -166,7 +170,7 @@ def hf_assisted(model, draft=None, tokenizer=None, draft_tokenizer=None, num_ass
             draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         kwargs.update(tokenizer=tokenizer, assistant_tokenizer=draft_tokenizer)
         name = "hf-universal-assisted"
-    return HFSystem(name, model, "speculative", kwargs, ratio_kind="acceptance", batch1_only=True)
+    return HFSystem(name, model, "speculative", kwargs, ratio_kind="acceptance", batch1_only=True, max_runs=max_runs)
 
 
 # ------------------------------------------------------------------------------------------ FBS engine
