@@ -44,7 +44,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = " ".join(shlex.quote(a) for a in sys.argv)
-    doc = run(spec, bench, command=command)
+    doc = run(spec, bench, command=command, progress=True)
     paths = write_outputs(doc, Path(args.out_dir))
     print(Path(paths["markdown"]).read_text())
     for kind, path in paths.items():

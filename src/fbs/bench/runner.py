@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -161,20 +162,31 @@ def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: Be
     return out
 
 
-def _measure_all(systems, prompts, bench: BenchConfig) -> list[SystemResult]:
+def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -> list[SystemResult]:
+    """Measure the systems one after another; ``progress`` shows a bar on stderr (outside every timed region:
+    it is only updated between systems)."""
+    from tqdm.auto import tqdm
+
     results = []
-    for system in systems:
+    bar = tqdm(systems, desc=f"bench B={bench.batch_size}", unit="system", file=sys.stderr, dynamic_ncols=True,
+               disable=not progress)
+    for system in bar:
+        bar.set_postfix_str(system.name)
         logger.info("measuring %s at batch %d", system.name, bench.batch_size)
-        results.append(measure(system, prompts, bench))
+        res = measure(system, prompts, bench)
+        if res.status == "ok":
+            bar.write(f"{system.name} B={bench.batch_size}: total {res.total_s.median:.2f} s, decode "
+                      f"{res.decode_s.median:.2f} s (median of {res.budget['runs']})", file=sys.stderr)
+        results.append(res)
     return results
 
 
 def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,
-        fbs_model=None) -> dict[str, Any]:
+        fbs_model=None, progress: bool = False) -> dict[str, Any]:
     """Measure every requested system at every batch size (and long-context lengths); return the document.
 
     ``model``/``tok`` (and ``fbs_model``, built over ``model``) may be passed preloaded; by default they are
-    loaded from ``spec``.
+    loaded from ``spec``. ``progress`` shows a progress bar per batch size on stderr.
     """
     from fbs.models import load_base
 
@@ -204,7 +216,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
         prompts = build_prompts(tok, cfg.num_prompts, cfg.prompt_len)
         digests[B] = prompts_digest(prompts)
         prompts = prompts.to(device)
-        results = _measure_all(systems, prompts, cfg)
+        results = _measure_all(systems, prompts, cfg, progress)
         base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
         for r in results:
             match = None
@@ -214,7 +226,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
                                        _roofline(r, cost, peaks, cfg, extra_bytes))
             records.append(rec)
 
-    long_records = _long_context(spec, bench, model, tok, systems)
+    long_records = _long_context(spec, bench, model, tok, systems, progress)
     env["load_avg_1m_end"] = environment(device)["load_avg_1m"]
     counts = fbs_model.param_counts() if fbs_model is not None else None
     return {
@@ -242,7 +254,8 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     }
 
 
-def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems) -> list[dict[str, Any]]:
+def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems,
+                  progress: bool = False) -> list[dict[str, Any]]:
     """TTFT, decode tok/s over the N-1 later tokens and peak memory at long prompts (appendix F.2), batch 1."""
     if not spec.long_context:
         return []
@@ -263,6 +276,8 @@ def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems) -> lis
                                         "positions")
             else:
                 logger.info("long context: %s at %d tokens", system.name, used)
+                if progress:
+                    print(f"long context: {system.name} at {used} tokens ...", file=sys.stderr, flush=True)
                 res = measure(system, prompts, cfg)
             records.append(report.long_context_record(res, requested, used, bench.new_tokens))
         done.add(used)
