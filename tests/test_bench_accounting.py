@@ -70,6 +70,37 @@ def test_hf_greedy_counts_exactly_plain_decoding():
     assert out.stats["tflops_rel_exact"] == pytest.approx(1.0)
 
 
+def test_learned_prompt_length_counts_exactly_plain_decoding():
+    """A draft model's counter learns its prompt length from the first pass; on plain greedy decoding that
+    must reproduce the hand formula for N - 1 decode steps over a 12-token prompt."""
+    from fbs.bench.accounting import InvocationCounter
+
+    m = tiny_llama()
+    ids = torch.randint(1, 200, (1, 12))
+    with InvocationCounter(m, None) as c:
+        m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    cost = LayerCost.from_config(m.config)
+    assert c.prompt_len == 12
+    assert (c.invocations, c.decode_macs(cost)) == baseline_decode_macs(cost, 12, 6)
+
+
+def test_assisted_generation_counts_the_draft_models_work():
+    from fbs.bench.systems import hf_assisted
+
+    target = tiny_llama()
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(LlamaConfig(**{**CFG, "num_hidden_layers": 1})).eval()
+    ids = torch.randint(1, 200, (1, 12))
+    stats = hf_assisted(target, draft, num_assistant_tokens=3).generate(ids, 8, probe=True).stats
+    alone = hf_assisted(target, None).missing  # no draft: the system says why it cannot run
+    assert alone
+    # the draft proposes every candidate the target verifies, one draft forward per proposed token at least
+    d_cost, t_cost = LayerCost.from_config(draft.config), LayerCost.from_config(target.config)
+    _, base = baseline_decode_macs(t_cost, 12, 8)
+    assert stats["draft_macs_rel"] * base >= stats["proposed"] * (d_cost.dense + d_cost.lm_head) - 1e-6
+    assert stats["draft_macs_rel"] > 0
+
+
 def test_speculative_ratios_from_passes():
     # 10 new tokens in 4 target passes proposing 3, 3, 3, 0 candidates: 6 accepted of 9
     r = speculative_ratios([3, 3, 3, 0], 10)

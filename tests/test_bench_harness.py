@@ -138,3 +138,57 @@ def test_draft_runs_budget_measures_assisted_generation_on_the_first_prompts_onl
     doc = {"protocol": {"prompt_len": 8, "new_tokens": 6, "runs": 3, "warmup": 2},
            "environment": {"cpu": "x", "torch_threads": 1, "torch": "t"}, "results": [rec]}
     assert "| hf-assisted (1 run, 0 warm-up, 1 prompt matched) | 1 |" in markdown(doc)
+
+
+class ScriptedSystem:
+    """A stand-in system that logs its calls: (name, 'probe'|'timed', first prompt id); optionally fails."""
+
+    family = "baseline"
+    params: dict = {}
+
+    def __init__(self, name, log, fail_on_call=None, max_runs=None):
+        self.name, self.log, self.fail_on_call, self.max_runs = name, log, fail_on_call, max_runs
+        self.calls = 0
+
+    def unavailable(self, batch_size):
+        return ""
+
+    def generate(self, ids, n, probe=False):
+        from fbs.bench.harness import GenOutput
+
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("boom")
+        self.log.append((self.name, "probe" if probe else "timed", int(ids[0, 0])))
+        return GenOutput(torch.cat([ids, ids[:, :1].repeat(1, n)], dim=1), 0.001, 0.002, {})
+
+
+def test_interleaved_rounds_run_every_system_in_turn_with_its_own_budget():
+    from fbs.bench.harness import measure_interleaved
+
+    log = []
+    prompts = torch.arange(1, 4).view(3, 1).repeat(1, 4)  # three prompts, first ids 1, 2, 3
+    a, b = ScriptedSystem("a", log), ScriptedSystem("b", log, max_runs=1)
+    rounds = []
+    res = measure_interleaved([a, b], prompts, BenchConfig(prompt_len=4, new_tokens=2, warmup=1, runs=2,
+                                                           num_prompts=3), lambda k, i, n: rounds.append((k, i, n)))
+    assert log == [("a", "probe", 1), ("a", "probe", 2), ("a", "probe", 3), ("b", "probe", 1),  # b: first prompt
+                   ("a", "timed", 1),                                   # warm-up round (b has none)
+                   ("a", "timed", 1), ("b", "timed", 1),                # measured round 1
+                   ("a", "timed", 2)]                                   # measured round 2 (b's budget is 1 run)
+    assert rounds == [("warm-up", 0, 1), ("run", 0, 2), ("run", 1, 2)]
+    assert [r.budget["runs"] for r in res] == [2, 1] and [len(r.outputs) for r in res] == [3, 1]
+    assert res[0].decode_s.median == pytest.approx(0.002) and res[0].peak_rss_mb > 0
+
+
+def test_interleaved_failure_drops_only_the_failing_system():
+    from fbs.bench.harness import measure_interleaved
+
+    log = []
+    prompts = torch.ones(2, 4, dtype=torch.long)
+    bad, good = ScriptedSystem("bad", log, fail_on_call=4), ScriptedSystem("good", log)  # 2 probes, 1 warm, then fail
+    res = measure_interleaved([bad, good], prompts, BenchConfig(prompt_len=4, new_tokens=2, warmup=1, runs=3,
+                                                                num_prompts=2))
+    assert (res[0].status, res[0].note) == ("failed", "RuntimeError: boom")
+    assert res[1].status == "ok" and len([e for e in log if e[:2] == ("good", "timed")]) == 4
+    assert [e for e in log if e[0] == "bad"][-1] == ("bad", "timed", 1)  # nothing after the failure

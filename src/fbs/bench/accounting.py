@@ -134,9 +134,12 @@ class InvocationCounter:
     and derives speculative statistics from the passes through the last layer (target passes only):
     ``m_t`` candidate tokens verified in pass t = decode-position tokens in the pass, minus the already
     committed token it starts from. Use as a context manager around one untimed generate call.
+
+    ``prompt_len=None`` learns it from the first pass (its positions 0 .. T-1 are the prompt): for a separate
+    draft model whose prompt is the target's re-encoded under another tokenizer (universal assisted generation).
     """
 
-    def __init__(self, model, prompt_len: int):
+    def __init__(self, model, prompt_len: int | None):
         self.model = model
         self.prompt_len = prompt_len
         self.layers = list(model.model.layers)
@@ -170,6 +173,8 @@ class InvocationCounter:
             if pos is None:  # transformers always passes them for Llama-family models; be explicit if not
                 raise RuntimeError("decoder layer called without position_ids; cannot attribute decode work")
             pos = pos[0] if pos.dim() == 2 else pos  # rows share positions: prompts have equal length
+            if self.prompt_len is None:  # the first pass is the prompt's
+                self.prompt_len = int(pos.max()) + 1
             dec = pos >= self.prompt_len
             n_dec = int(dec.sum())
             self.dec_tokens[idx] += B * n_dec

@@ -33,7 +33,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup, runs = 1, 3
     try:
         bench = BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, warmup=warmup, runs=runs,
-                            num_prompts=args.num_prompts, threads=args.threads)
+                            num_prompts=args.num_prompts, threads=args.threads, interleave=args.interleave)
         spec = RunSpec(base=args.model, checkpoint=args.checkpoint, fresh=args.fresh, systems=args.systems,
                        taus=args.taus, plans=args.plans, early_exit_layer=args.early_exit_layer,
                        num_assistant_tokens=args.num_assistant_tokens, prompt_lookup_tokens=args.prompt_lookup_tokens,
@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help="discarded runs per system (paper: 20)")
     p.add_argument("--runs", type=int, default=d.runs, help="measured runs per system (paper: 50)")
     p.add_argument("--quick", action="store_true", help="1 warm-up and 3 measured runs (development only)")
+    p.add_argument("--interleave", action="store_true",
+                   help="run the systems round by round (each warm-up/measured round runs every system once) so "
+                        "machine drift hits all alike; default: one system after another, as in the paper")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="distinct prompts (runs cycle)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default=s.device, help="cpu or cuda (timing syncs the device around each run)")

@@ -56,6 +56,9 @@ class BenchConfig:
     """Distinct prompts; runs cycle through them and match rates are computed over all of them."""
     threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
+    interleave: bool = False
+    """Interleave the systems' runs round by round (see ``measure_interleaved``) instead of one system after
+    another (the paper's order)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "new_tokens", "batch_size", "runs", "num_prompts"):
@@ -268,45 +271,107 @@ def _average_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return avg
 
 
-def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
-    """Run the protocol for one system at ``cfg.batch_size``; failures are recorded, not raised."""
-    res = SystemResult(name=system.name, family=system.family, batch_size=cfg.batch_size, params=system.params,
-                       ratio_kind=getattr(system, "ratio_kind", None))
-    reason = system.unavailable(cfg.batch_size)
-    if reason:
-        res.status, res.note = "unavailable", reason
-        logger.info("%s: unavailable (%s)", system.name, reason)
-        return res
-    pbs = batches(prompts, cfg.batch_size)
-    max_runs = getattr(system, "max_runs", None)
-    if max_runs is not None:  # a slow system's reduced budget: the probe run is its warm-up
-        cfg = dataclasses.replace(cfg, warmup=0, runs=max_runs)
-        pbs = pbs[:max_runs]
-    res.budget = {"warmup": cfg.warmup, "runs": cfg.runs, "probe_prompts": sum(b.shape[0] for b in pbs)}
-    try:
-        res.outputs, res.probe = probe(system, pbs, cfg.new_tokens)
-        for i in range(cfg.warmup):
-            timed_call(system, pbs[i % len(pbs)], cfg.new_tokens)
-        device = pbs[0].device
-        if device.type == "cuda":
+class _Session:
+    """One system's measurement in progress: its effective budget, prompt batches and timings so far."""
+
+    def __init__(self, system, prompts: torch.Tensor, cfg: BenchConfig) -> None:
+        self.system = system
+        self.res = SystemResult(name=system.name, family=system.family, batch_size=cfg.batch_size,
+                                params=system.params, ratio_kind=getattr(system, "ratio_kind", None))
+        self.pbs = batches(prompts, cfg.batch_size)
+        max_runs = getattr(system, "max_runs", None)
+        if max_runs is not None:  # a slow system's reduced budget: the probe run is its warm-up
+            cfg = dataclasses.replace(cfg, warmup=0, runs=max_runs)
+            self.pbs = self.pbs[:max_runs]
+        self.cfg = cfg
+        self.res.budget = {"warmup": cfg.warmup, "runs": cfg.runs, "probe_prompts": sum(b.shape[0] for b in self.pbs)}
+        self.pre: list[float] = []
+        self.dec: list[float] = []
+        self.tot: list[float] = []
+        self.before_mb: float | None = None
+        self.peak_mb = 0.0
+        self.peak_device_mb: float | None = None
+        reason = system.unavailable(cfg.batch_size)
+        if reason:
+            self.res.status, self.res.note = "unavailable", reason
+            logger.info("%s: unavailable (%s)", system.name, reason)
+
+    @property
+    def active(self) -> bool:
+        return self.res.status == "ok"
+
+    def guarded(self, step, *args) -> None:
+        """Run one phase; a failure is recorded on the result (one broken system must not lose the others')."""
+        if not self.active:
+            return
+        try:
+            step(*args)
+        except Exception as e:
+            logger.exception("%s failed", self.system.name)
+            self.res.status, self.res.note = "failed", f"{type(e).__name__}: {e}"
+
+    def probe(self) -> None:
+        self.res.outputs, self.res.probe = probe(self.system, self.pbs, self.cfg.new_tokens)
+
+    def warm(self, i: int) -> None:
+        timed_call(self.system, self.pbs[i % len(self.pbs)], self.cfg.new_tokens)
+
+    def timed(self, i: int) -> None:
+        device = self.pbs[0].device
+        if device.type == "cuda":  # per run, so that interleaved systems do not see each other's peaks
             torch.cuda.reset_peak_memory_stats(device)
-        pre, dec, tot = [], [], []
         with PeakRSS() as mem:
-            for i in range(cfg.runs):
-                out, wall = timed_call(system, pbs[i % len(pbs)], cfg.new_tokens)
-                pre.append(out.prefill_s)
-                dec.append(out.decode_s)
-                tot.append(wall)
-        res.rss_before_mb, res.peak_rss_mb = mem.before_mb, mem.peak_mb
+            out, wall = timed_call(self.system, self.pbs[i % len(self.pbs)], self.cfg.new_tokens)
         if device.type == "cuda":
-            res.peak_device_mb = torch.cuda.max_memory_allocated(device) / 2**20
-        res.prefill_s, res.decode_s, res.total_s = Summary.of(pre), Summary.of(dec), Summary.of(tot)
-        logger.info("%s B=%d: total %.1f ms (median of %d), decode %.1f ms", system.name, cfg.batch_size,
-                    1e3 * res.total_s.median, cfg.runs, 1e3 * res.decode_s.median)
-    except Exception as e:  # one broken system must not lose the others' numbers
-        logger.exception("%s failed", system.name)
-        res.status, res.note = "failed", f"{type(e).__name__}: {e}"
-    return res
+            self.peak_device_mb = max(self.peak_device_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
+        if self.before_mb is None:
+            self.before_mb = mem.before_mb
+        self.peak_mb = max(self.peak_mb, mem.peak_mb)
+        self.pre.append(out.prefill_s)
+        self.dec.append(out.decode_s)
+        self.tot.append(wall)
+
+    def finish(self) -> SystemResult:
+        res = self.res
+        if res.status == "ok":
+            res.rss_before_mb, res.peak_rss_mb = self.before_mb, self.peak_mb
+            res.peak_device_mb = self.peak_device_mb
+            res.prefill_s, res.decode_s, res.total_s = Summary.of(self.pre), Summary.of(self.dec), Summary.of(self.tot)
+            logger.info("%s B=%d: total %.1f ms (median of %d), decode %.1f ms", res.name, res.batch_size,
+                        1e3 * res.total_s.median, len(self.tot), 1e3 * res.decode_s.median)
+        return res
+
+
+def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
+    """Run the protocol for one system at ``cfg.batch_size``: probe, warm-up, measured runs.
+
+    Failures are recorded, not raised. Peak RSS is the maximum over the measured runs."""
+    s = _Session(system, prompts, cfg)
+    s.guarded(s.probe)
+    for i in range(s.cfg.warmup):
+        s.guarded(s.warm, i)
+    for i in range(s.cfg.runs):
+        s.guarded(s.timed, i)
+    return s.finish()
+
+
+def measure_interleaved(systems, prompts: torch.Tensor, cfg: BenchConfig, on_round=None) -> list[SystemResult]:
+    """The protocol for several systems with their runs interleaved: every system is probed, then each warm-up
+    round and each measured round runs every system once, in turn, so slow drift of the machine (a shared host,
+    thermal state) hits all systems alike instead of the ones measured last. ``on_round(kind, i, n)`` is
+    called before each round. Each system keeps its own budget; one that fails drops out of later rounds."""
+    sessions = [_Session(system, prompts, cfg) for system in systems]
+    for s in sessions:
+        s.guarded(s.probe)
+    for kind, count, step in (("warm-up", "warmup", "warm"), ("run", "runs", "timed")):
+        n = max((getattr(s.cfg, count) for s in sessions), default=0)
+        for i in range(n):
+            if on_round:
+                on_round(kind, i, n)
+            for s in sessions:
+                if i < getattr(s.cfg, count):
+                    s.guarded(getattr(s, step), i)
+    return [s.finish() for s in sessions]
 
 
 # ----------------------------------------------------------------------------------------------- matching

@@ -184,7 +184,8 @@ def markdown(doc: dict[str, Any]) -> str:
     prefill/decode split, consistency with the baseline (appendix E.8), memory and roofline fraction."""
     p = doc["protocol"]
     head = (f"prompt {p['prompt_len']} -> {p['new_tokens']} new tokens, greedy, EOS ignored; median of "
-            f"{p['runs']} runs after {p['warmup']} warm-up; {doc['environment']['cpu']}, "
+            f"{p['runs']} runs after {p['warmup']} warm-up"
+            f"{' (systems interleaved round by round)' if p.get('interleave') else ''}; {doc['environment']['cpu']}, "
             f"{doc['environment']['torch_threads']} threads, torch {doc['environment']['torch']}")
     cols = ["System", "B", "Latency (ms)", "± std", "Prefill (ms)", "Decode (ms)", "Decode tok/s", "Speed-up",
             "TFLOPs (rel)", "TFLOPs (rel, exact)", "Ratio (%)", "Ratio kind", "Token-match (%)",

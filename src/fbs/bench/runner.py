@@ -21,7 +21,7 @@ import torch
 from fbs.bench import report
 from fbs.bench.accounting import LayerCost
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
-                               measure, prompts_digest)
+                               measure, measure_interleaved, prompts_digest)
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import FBSSystem, forced_plan, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup
 
@@ -163,10 +163,24 @@ def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: Be
 
 
 def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -> list[SystemResult]:
-    """Measure the systems one after another; ``progress`` shows a bar on stderr (outside every timed region:
-    it is only updated between systems)."""
+    """Measure the systems one after another (or interleaved round by round with ``bench.interleave``);
+    ``progress`` shows a bar on stderr, updated between generate calls only (outside every timed region)."""
     from tqdm.auto import tqdm
 
+    if bench.interleave:
+        bar = tqdm(total=bench.warmup + bench.runs, desc=f"bench B={bench.batch_size} (interleaved)", unit="round",
+                   file=sys.stderr, dynamic_ncols=True, disable=not progress)
+
+        def on_round(kind: str, i: int, n: int) -> None:
+            bar.set_postfix_str(f"{kind} {i + 1}/{n}")
+            bar.update(1)  # counted at the start of a round: the bar is at 100% during the last one
+
+        bar.set_postfix_str("probe runs")
+        results = measure_interleaved(systems, prompts, bench, on_round)
+        bar.close()
+        for res in results:
+            _report_line(res, progress)
+        return results
     results = []
     bar = tqdm(systems, desc=f"bench B={bench.batch_size}", unit="system", file=sys.stderr, dynamic_ncols=True,
                disable=not progress)
@@ -174,11 +188,20 @@ def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -
         bar.set_postfix_str(system.name)
         logger.info("measuring %s at batch %d", system.name, bench.batch_size)
         res = measure(system, prompts, bench)
-        if res.status == "ok":
-            bar.write(f"{system.name} B={bench.batch_size}: total {res.total_s.median:.2f} s, decode "
-                      f"{res.decode_s.median:.2f} s (median of {res.budget['runs']})", file=sys.stderr)
+        _report_line(res, progress, bar.write)
         results.append(res)
     return results
+
+
+def _report_line(res: SystemResult, progress: bool, write=None) -> None:
+    if not progress or res.status != "ok":
+        return
+    line = (f"{res.name} B={res.batch_size}: total {res.total_s.median:.2f} s, decode {res.decode_s.median:.2f} s "
+            f"(median of {res.budget['runs']})")
+    if write is not None:
+        write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr)
 
 
 def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,

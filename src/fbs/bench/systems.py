@@ -19,6 +19,7 @@ The FBS engine times prefill and decode itself (``res.timings``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -106,15 +107,21 @@ class HFSystem:
             end = clock.end_t if clock.end_t is not None else time.perf_counter()
             return GenOutput(seqs, prefill_s=first - t0, decode_s=end - first)
         T = input_ids.shape[1]
-        with InvocationCounter(self.model, T) as counter:
+        draft = self.gen_kwargs.get("assistant_model")
+        # a separate draft model's decode work is counted too (its prompt length is learned: it may be re-encoded)
+        with InvocationCounter(self.model, T) as counter, \
+                (InvocationCounter(draft, None) if draft is not None else contextlib.nullcontext()) as drafted:
             seqs = self._call(input_ids, new_tokens, clock)
         cost = LayerCost.from_config(self.model.config)
         base_inv, base_macs = baseline_decode_macs(cost, T, new_tokens, batch=input_ids.shape[0])
+        draft_macs = drafted.decode_macs(LayerCost.from_config(draft.config)) if draft is not None else 0
         stats: dict[str, Any] = {
             "tflops_rel": counter.invocations / base_inv if base_inv else None,
-            "tflops_rel_exact": counter.decode_macs(cost) / base_macs if base_macs else None,
+            "tflops_rel_exact": (counter.decode_macs(cost) + draft_macs) / base_macs if base_macs else None,
             "layer_skip_ratio": 0.0 if self.family == "baseline" else None,
         }
+        if draft is not None:
+            stats["draft_macs_rel"] = draft_macs / base_macs if base_macs else None
         if self.family == "speculative":
             stats.update(speculative_ratios(counter.candidates, new_tokens))
         stats["method_ratio"] = _method_ratio(stats, self.ratio_kind)
