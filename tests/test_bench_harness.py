@@ -176,7 +176,7 @@ def test_interleaved_rounds_run_every_system_in_turn_with_its_own_budget():
                    ("a", "timed", 1),                                   # warm-up round (b has none)
                    ("a", "timed", 1), ("b", "timed", 1),                # measured round 1
                    ("a", "timed", 2)]                                   # measured round 2 (b's budget is 1 run)
-    assert rounds == [("warm-up", 0, 1), ("run", 0, 2), ("run", 1, 2)]
+    assert rounds == [("probe a", 0, 2), ("probe b", 1, 2), ("warm-up", 0, 1), ("run", 0, 2), ("run", 1, 2)]
     assert [r.budget["runs"] for r in res] == [2, 1] and [len(r.outputs) for r in res] == [3, 1]
     assert res[0].decode_s.median == pytest.approx(0.002) and res[0].peak_rss_mb > 0
 

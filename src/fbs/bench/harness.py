@@ -359,9 +359,11 @@ def measure_interleaved(systems, prompts: torch.Tensor, cfg: BenchConfig, on_rou
     """The protocol for several systems with their runs interleaved: every system is probed, then each warm-up
     round and each measured round runs every system once, in turn, so slow drift of the machine (a shared host,
     thermal state) hits all systems alike instead of the ones measured last. ``on_round(kind, i, n)`` is
-    called before each round. Each system keeps its own budget; one that fails drops out of later rounds."""
+    called before each system's probe and before each round. Each system keeps its own budget; one that fails drops out of later rounds."""
     sessions = [_Session(system, prompts, cfg) for system in systems]
-    for s in sessions:
+    for i, s in enumerate(sessions):
+        if on_round:
+            on_round(f"probe {s.system.name}", i, len(sessions))
         s.guarded(s.probe)
     for kind, count, step in (("warm-up", "warmup", "warm"), ("run", "runs", "timed")):
         n = max((getattr(s.cfg, count) for s in sessions), default=0)

@@ -168,14 +168,14 @@ def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -
     from tqdm.auto import tqdm
 
     if bench.interleave:
-        bar = tqdm(total=bench.warmup + bench.runs, desc=f"bench B={bench.batch_size} (interleaved)", unit="round",
-                   file=sys.stderr, dynamic_ncols=True, disable=not progress)
+        # one step per system's probe, then per round (each round runs every system once)
+        bar = tqdm(total=len(systems) + bench.warmup + bench.runs, desc=f"bench B={bench.batch_size} (interleaved)",
+                   unit="step", file=sys.stderr, dynamic_ncols=True, disable=not progress)
 
         def on_round(kind: str, i: int, n: int) -> None:
-            bar.set_postfix_str(f"{kind} {i + 1}/{n}")
-            bar.update(1)  # counted at the start of a round: the bar is at 100% during the last one
+            bar.set_postfix_str(f"{kind} ({i + 1}/{n})")
+            bar.update(1)  # counted at the start of a step: the bar is at 100% during the last one
 
-        bar.set_postfix_str("probe runs")
         results = measure_interleaved(systems, prompts, bench, on_round)
         bar.close()
         for res in results:
