@@ -248,6 +248,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     markers = {"fbs": "o", "speculative": "s", "baseline": "D"}
     core = [r["latency_ms"]["decode"]["median"] for r in rows if r["family"] != "speculative"]
     top = 1.5 * max(core) if core else None  # speculative rows far above the rest are drawn at the edge
+    labels: list[tuple[float, float, str]] = []
     for fam in ("fbs", "speculative", "baseline"):
         pts = [r for r in rows if r["family"] == fam]
         if not pts:
@@ -261,7 +262,14 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
         ax.errorbar(xs, ys_drawn, yerr=es_drawn, fmt=markers[fam], capsize=3, label=fam)
         for x, y, r, c in zip(xs, ys_drawn, pts, clipped):
             label = r["system"] + (f" (off scale: {r['latency_ms']['decode']['median']:.0f} ms)" if c else "")
-            ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            labels.append((x, y, label))
+    # labels of points close together are stacked downwards instead of printed over each other
+    span = top if top is not None else max((y for _, y, _ in labels), default=1.0)
+    placed: list[tuple[float, float]] = []
+    for x, y, label in sorted(labels, key=lambda t: (t[0], -t[1])):
+        k = sum(1 for px, py in placed if abs(px - x) < 2.0 and abs(py - y) < 0.06 * span)
+        placed.append((x, y))
+        ax.annotate(label, (x, y), fontsize=6, xytext=(4, 3 - 8 * k), textcoords="offset points")
     if top is not None:
         ax.set_ylim(0, top * 1.05)
     p = doc["protocol"]
