@@ -188,20 +188,18 @@ def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -
         bar.set_postfix_str(system.name)
         logger.info("measuring %s at batch %d", system.name, bench.batch_size)
         res = measure(system, prompts, bench)
-        _report_line(res, progress, bar.write)
+        _report_line(res, progress)
         results.append(res)
     return results
 
 
-def _report_line(res: SystemResult, progress: bool, write=None) -> None:
-    if not progress or res.status != "ok":
-        return
-    line = (f"{res.name} B={res.batch_size}: total {res.total_s.median:.2f} s, decode {res.decode_s.median:.2f} s "
-            f"(median of {res.budget['runs']})")
-    if write is not None:
-        write(line, file=sys.stderr)
-    else:
-        print(line, file=sys.stderr)
+def _report_line(res: SystemResult, progress: bool) -> None:
+    """One line per measured system on stderr (``tqdm.write`` keeps an open progress bar intact)."""
+    from tqdm.auto import tqdm
+
+    if progress and res.status == "ok":
+        tqdm.write(f"{res.name} B={res.batch_size}: total {res.total_s.median:.2f} s, decode "
+                   f"{res.decode_s.median:.2f} s (median of {res.budget['runs']})", file=sys.stderr)
 
 
 def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,
