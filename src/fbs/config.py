@@ -63,6 +63,9 @@ class FBSConfig:
     """Width of the shared projections of the residual state and of the preview fed to the gates."""
     gate_input: GateInput = "both"
     """What the gate sees (appendix E.5): residual signal, preview, or both."""
+    gate_prev_skip: bool = False
+    """Give each gate the explicit input "the previous layer was skipped for this token" (1.0 / 0.0). Without
+    it, a gate after a skipped layer sees only a zero relative update, an input full-depth passes never show."""
     gate_init_bias: float = -4.0
     """Initial gate logit: sigmoid(-4) = 0.018, so fresh gates compute at any tau >= 0.02."""
     tau: float = 0.5

@@ -342,7 +342,7 @@ class _Decoder:
         return logits
 
     # ---- decode -------------------------------------------------------------
-    def _skip_decision(self, l, step, rows, xn, rel, zterms):
+    def _skip_decision(self, l, step, rows, xn, rel, zterms, prev_skip):
         """Returns (skip list[bool] per row, p tensor (b,) or None)."""
         o = self.opts
         if o.force_compute:
@@ -352,7 +352,7 @@ class _Decoder:
             return [s] * len(rows), None
         if not self.gated[l]:
             return [False] * len(rows), None
-        p = torch.sigmoid(self.gates.logits(l, xn, rel, zterms))[:, 0]  # (b,)
+        p = torch.sigmoid(self.gates.logits(l, xn, rel, zterms, prev_skip))[:, 0]  # (b,)
         if o.gate_sampling:
             dec = torch.bernoulli(p, generator=self.gen).bool().tolist()
         else:
@@ -378,12 +378,13 @@ class _Decoder:
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
         zterms = self.gates.preview_terms(zlow)
         rel = x.new_ones(b, 1)
+        prev_skip = None  # (b, 1) 1.0 where the previous layer was skipped; None while nothing was
         positions = [[p] for p in pos_list]
         for i, r in enumerate(rows):
             rec.ctx[r][step], rec.valid[r][step] = pos_list[i], True
         for l in range(self.L):
             xn = m.base.norm1(l, x)
-            skip, p = self._skip_decision(l, step, rows, xn, rel, zterms)
+            skip, p = self._skip_decision(l, step, rows, xn, rel, zterms, prev_skip)
             run = [not s for s in skip]
             if self.opts.batch_policy == "all" and any(run):
                 run = [True] * b
@@ -418,6 +419,8 @@ class _Decoder:
             if bound is not None and l == m.layers_cfg.ch[0]:
                 for i, bv in zip(sel, bound.tolist()):
                     rec.bound[rows[i]][step] = bv
+            if self.gates.use_prev_skip:
+                prev_skip = None if all(run) else torch.tensor([[0.0 if r else 1.0] for r in run], device=self.dev)
             if l + 1 < self.L and self.gated[l + 1] and m.gates.use_residual and not self.opts.force_compute:
                 rel = (new - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)
             x = new

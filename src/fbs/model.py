@@ -61,6 +61,25 @@ class FBSOutput:
         return None if self.window_k is None else torch.floor(self.window_k).long()
 
 
+@dataclasses.dataclass
+class SkipTraining:
+    """Extra controls of the ``soft`` gate mode for skip-tolerance training (docs/train.md, "skip distillation").
+
+    All tensors are (B, T, L); entries of layers that are not gated and positions before ``gate_from`` are ignored.
+    """
+
+    force_skip: torch.Tensor | None = None
+    """bool: pairs skipped whatever the gate says (random layer dropout); they carry no gate gradient."""
+    probe: torch.Tensor | None = None
+    """zeros with ``requires_grad``, added to each pair's mixture weight g. After ``backward`` its ``.grad`` is
+    dL/dg = <dL/dh', h - f(h)>: the first-order change of the loss if the pair were skipped (computed) more."""
+    straight_through: bool = True
+    """Pass dL/dg to the gate probability (appendix E.2). False: the mixture weight is the hard decision only,
+    so gates learn from their own losses (targets, budget) and nothing else."""
+    detach_gate_inputs: bool = False
+    """Gates read detached states, so gate losses never reach the backbone."""
+
+
 class FBSForCausalLM(nn.Module):
     """A pretrained Llama/Qwen2/Qwen3/Mistral decoder with FBS modules. Build with :meth:`from_base`."""
 
@@ -159,7 +178,8 @@ class FBSForCausalLM(nn.Module):
                 gate_mode: GateMode | None = None, tau: float | None = None, skip_plan: torch.Tensor | None = None,
                 kv_policy: str | None = None, gate_from: int = 0, soft_window: bool | None = None,
                 bios_labels: torch.Tensor | None = None, output_hidden_states: bool = False,
-                generator: torch.Generator | None = None, soft_sample: str = "bernoulli") -> FBSOutput:
+                generator: torch.Generator | None = None, soft_sample: str = "bernoulli",
+                skip_training: SkipTraining | None = None) -> FBSOutput:
         """Run all positions at once.
 
         gate_mode: ``off`` (compute every layer), ``soft`` (straight-through Bernoulli gates with the soft
@@ -169,6 +189,7 @@ class FBSForCausalLM(nn.Module):
         prompt is prefilled with every layer at decode time). Hard modes honour ``kv_policy``: ``hole``
         hides a skipped token's K/V (and chunk update) at that layer from later tokens; ``project`` keeps them.
         ``attention_mask`` (B, T): 1 for tokens, 0 for padding (left or right).
+        ``skip_training`` adds forced skips, a gradient probe and gradient routing to ``soft`` mode.
         """
         if input_ids.dim() != 2 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty (batch, seq) tensor, got shape {tuple(input_ids.shape)}")
@@ -201,6 +222,10 @@ class FBSForCausalLM(nn.Module):
         emb_v, keys_v = self.preview_vocab() if len(self.paw) else (None, {})
         zlow = x.new_zeros(b, t, cfg.preview_rank)
         rel = x.new_ones(b, t)
+        prev_skip = x.new_zeros(b, t)  # hard skip of the previous layer (gate input with gate_prev_skip)
+        st = skip_training or SkipTraining()
+        if st != SkipTraining() and mode != "soft":
+            raise ValueError("skip_training applies to gate_mode='soft' only")
         probs = x.new_zeros(b, t, spec.num_layers)
         skips = x.new_zeros(b, t, spec.num_layers)
         prev_logits, win_k, win_w, bios, bounds, cstates, tstates = [], [], [], [], [], [], []
@@ -210,10 +235,18 @@ class FBSForCausalLM(nn.Module):
             xn = self.base.norm1(l, x)
             skip, g = None, None  # skip: hard bool (B,T); g: float mixture weight
             if l in self.layers_cfg.gated:
-                p = self.gates.prob(l, xn, rel, zlow)
+                if st.detach_gate_inputs:
+                    p = self.gates.prob(l, xn.detach(), rel.detach(), zlow.detach(), prev_skip)
+                else:
+                    p = self.gates.prob(l, xn, rel, zlow, prev_skip)
                 probs[..., l] = p
                 if mode == "soft":
-                    g = straight_through(p, generator, tau if soft_sample == "threshold" else None) * gated_pos
+                    force = st.force_skip[..., l] if st.force_skip is not None else None
+                    g = straight_through(p, generator, tau if soft_sample == "threshold" else None, force,
+                                         st.straight_through)
+                    if st.probe is not None:
+                        g = g + st.probe[..., l]
+                    g = g * gated_pos
                     skips[..., l] = g
                 elif mode != "off":
                     skip = ((p > tau) if mode == "threshold" else plan[..., l]) & gated_pos
@@ -255,6 +288,12 @@ class FBSForCausalLM(nn.Module):
                 new = f
             if str(l) in self.paw:
                 zlow = new_z
+            if skip is not None:
+                prev_skip = skip.to(x.dtype)
+            elif g is not None:
+                prev_skip = (g.detach() > 0.5).to(x.dtype)
+            else:
+                prev_skip = x.new_zeros(b, t)
             rel = relative_update(new, x)
             x = new
             if hidden is not None:
@@ -329,7 +368,7 @@ class FBSForCausalLM(nn.Module):
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise CheckpointError(f"{cfg_file} is malformed: {e}") from e
         structural = {"k_max", "paw_layers", "ch_layers", "preview_vocab_size", "preview_rank", "chunk_rank",
-                      "gate_rank", "gate_width", "gate_input", "paw_compression", "paw_conv_groups",
+                      "gate_rank", "gate_width", "gate_input", "gate_prev_skip", "paw_compression", "paw_conv_groups",
                       "never_skip_first", "never_skip_last", "never_skip_layers"}
         bad = sorted(set(overrides) & structural - {"never_skip_first", "never_skip_last", "never_skip_layers"})
         if bad:

@@ -138,11 +138,44 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from fbs.data import chat
+    from fbs.data.sources import SourceError
+
+    try:
+        items = chat.load_items(args.langs.split(","))
+    except (SourceError, ValueError) as exc:
+        return _error(str(exc))
+    train, held = chat.split(items, seed=args.seed)
+    if args.answers:
+        from fbs import FBSForCausalLM
+
+        model = FBSForCausalLM.from_base(args.model).eval()
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        # the first --answers training items of each language, in hash order (a seeded, language-stratified sample)
+        per_lang = {lang: sorted((it for it in train if it.lang == lang), key=lambda it: chat._rank(it.id, args.seed + 1))
+                    for lang in {it.lang for it in train}}
+        share = {lang: round(args.answers * len(v) / len(train)) for lang, v in per_lang.items()}
+        pick = [it for lang, v in per_lang.items() for it in v[:share[lang]]]
+        answers = chat.base_answers(model, model.tokenizer, pick, args.max_new_tokens, args.batch_size, _progress)
+        for it, a in zip(pick, answers):
+            it.base_answer = a
+    chat.write_items(args.out / "train.jsonl", train)
+    chat.write_items(args.out / "heldout.jsonl", held)
+    n_ans = sum(it.base_answer is not None for it in train)
+    print(f"chat data written to {args.out}: {len(train)} training items ({n_ans} with the base model's answer), "
+          f"{len(held)} held-out prompts ({', '.join(f'{l} {sum(it.lang == l for it in held)}' for l in sorted({it.lang for it in held}))})")
+    return 0
+
+
 # --- parser ----------------------------------------------------------------------------------
 
 
 def register(subparsers: Any) -> None:
-    """Add ``data {build,label}`` and ``probe`` to the top-level ``fbs`` sub-parsers."""
+    """Add ``data {build,label,stats,chat}`` and ``probe`` to the top-level ``fbs`` sub-parsers."""
     from fbs.data.corpus import CorpusConfig
 
     d = CorpusConfig()
@@ -178,6 +211,18 @@ def register(subparsers: Any) -> None:
     st.add_argument("--block-size", type=int, default=512, help="training block length for per-block coverage")
     st.add_argument("--out", type=Path, default=None, help="write the statistics as JSON")
     st.set_defaults(func=cmd_stats)
+
+    c = sub.add_parser("chat", help="chat instruction data (Alpaca demos): training items with the base model's "
+                                     "greedy answers, and the held-out prompts of `fbs eval chat`")
+    c.add_argument("--out", required=True, type=Path, help="output directory (train.jsonl, heldout.jsonl)")
+    c.add_argument("--model", default="smollm2-135m", help="base model whose greedy answers are recorded")
+    c.add_argument("--langs", default="en,zh", help="comma-separated languages")
+    c.add_argument("--answers", type=int, default=256, help="training items that get the base model's answer (0: none)")
+    c.add_argument("--max-new-tokens", type=int, default=160, help="length cap of the base model's answers")
+    c.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    c.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    c.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    c.set_defaults(func=cmd_chat)
 
     p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
     p.add_argument("--model", default="smollm2-135m", help="fbs.models name or HF directory")

@@ -7,6 +7,7 @@ For every layer l that may be skipped, p_t^(l) = sigmoid(MLP_l([r_t^(l); z_t])) 
   ``gate_rank`` by a projection shared across layers) and ``log(u + 1e-3)`` with
   u = ||h^(l) - h^(l-1)|| / ||h^(l-1)||, the relative update the previous layer made to this token
   (0 when it was skipped). Small updates upstream predict small updates here (DESIGN.md §7's oracle).
+* optionally (``gate_prev_skip``) s_t^(l-1), 1.0 when layer l-1 was skipped for this token, else 0.0.
 * z_t, the PAW preview summary (``zlow`` of the most recent PAW layer at or below l; zeros before it).
 
 ``gate_input`` selects residual, preview or both (appendix E.5). The last linear layer starts at zero
@@ -30,7 +31,9 @@ class SkipGates(nn.Module):
         super().__init__()
         self.use_residual = cfg.gate_input in ("residual", "both")
         self.use_preview = cfg.gate_input in ("preview", "both")
+        self.use_prev_skip = cfg.gate_prev_skip
         in_dim = (cfg.gate_rank + 1 if self.use_residual else 0) + (cfg.preview_rank if self.use_preview else 0)
+        in_dim += int(self.use_prev_skip)
         self.resid_proj = nn.Linear(hidden_size, cfg.gate_rank, bias=False) if self.use_residual else None
         self.layer_ids = tuple(gated_layers)
         self.hidden = nn.ModuleDict({str(l): nn.Linear(in_dim, cfg.gate_width) for l in gated_layers})
@@ -42,18 +45,23 @@ class SkipGates(nn.Module):
     def __contains__(self, layer: int) -> bool:
         return str(layer) in self.hidden
 
-    def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor) -> torch.Tensor:
-        """xn: (B, T, d) normalized layer input; rel_update: (B, T); zlow: (B, T, R) -> (B, T) skip logits."""
+    def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor,
+               prev_skip: torch.Tensor | None = None) -> torch.Tensor:
+        """xn: (B, T, d) normalized layer input; rel_update: (B, T); zlow: (B, T, R); prev_skip: (B, T) 1.0 where
+        the previous layer was skipped (used with ``gate_prev_skip``; None = nothing skipped) -> (B, T) skip logits."""
         parts = []
         if self.use_residual:
             parts += [self.resid_proj(xn), torch.log(rel_update + 1e-3).unsqueeze(-1)]
         if self.use_preview:
             parts.append(zlow)
+        if self.use_prev_skip:
+            parts.append((prev_skip if prev_skip is not None else xn.new_zeros(xn.shape[:-1])).unsqueeze(-1))
         feats = torch.cat(parts, dim=-1)
         return self.out[str(layer)](F.silu(self.hidden[str(layer)](feats))).squeeze(-1)
 
-    def prob(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logits(layer, xn, rel_update, zlow))
+    def prob(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor,
+             prev_skip: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.sigmoid(self.logits(layer, xn, rel_update, zlow, prev_skip))
 
     @torch.no_grad()
     def fused(self) -> "FusedGates":
@@ -75,12 +83,20 @@ def relative_update(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 
 def straight_through(p: torch.Tensor, generator: torch.Generator | None = None,
-                     tau: float | None = None) -> torch.Tensor:
+                     tau: float | None = None, force: torch.Tensor | None = None,
+                     gradient: bool = True) -> torch.Tensor:
     """g = hard + p - stopgrad(p): a hard gate forward, d g / d p = 1 backward (appendix E.2).
 
-    hard = Bernoulli(p) by default, or 1[p > tau] when ``tau`` is given (the thresholded estimator)."""
+    hard = Bernoulli(p) by default, or 1[p > tau] when ``tau`` is given (the thresholded estimator).
+    ``force`` (bool, like p) marks pairs that skip regardless (hard = 1, no gradient to p there);
+    ``gradient=False`` returns the hard decision alone."""
     hard = torch.bernoulli(p.detach(), generator=generator) if tau is None else (p.detach() > tau).to(p.dtype)
-    return hard + p - p.detach()
+    if force is not None:
+        hard = torch.maximum(hard, force.to(p.dtype))
+    if not gradient:
+        return hard
+    st = p - p.detach()
+    return hard + (st if force is None else st * ~force)
 
 
 class FusedGates:
@@ -89,7 +105,8 @@ class FusedGates:
 
     def __init__(self, gates: SkipGates):
         self.use_residual, self.use_preview = gates.use_residual, gates.use_preview
-        self.a, self.w_rel, self.out_w, self.out_b = {}, {}, {}, {}
+        self.use_prev_skip = gates.use_prev_skip
+        self.a, self.w_rel, self.w_prev, self.out_w, self.out_b = {}, {}, {}, {}, {}
         z_blocks, self.z_slice = [], {}
         for i, l in enumerate(gates.layer_ids):
             hid, out = gates.hidden[str(l)], gates.out[str(l)]
@@ -101,8 +118,10 @@ class FusedGates:
                 self.w_rel[l] = w[:, r]
                 col = r + 1
             if self.use_preview:
-                z_blocks.append(w[:, col:])
+                z_blocks.append(w[:, col:w.shape[1] - int(self.use_prev_skip)])
                 self.z_slice[l] = slice(i * w.shape[0], (i + 1) * w.shape[0])
+            if self.use_prev_skip:
+                self.w_prev[l] = w[:, -1]
             self.out_w[l], self.out_b[l] = out.weight, out.bias
         self.z_all = torch.cat(z_blocks) if z_blocks else None  # (n_gated * width, R)
 
@@ -110,11 +129,15 @@ class FusedGates:
         """All layers' preview contributions for a token: (b, 1, n_gated * width)."""
         return None if self.z_all is None else F.linear(zlow, self.z_all)
 
-    def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zterms: torch.Tensor | None):
+    def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zterms: torch.Tensor | None,
+               prev_skip: torch.Tensor | None = None):
+        """prev_skip: (b, T) 1.0 where the previous layer was skipped, or None when none was."""
         a, bias = self.a[layer]
         pre = F.linear(xn, a, bias) if a is not None else bias.expand(*xn.shape[:-1], -1)
         if self.use_residual:
             pre = pre + torch.log(rel_update + 1e-3).unsqueeze(-1) * self.w_rel[layer]
         if zterms is not None:
             pre = pre + zterms[..., self.z_slice[layer]]
+        if self.use_prev_skip and prev_skip is not None:
+            pre = pre + prev_skip.unsqueeze(-1) * self.w_prev[layer]
         return F.linear(F.silu(pre), self.out_w[layer], self.out_b[layer]).squeeze(-1)
