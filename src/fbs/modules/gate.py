@@ -19,6 +19,8 @@ h' = g h + (1 - g) f(h). Inference: g = 1[p > tau] (threshold) or g ~ Bernoulli(
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,7 +63,23 @@ class SkipGates(nn.Module):
 
     def prob(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor,
              prev_skip: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.sigmoid(self.logits(layer, xn, rel_update, zlow, prev_skip))
+        z = self.logits(layer, xn, rel_update, zlow, prev_skip)
+        if self._logit_hook is not None:
+            z = self._logit_hook(layer, z)
+        return torch.sigmoid(z)
+
+    _logit_hook = None
+
+    @contextlib.contextmanager
+    def logit_hook(self, fn):
+        """Within the block, ``prob`` maps each layer's logits (B, T) through ``fn(layer, logits)`` first.
+        Training uses it to insert an identity whose backward rewrites the gates' gradient
+        (:class:`fbs.train.losses.HarmTargets`); the value of p is unchanged."""
+        self._logit_hook = fn
+        try:
+            yield
+        finally:
+            self._logit_hook = None
 
     @torch.no_grad()
     def fused(self) -> "FusedGates":
@@ -88,15 +106,14 @@ def straight_through(p: torch.Tensor, generator: torch.Generator | None = None,
     """g = hard + p - stopgrad(p): a hard gate forward, d g / d p = 1 backward (appendix E.2).
 
     hard = Bernoulli(p) by default, or 1[p > tau] when ``tau`` is given (the thresholded estimator).
-    ``force`` (bool, like p) marks pairs that skip regardless (hard = 1, no gradient to p there);
+    ``force`` (bool, like p) marks pairs that skip regardless (hard = 1; p still gets dL/dg there);
     ``gradient=False`` returns the hard decision alone."""
     hard = torch.bernoulli(p.detach(), generator=generator) if tau is None else (p.detach() > tau).to(p.dtype)
     if force is not None:
         hard = torch.maximum(hard, force.to(p.dtype))
     if not gradient:
         return hard
-    st = p - p.detach()
-    return hard + (st if force is None else st * ~force)
+    return hard + p - p.detach()
 
 
 class FusedGates:

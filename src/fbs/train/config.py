@@ -128,6 +128,39 @@ class TrainConfig:
     tau_end: float = 0.7
     """Gate threshold at the last step."""
 
+    # ---- skip distillation (recipe: skip_distill; docs/train.md) ----
+    recipe: str = "stage1"
+    """``stage1``: the paper's multi-task recipe with oracle-distilled gates. ``skip_distill``: every step a
+    frozen teacher pass (the base model, no adapters, no FBS) and a student pass that skips (its own gates
+    at ``skip_tau`` plus random layer dropout); loss λ_kl KL(teacher || student) + λ_lm L_lm + the paper's
+    PAW/CH terms; gates learn loss-aware targets at the ``target_skip`` budget."""
+    chat_data: str | None = None
+    """Directory of ``fbs data chat`` (train.jsonl): chat conversations mixed into training."""
+    chat_share: float = 0.0
+    """Fraction of micro-batches drawn from the chat conversations (the rest from ``data``)."""
+    lambda_kl: float = 1.0
+    """Weight of KL(teacher || student) (skip_distill)."""
+    lambda_lm: float = 1.0
+    """Weight of the next-token CE L_lm."""
+    target_skip: float = 0.3
+    """Target share of *all* (token, layer) pairs the gates skip (skip_distill); converted to a share of the
+    gated pairs, the quantile of the loss-aware gate targets."""
+    harm_weight: float = 1.0
+    """Weight of the gates' BCE towards the loss-aware targets (skip_distill)."""
+    drop_max: float = 0.2
+    """Random layer dropout on gated layers (skip_distill): p_l = drop_max * D(l), D rising from 0 at the
+    first gated layer to 1 at the last, e^(i ln2/(n-1)) - 1 (LayerSkip). Ramped in over ``drop_ramp``."""
+    drop_ramp: float = 0.1
+    """Fraction of max_steps over which the random dropout rate ramps from 0 to drop_max."""
+    gate_start: float = 0.1
+    """Fraction of max_steps after which the gates' own decisions skip (before: random dropout only, while the
+    gates already learn their targets)."""
+    skip_tau: float = 0.5
+    """Threshold of the gates in skip_distill training, the same rule as inference (p > tau); exported as tau."""
+    control: bool = False
+    """skip_distill without any skipping (no dropout, gates never skip): the control model that isolates the
+    fine-tuning's own effect."""
+
     # ---- evaluation, logging, checkpoints ----
     out_dir: str = "runs/stage1"
     """Run directory: checkpoints/, log.jsonl, final/ (save_pretrained output), tensorboard/."""
@@ -198,6 +231,14 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "log_every", "threads"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
         check(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+        check(self.recipe in ("stage1", "skip_distill"), f"recipe must be stage1|skip_distill, got {self.recipe!r}")
+        check(0 <= self.chat_share < 1, f"chat_share must be in [0, 1), got {self.chat_share}")
+        check(self.chat_share == 0 or self.chat_data, "chat_share > 0 needs chat_data (a `fbs data chat` directory)")
+        check(0 < self.target_skip < 1, f"target_skip must be in (0, 1), got {self.target_skip}")
+        for name in ("drop_max", "drop_ramp", "gate_start", "skip_tau"):
+            check(0 <= getattr(self, name) <= 1, f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("lambda_kl", "lambda_lm", "harm_weight"):
+            check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         check(self.max_train_blocks is None or self.max_train_blocks >= 1, "max_train_blocks must be >= 1")
         try:
             self.fbs_config()

@@ -254,3 +254,149 @@ class Stage1Loss(nn.Module):
         return LossParts(total, lm.detach(), d(bios), d(align), d(prev.total if prev else None),
                          d(prev.ce if prev else None), d(prev.window_k if prev else None), gate.detach(),
                          comp.detach(), d(dist), skip_rate)
+
+
+# ---------------------------------------------------------------------------- skip distillation (docs/train.md)
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, mean over positions (nats).
+
+    student_logits, teacher_logits (B, T, V); attention_mask (B, T) 1 = token. Forward KL at temperature 1:
+    the student is pulled to cover every continuation the teacher would give (Kangaroo's -Σ p_T log p_S up to
+    the teacher's entropy, which is constant)."""
+    logp_s = F.log_softmax(student_logits.float(), dim=-1)
+    logp_t = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)  # (B, T)
+    if attention_mask is None:
+        return kl.mean()
+    m = attention_mask.float()
+    return (kl * m).sum() / m.sum().clamp_min(1)
+
+
+class HarmTargets:
+    """Loss-aware skip targets for the gates, applied inside the backward pass.
+
+    Under straight-through gates (h' = h + (1 - g)(f(h) - h), g = hard + p - stopgrad(p)) the gradient that
+    reaches p is dL/dg = <dL/dh', h - f(h)>: the first-order change of the distillation loss if that
+    (token, layer) pair were skipped (for a pair that is skipped: if it were computed, with the sign turned).
+    Call it the pair's *harm*. This object is an identity on the gate logits z whose backward replaces
+    that gradient by the gradient of ``weight * BCE(sigmoid(z), y)`` with y = 1[harm < c]: the gates
+    are trained to flag the pairs whose skipping costs least, whatever the raw gradient's scale.
+
+    ``c`` is a global threshold over all gated layers: after each backward it moves towards the
+    ``rate``-quantile of the harms just seen (exponential average), so about ``rate`` of the gated pairs
+    are targets. That quantile is the compute budget: a global budget, which leaves it to the gates to
+    decide which layers give up their share.
+    Positions with zero incoming gradient (before ``gate_from``, or ungated) are not trained.
+    """
+
+    def __init__(self, rate: float, weight: float = 1.0, momentum: float = 0.9):
+        if not 0 < rate < 1:
+            raise ValueError(f"rate must be in (0, 1), got {rate}")
+        self.rate, self.weight, self.momentum = rate, weight, momentum
+        self.threshold: float | None = None
+        self._harms: list[torch.Tensor] = []
+        self.n_pairs = 1          # gated pairs of the current micro-batch (BCE normalisation)
+        self.last_target_rate = 0.0
+
+    def __call__(self, layer: int, logits: torch.Tensor) -> torch.Tensor:
+        return _HarmToTarget.apply(logits, self)
+
+    def update(self) -> None:
+        """Move the threshold towards the quantile of the harms collected since the last call."""
+        if not self._harms:
+            return
+        harms = torch.cat(self._harms)
+        self._harms = []
+        q = float(torch.quantile(harms, self.rate)) if harms.numel() <= 16_000_000 else float(
+            harms.kthvalue(max(1, int(self.rate * harms.numel()))).values)
+        self.threshold = q if self.threshold is None else self.momentum * self.threshold + (1 - self.momentum) * q
+        self.last_target_rate = float((harms < self.threshold).float().mean())
+
+    def state_dict(self) -> dict:
+        return {"threshold": self.threshold}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.threshold = state.get("threshold")
+
+
+class _HarmToTarget(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets: HarmTargets):
+        ctx.targets = targets
+        p = torch.sigmoid(logits.detach())
+        ctx.save_for_backward(p)
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (p,) = ctx.saved_tensors
+        ht: HarmTargets = ctx.targets
+        live = grad != 0                                  # (B, T) pairs that took part
+        harm = grad / (p * (1 - p)).clamp_min(1e-12)      # dL/dp = dL/dg: undo the sigmoid's derivative
+        ht._harms.append(harm[live].detach().float().flatten())
+        c = ht.threshold if ht.threshold is not None else 0.0
+        y = (harm < c).to(p.dtype)
+        return ht.weight * (p - y) * live / ht.n_pairs, None
+
+
+class DistillParts(NamedTuple):
+    """One skip-distillation micro-batch: ``total`` to back-propagate, the rest detached."""
+
+    total: torch.Tensor
+    kl: torch.Tensor         # KL(teacher || student) under the micro-batch's skips
+    lm: torch.Tensor         # next-token CE of the student
+    bios: torch.Tensor
+    align: torch.Tensor
+    preview: torch.Tensor
+    preview_ce: torch.Tensor
+    window_k: torch.Tensor
+    skip_rate: torch.Tensor  # fraction of gated pairs skipped (gates and random drops)
+    gate_rate: torch.Tensor  # fraction of gated pairs the gates alone would skip (p > tau)
+    mean_p: torch.Tensor
+
+    def scalars(self) -> dict[str, float]:
+        return {k: float(v.detach()) for k, v in self._asdict().items()}
+
+
+class SkipDistillLoss(nn.Module):
+    """L = λ_kl KL(base || student) + λ_lm L_lm + λ_bios L_bios + λ_align L_align + λ_paw L_preview.
+
+    The gates are trained by :class:`HarmTargets` inside the same backward (no term here)."""
+
+    def __init__(self, kl: float = 1.0, lm: float = 0.1, bios: float = 0.1, align: float = 0.05, paw: float = 0.1,
+                 window_credit: float = 5.0, align_kind: str = "infonce", align_temperature: float = 0.1,
+                 preview_floor: float = 0.0):
+        super().__init__()
+        self.w = dict(kl=kl, lm=lm, bios=bios, align=align, paw=paw)
+        self.window_credit, self.align_kind, self.align_temperature = window_credit, align_kind, align_temperature
+        self.preview_floor = preview_floor
+
+    def forward(self, out, teacher_logits: torch.Tensor, input_ids: torch.Tensor, preview_targets: torch.Tensor,
+                gate_mask: torch.Tensor, tau: float, bios_labels: torch.Tensor | None = None) -> DistillParts:
+        zero = out.logits.new_zeros(())
+        kl = kl_loss(out.logits, teacher_logits)
+        lm = lm_loss(out.logits, input_ids)
+        total = self.w["kl"] * kl + self.w["lm"] * lm
+        bios = bios_loss(out.bios_logits, bios_labels) if self.w["bios"] else None
+        if bios is not None:
+            total = total + self.w["bios"] * bios
+        align = None
+        if self.w["align"]:
+            align = align_loss(out.chunk_states, out.token_chunk_states, out.chunk_boundary, self.align_kind,
+                               self.align_temperature)
+            if align is not None:
+                total = total + self.w["align"] * align
+        prev = None
+        if self.w["paw"]:
+            prev = preview_loss(out.preview_logits, preview_targets, out.window_weights, self.window_credit,
+                                out.window_k, self.preview_floor)
+            if prev is not None:
+                total = total + self.w["paw"] * prev.total
+        m = gate_mask.float()
+        n = m.sum().clamp_min(1)
+        p = out.gate_probs.detach()
+        d = lambda x: zero if x is None else x.detach()  # noqa: E731
+        return DistillParts(total, kl.detach(), lm.detach(), d(bios), d(align), d(prev.total if prev else None),
+                            d(prev.ce if prev else None), d(prev.window_k if prev else None),
+                            (out.skips.detach() * m).sum() / n, ((p > tau).float() * m).sum() / n, (p * m).sum() / n)

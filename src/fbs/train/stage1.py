@@ -18,6 +18,8 @@ the step. The gate threshold used for held-out skip evaluation anneals linearly 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import math
@@ -31,12 +33,13 @@ import torch
 from torch import nn
 
 from .. import FBSForCausalLM
-from ..model import BACKBONE_NAME
+from ..model import BACKBONE_NAME, SkipTraining
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
-from .lora import add_adapters, save_adapters
-from .losses import LossParts, LossWeights, Stage1Loss, lm_loss, oracle_targets, relative_updates
+from .lora import LoRALinear, add_adapters, save_adapters
+from .losses import (HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, lm_loss, oracle_targets,
+                     relative_updates)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,44 @@ def accumulation_steps(cfg: TrainConfig, world: int) -> int:
 
 
 def is_soft(micro_index: int, cfg: TrainConfig) -> bool:
+    if cfg.recipe == "skip_distill":
+        return False  # every skip-distillation micro-batch is the same kind
     return cfg.skip_every > 0 and micro_index % cfg.skip_every == cfg.skip_every - 1
+
+
+def chat_before(micro_index: int, share: float) -> int:
+    """Chat micro-batches among micro-batches 0 .. micro_index - 1 (micro-batch m is chat when this count
+    grows from m to m + 1): spread evenly, a pure function of the index."""
+    return math.floor(micro_index * share + 1e-9)
+
+
+def is_chat(micro_index: int, share: float) -> bool:
+    return chat_before(micro_index + 1, share) > chat_before(micro_index, share)
+
+
+def drop_depth_curve(model: FBSForCausalLM) -> torch.Tensor:
+    """(L,) D(l) of LayerSkip's layer dropout over the gated layers: e^(i ln2 / (n-1)) - 1 for the i-th gated
+    layer (0 at the first, 1 at the last), 0 on never-skip layers."""
+    gated = model.layers_cfg.gated
+    d = torch.zeros(model.num_layers)
+    n = len(gated)
+    for i, l in enumerate(gated):
+        d[l] = math.exp(i * math.log(2) / max(1, n - 1)) - 1 if n > 1 else 1.0
+    return d
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module):
+    """Within the block every LoRA adapter of ``module`` is off: the backbone computes the base model."""
+    loras = [m for m in module.modules() if isinstance(m, LoRALinear)]
+    scales = [m.scaling for m in loras]
+    for m in loras:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, sc in zip(loras, scales):
+            m.scaling = sc
 
 
 # ---------------------------------------------------------------------------- model and parameters
@@ -264,7 +304,7 @@ class Trainer:
         self.accum = accumulation_steps(cfg, self.acc.num_processes)
         self.gate_gen = torch.Generator(device=self.acc.device).manual_seed(cfg.seed * 7919 + self.acc.process_index)
         self.loss_fn = Stage1Loss(
-            LossWeights(bios=cfg.lambda_bios, align=cfg.lambda_align, paw=cfg.lambda_paw, gate=cfg.lambda_gate,
+            LossWeights(lm=cfg.lambda_lm, bios=cfg.lambda_bios, align=cfg.lambda_align, paw=cfg.lambda_paw, gate=cfg.lambda_gate,
                         compute=cfg.lambda_compute, distill=cfg.lambda_distill),
             cfg.window_credit, cfg.align_kind, cfg.align_temperature, cfg.gate_max_rate, cfg.gate_entropy,
             cfg.preview_floor)
@@ -274,6 +314,31 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.history: list[dict] = []
         self._stop = False
+        self.distill = cfg.recipe == "skip_distill"
+        if self.distill:
+            self._init_distill()
+
+    def _init_distill(self) -> None:
+        cfg, model = self.cfg, self.model
+        self.loss_fn = SkipDistillLoss(cfg.lambda_kl, cfg.lambda_lm, cfg.lambda_bios, cfg.lambda_align, cfg.lambda_paw,
+                                       cfg.window_credit, cfg.align_kind, cfg.align_temperature, cfg.preview_floor)
+        gated_share = cfg.target_skip * model.num_layers / max(1, len(model.layers_cfg.gated))
+        if gated_share >= 1:
+            raise ValueError(f"target_skip={cfg.target_skip} needs {gated_share:.0%} of the gated layers "
+                             f"{model.layers_cfg.gated}: allow more layers to skip (fbs.never_skip_first/last)")
+        self.harm = HarmTargets(gated_share, cfg.harm_weight)
+        self.drop_depth = drop_depth_curve(model).to(self.acc.device)
+        # the teacher is the base model: the backbone itself with adapters off, or a frozen copy when it trains
+        self.teacher = copy.deepcopy(model.base.hf).eval().requires_grad_(False) if cfg.trainable == "all" else None
+        self.chat = None
+        if cfg.chat_share > 0:
+            from ..data.chat import chat_blocks, read_items
+
+            blocks = chat_blocks(read_items(Path(cfg.chat_data) / "train.jsonl"), model.tokenizer, cfg.block_size)
+            self.chat = BlockData(blocks, None, blocks[:0], None)
+            self.chat_order = BlockOrder(len(blocks), cfg.seed + 1)
+            logger.info("chat data: %d blocks of %d tokens, %.0f%% of micro-batches", len(blocks), cfg.block_size,
+                        100 * cfg.chat_share)
 
     # ---- state ----
     def resume(self, path: str | Path | None = None) -> bool:
@@ -283,6 +348,8 @@ class Trainer:
             return False
         state = ckpt.load_checkpoint(path, self.named, self.optimizer, {"gate": self.gate_gen})
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        if self.distill:
+            self.harm.load_state_dict(state.get("harm", {}))
         logger.info("resumed from %s at step %d", path, self.step)
         return True
 
@@ -290,15 +357,63 @@ class Trainer:
         if self.acc.is_main_process:
             state = {"tokens_seen": self.tokens_seen, "config": self.cfg.to_dict(), "accum": self.accum,
                      "world": self.acc.num_processes}
+            if self.distill:
+                state["harm"] = self.harm.state_dict()
             ckpt.save_checkpoint(self.ckpt_dir, self.step, self.named, self.optimizer, state, rng,
                                  self.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     # ---- one step ----
+    def _batch(self, micro_index: int) -> Batch:
+        cfg = self.cfg
+        args = (cfg.micro_batch_size, self.acc.process_index, self.acc.num_processes)
+        if self.distill and self.chat is not None:
+            if is_chat(micro_index, cfg.chat_share):
+                return micro_batch(self.chat, self.chat_order, chat_before(micro_index, cfg.chat_share), *args)
+            return micro_batch(self.data, self.order, micro_index - chat_before(micro_index, cfg.chat_share), *args)
+        return micro_batch(self.data, self.order, micro_index, *args)
+
+    @torch.no_grad()
+    def teacher_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T, V) logits of the base model: no adapters, no FBS modules."""
+        if self.teacher is not None:
+            return self.teacher(input_ids=ids).logits
+        model = self.acc.unwrap_model(self.wrapped)
+        with adapters_disabled(model.base.layers):
+            return model.base.hf(input_ids=ids).logits
+
+    def distill_micro_step(self, micro_index: int):
+        """One skip-distillation micro-batch: teacher pass, then the student under gates + random dropout."""
+        cfg = self.cfg
+        batch = self._batch(micro_index)
+        ids = batch.input_ids.to(self.acc.device)
+        bios = batch.bios_labels.to(self.acc.device) if batch.bios_labels is not None else None
+        b, t = ids.shape
+        mask = gate_mask(self.model, b, t, cfg.gate_from, ids.device)
+        teacher = self.teacher_logits(ids)
+        frac = self.step / max(1, cfg.max_steps)
+        tau, force = 1.0, None  # tau 1.0: p > tau never holds, the gates do not skip
+        if not cfg.control:
+            rate = cfg.drop_max * (min(1.0, frac / cfg.drop_ramp) if cfg.drop_ramp > 0 else 1.0)
+            u = torch.rand(b, t, self.model.num_layers, generator=self.gate_gen, device=ids.device)
+            force = (u < rate * self.drop_depth) & mask
+            if frac >= cfg.gate_start:
+                tau = cfg.skip_tau
+        self.harm.n_pairs = max(1, int(mask.sum())) * self.accum
+        model = self.acc.unwrap_model(self.wrapped)
+        hook = model.gates.logit_hook(self.harm) if not cfg.control else contextlib.nullcontext()
+        with hook:
+            out = self.wrapped(ids, gate_mode="soft", gate_from=cfg.gate_from, soft_window=True, generator=self.gate_gen,
+                               soft_sample="threshold", tau=tau,
+                               skip_training=SkipTraining(force_skip=force, straight_through=not cfg.control,
+                                                          detach_gate_inputs=True))
+        return self.loss_fn(out, teacher, ids, model.preview_targets(ids), mask, cfg.skip_tau, bios)
+
     def micro_step(self, micro_index: int) -> LossParts:
         cfg = self.cfg
-        batch: Batch = micro_batch(self.data, self.order, micro_index, cfg.micro_batch_size,
-                                   self.acc.process_index, self.acc.num_processes)
+        if self.distill:
+            return self.distill_micro_step(micro_index)
+        batch: Batch = self._batch(micro_index)
         ids = batch.input_ids.to(self.acc.device)
         bios = batch.bios_labels.to(self.acc.device) if batch.bios_labels is not None else None
         b, t = ids.shape
@@ -330,6 +445,8 @@ class Trainer:
             with ctx:
                 parts = self.micro_step(m)
                 self.acc.backward(parts.total / self.accum)
+            if self.distill:
+                self.harm.update()
             soft = is_soft(m, self.cfg)
             n_soft += soft
             for k, v in parts.scalars().items():
@@ -346,6 +463,9 @@ class Trainer:
         for k, v in totals.items():
             denom = n_soft if k.endswith("_soft") else (n_full if k in ("lm", "skip_rate", "distill") else self.accum)
             out[k] = v / max(denom, 1)
+        if self.distill:
+            out["harm_threshold"] = self.harm.threshold or 0.0
+            out["target_rate"] = self.harm.last_target_rate
         self.step += 1
         self.tokens_seen += self.accum * self.cfg.micro_batch_size * self.cfg.block_size * self.acc.num_processes
         return out
@@ -358,7 +478,7 @@ class Trainer:
         bar = _progress(cfg, self.step, self.acc.is_main_process)
         old = _install_sigterm(self)
         if cfg.eval_at_start and self.step == 0:
-            log.write({"step": 0, "eval": self.evaluate([cfg.tau_start])[0].to_dict()})
+            log.write({"step": 0, "eval": self.evaluate([self.eval_tau()])[0].to_dict()})
         rng = ckpt.capture_rng({"gate": self.gate_gen})
         t0, tok0 = time.perf_counter(), self.tokens_seen
         try:
@@ -373,11 +493,11 @@ class Trainer:
                 self.history.append(rec)
                 if bar is not None:
                     bar.update(1)
-                    show = {k: parts[k] for k in ("lm", "lm_soft", "preview_ce", "window_k", "compute", "distill")
-                            if k in parts}
+                    show = {k: parts[k] for k in ("lm", "lm_soft", "kl", "skip_rate", "gate_rate", "preview_ce",
+                                                  "window_k", "compute", "distill") if k in parts}
                     bar.set_postfix({k: f"{v:.3f}" for k, v in show.items()} | {"tok_s": f"{tps:.0f}"})
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
-                    log.write({"step": self.step, "eval": self.evaluate([tau_at(self.step - 1, cfg)])[0].to_dict()})
+                    log.write({"step": self.step, "eval": self.evaluate([self.eval_tau()])[0].to_dict()})
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     self.save(ckpt.capture_rng({"gate": self.gate_gen}))
         except KeyboardInterrupt:
@@ -394,6 +514,10 @@ class Trainer:
             self.save(ckpt.capture_rng({"gate": self.gate_gen}))
         return self.history
 
+    def eval_tau(self) -> float:
+        """The threshold held-out skipping is evaluated at now: skip_tau (skip_distill) or the annealed tau."""
+        return self.cfg.skip_tau if self.distill else tau_at(max(0, self.step - 1), self.cfg)
+
     def evaluate(self, taus: list[float]) -> list[EvalResult]:
         model = self.acc.unwrap_model(self.wrapped)
         return evaluate(model, self.data.eval_ids, taus, self.cfg.gate_from, self.cfg.micro_batch_size, self.cfg.seed)
@@ -401,7 +525,8 @@ class Trainer:
     def finish(self) -> dict:
         """Final held-out evaluation at the annealed tau and ``eval_taus``; export to ``out_dir/final``."""
         cfg = self.cfg
-        results = [r.to_dict() for r in self.evaluate(sorted({cfg.tau_end, *cfg.eval_taus}, reverse=True))]
+        final_tau = cfg.skip_tau if self.distill else cfg.tau_end
+        results = [r.to_dict() for r in self.evaluate(sorted({final_tau, *cfg.eval_taus}, reverse=True))]
         if self.acc.is_main_process:
             export(self.acc.unwrap_model(self.wrapped), cfg, self.out_dir / "final", results)
             _Logger(self.out_dir, True, False).write({"step": self.step, "final_eval": results})
@@ -479,12 +604,13 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
     from safetensors.torch import save_file
 
     inherited = _backbone_delta_files(Path(cfg.init_from)) if cfg.init_from and cfg.trainable == "fbs" else []
+    tau = cfg.skip_tau if cfg.recipe == "skip_distill" else cfg.tau_end
     if not inherited:
-        model.config = model.config.replace(tau=cfg.tau_end, extra={**model.config.extra, "stage1": {
-            "trainable": cfg.trainable, "lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha,
-            "lora_targets": list(cfg.lora_targets)}})
+        model.config = model.config.replace(tau=tau, extra={**model.config.extra, "stage1": {
+            "recipe": cfg.recipe, "trainable": cfg.trainable, "lora_rank": cfg.lora_rank,
+            "lora_alpha": cfg.lora_alpha, "lora_targets": list(cfg.lora_targets)}})
     else:  # the backbone is the init's: keep its adapter metadata and files
-        model.config = model.config.replace(tau=cfg.tau_end)
+        model.config = model.config.replace(tau=tau)
     model.save_pretrained(path)
     for f in inherited:
         shutil.copyfile(f, path / f.name)
