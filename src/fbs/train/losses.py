@@ -290,7 +290,7 @@ class HarmTargets:
     Positions with zero incoming gradient (before ``gate_from``, or ungated) are not trained.
     """
 
-    def __init__(self, rate: float, weight: float = 1.0, momentum: float = 0.9):
+    def __init__(self, rate: float, weight: float = 1.0, momentum: float = 0.5):
         if not 0 < rate < 1:
             raise ValueError(f"rate must be in (0, 1), got {rate}")
         self.rate, self.weight, self.momentum = rate, weight, momentum
