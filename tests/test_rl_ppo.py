@@ -1,12 +1,14 @@
-"""Stage-2 PPO: the clipped loss by hand, the baseline, and one step on a tiny model (frozen backbone)."""
+"""Stage-2 PPO: the clipped loss and the KL penalty by hand, and one step on a tiny model (gates only train)."""
+
+import math
 
 import pytest
 import torch
 from conftest import fbs_tiny, randomize
 
-from fbs.rl.ppo import GateClippedPPOLoss, RewardBaseline, ppo_step
-from fbs.rl.rollout import RolloutOptions, action_logprobs, gate_logprobs, generate_trajectory
-from fbs.rl.stage2 import select_policy
+from fbs.rl.ppo import GateClippedPPOLoss, bernoulli_kl, ppo_step
+from fbs.rl.rollout import RolloutOptions, action_logprobs, action_probs, generate_trajectory
+from fbs.rl.stage2 import frozen_fingerprint, select_policy, verify_frozen
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,35 +31,60 @@ def test_clipped_loss_hand_computed():
     torch.testing.assert_close(new.grad, torch.tensor([[0.0, -0.5 / 3], [0.0, 0.0]]))
 
 
+def test_clipped_loss_with_one_advantage_per_action():
+    old = torch.log(torch.tensor([0.4, 0.4, 0.4]))
+    new = torch.log(torch.tensor([0.6, 0.2, 0.2]))
+    out = GateClippedPPOLoss(0.2)(new, old, torch.tensor([1.0, 1.0, -2.0]), torch.ones(3, dtype=torch.bool))
+    torch.testing.assert_close(out.loss, torch.tensor((-1.2 - 0.5 + 1.6) / 3))
+
+
+def test_bernoulli_kl_hand_computed():
+    kl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    torch.testing.assert_close(bernoulli_kl(torch.tensor([0.25, 0.3]), torch.tensor([0.5, 0.3])),
+                               torch.tensor([kl, 0.0]))
+
+
 def test_action_logprobs():
     p = torch.tensor([0.25, 0.25])
     torch.testing.assert_close(action_logprobs(p, torch.tensor([True, False])), torch.log(torch.tensor([0.25, 0.75])))
 
 
-def test_running_mean_baseline():
-    b = RewardBaseline("running_mean", momentum=0.5)
-    torch.testing.assert_close(b.advantages(torch.tensor([1.0, 3.0])), torch.tensor([-1.0, 1.0]))  # first: batch mean
-    torch.testing.assert_close(b.advantages(torch.tensor([4.0, 4.0])), torch.tensor([2.0, 2.0]))    # b = 2
-    assert b.value == 3.0
-    torch.testing.assert_close(RewardBaseline("batch_mean").advantages(torch.tensor([1.0, 2.0])), torch.tensor([-0.5, 0.5]))
-
-
 def test_ppo_step_trains_gates_only():
     model = randomize(fbs_tiny("llama", layers=6), seed=3)
-    traj = generate_trajectory(model, [[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14, 15, 16]],
-                               RolloutOptions(max_new_tokens=5), seed=1)
-    # old log-probs are the replayed ones: the first PPO epoch starts at ratio 1
-    lp, _ = gate_logprobs(model, traj.decode, traj.gate_from)
-    torch.testing.assert_close(lp, traj.decode.old_logprobs)
-    named = select_policy(model, train_paw=False)
+    named = select_policy(model)
     assert named and all(n.startswith("gates.") for n in named)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if not n.startswith("gates."))
+    ref = __import__("copy").deepcopy(model.gates)
+    traj = generate_trajectory(model, [[5, 6, 7, 8], [9, 10], [11, 12, 13]], RolloutOptions(max_new_tokens=6),
+                               seed=1, ref_gates=ref)
+    # old log-probs are the current gates' on the recorded inputs: the first PPO epoch starts at ratio 1
+    torch.testing.assert_close(action_logprobs(action_probs(model.gates, traj.inputs), traj.skip), traj.old_logprob)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fingerprint = frozen_fingerprint(model)
     opt = torch.optim.Adam(list(named.values()), lr=1e-2)
-    stats = ppo_step(model, opt, traj, torch.tensor([1.0, -1.0]), GateClippedPPOLoss(0.2), epochs=2)
-    assert stats.grad_norm > 0
+    stats = ppo_step(model.gates, opt, traj, GateClippedPPOLoss(0.2), epochs=3, kl_coef=0.1)
+    assert stats.grad_norm > 0 and stats.kl_ref > 0 and stats.approx_kl > 0
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(n.startswith("gates.") for n in changed)
+    assert any(n.startswith("gates.out") for n in changed)
     for n, p in model.named_parameters():
         if not n.startswith("gates."):
             assert torch.equal(p, before[n]), n
-    assert any(n.startswith("gates.out") for n in changed)
+    assert frozen_fingerprint(model) == fingerprint
+    verify_frozen(model, named)
+    model.paw.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="gates only"):
+        verify_frozen(model, named)
+
+
+def test_ppo_moves_the_policy_towards_positive_advantages():
+    """Skips with positive advantage get more likely, computes with negative advantage less likely."""
+    model = randomize(fbs_tiny("llama", layers=6), seed=3)
+    named = select_policy(model)
+    traj = generate_trajectory(model, [[5, 6, 7, 8], [9, 10]], RolloutOptions(max_new_tokens=6), seed=1)
+    adv = torch.where(traj.skip, 1.0, -1.0)        # reward skipping everywhere
+    traj = traj._replace(advantages=adv)
+    p0 = action_probs(model.gates, traj.inputs).detach()
+    ppo_step(model.gates, torch.optim.Adam(list(named.values()), lr=1e-2), traj, GateClippedPPOLoss(0.2), epochs=2,
+             kl_coef=0.0)
+    assert float(action_probs(model.gates, traj.inputs).detach().mean()) > float(p0.mean())

@@ -8,7 +8,7 @@ import torch
 from conftest import fbs_tiny, randomize
 
 from fbs.rl.pool import PoolItem
-from fbs.rl.stage2 import Stage2Config, prompt_order, train_stage2
+from fbs.rl.stage2 import Stage2Config, Stage2ConfigError, prompt_order, train_stage2
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,7 +27,7 @@ def _pool(n=5):
 
 
 def test_stage2_two_steps_end_to_end_and_resume(tmp_path):
-    cfg = Stage2Config(out_dir=str(tmp_path / "run"), max_steps=2, batch_size=2, max_new_tokens=4, progress=False,
+    cfg = Stage2Config(out_dir=str(tmp_path / "run"), max_steps=2, batch_size=3, max_new_tokens=5, progress=False,
                        save_every=1, lr=1e-2)
     model = randomize(fbs_tiny("llama", layers=6), seed=5)
     backbone = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("gates.")}
@@ -38,7 +38,8 @@ def test_stage2_two_steps_end_to_end_and_resume(tmp_path):
     assert [r["step"] for r in log] == [0, 1]
     for r in log:
         assert abs(r["reward"] - (r["compute_term"] - r["quality_penalty"])) < 1e-6
-        assert 0 <= r["skip_ratio"] <= 1 and r["gate_p_mismatch"] < 1e-4
+        assert 0 <= r["skip_ratio"] <= 1 and r["gate_p_mismatch"] < 1e-4 and r["actions"] > 0
+    assert log[0]["kl_ref"] > 0  # the first update already moves away from the Stage-1 gates
     assert all(torch.equal(p, backbone[n]) for n, p in model.named_parameters() if n in backbone)
     assert any(not torch.equal(p, gates[n]) for n, p in model.gates.named_parameters())
     assert (tmp_path / "run" / "final" / "fbs_model.safetensors").is_file()
@@ -48,6 +49,22 @@ def test_stage2_two_steps_end_to_end_and_resume(tmp_path):
     summary = train_stage2(cfg3, model=fresh, pool=_pool(), tokenizer=CharTokenizer())
     log = [json.loads(ln) for ln in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert summary["steps"] == 3 and [r["step"] for r in log] == [0, 1, 2]
+
+
+def test_removed_fields_name_the_reason():
+    with pytest.raises(Stage2ConfigError, match="gates only"):
+        Stage2Config.from_dict({"train_paw": True})
+    with pytest.raises(Stage2ConfigError, match="normalised"):
+        Stage2Config.from_dict({"baseline": "batch_mean"})
+    with pytest.raises(Stage2ConfigError, match="quality"):
+        Stage2Config(quality="bleu")
+
+
+def test_shipped_config_parses():
+    from pathlib import Path
+
+    cfg = Stage2Config.from_yaml(Path(__file__).parents[1] / "configs" / "stage2_smollm2.yaml")
+    assert cfg.batch_size >= 8 and cfg.kl_coef > 0
 
 
 def test_prompt_order_covers_pool_each_epoch():

@@ -1,8 +1,9 @@
 """PPO over skip-gate decisions (paper §2.5 / §3.1.3 Stage-2; Schulman et al. 2017, Eq. 7).
 
-An action is one (token, layer) gate decision; its probability is p (skip) or 1 - p (compute). All
-decisions of an episode share the episode's advantage A = R - b, with b a baseline (:class:`RewardBaseline`).
-The clipped surrogate is averaged over all actions of the batch.
+An action is one (token, layer) gate decision; its probability is p (skip) or 1 - p (compute). Each action
+has its own advantage (:mod:`fbs.rl.credit`: its compute credit plus the quality reward-to-go of its
+token, normalised over the batch). The loss is the clipped surrogate averaged over the batch's actions plus
+``kl_coef`` x the mean Bernoulli KL(pi || pi_ref) to the Stage-1 gate policy at the same states.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .rollout import Trajectory, gate_logprobs
+from .rollout import Trajectory, action_logprobs, action_probs
 
 
 class PPOLossOutput(NamedTuple):
@@ -30,7 +31,8 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class GateClippedPPOLoss(nn.Module):
     """L = mean_actions max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(log pi - log pi_old).
 
-    logprobs, old_logprobs, mask: (B, ...) over the actions of B episodes; advantages: (B,)."""
+    logprobs, old_logprobs, mask: (B, ...) over the actions of B episodes; advantages: the same shape (one
+    per action) or (B,) (one per episode, shared by its actions)."""
 
     def __init__(self, epsilon: float = 0.2):
         super().__init__()
@@ -40,7 +42,9 @@ class GateClippedPPOLoss(nn.Module):
 
     def forward(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor) -> PPOLossOutput:
-        adv = advantages.to(logprobs.dtype).view(-1, *([1] * (logprobs.dim() - 1)))  # (B, 1, ...)
+        adv = advantages.to(logprobs.dtype)
+        if adv.shape != logprobs.shape:
+            adv = adv.view(-1, *([1] * (logprobs.dim() - 1)))                   # (B, 1, ...)
         mask = mask.to(logprobs.dtype)
         log_ratio = (logprobs - old_logprobs) * mask
         ratio = log_ratio.exp()
@@ -52,60 +56,39 @@ class GateClippedPPOLoss(nn.Module):
         return PPOLossOutput(loss, loss.detach(), _masked_mean(ratio, mask).detach(), clipfrac.detach(), kl.detach())
 
 
-class RewardBaseline:
-    """Value baseline b for A = R - b: an exponential running mean of past batch rewards (``running_mean``)
-    or the current batch mean (``batch_mean``, a leave-nothing-out estimate). No learned value head: the
-    reward is one scalar per episode and its prompt-to-prompt variation is small next to the gate noise."""
-
-    def __init__(self, kind: str = "running_mean", momentum: float = 0.9):
-        if kind not in ("running_mean", "batch_mean"):
-            raise ValueError(f"baseline must be running_mean or batch_mean, got {kind!r}")
-        self.kind, self.momentum, self.value, self.count = kind, momentum, 0.0, 0
-
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Advantages of this batch (B,), then fold the batch into the running mean."""
-        mean = float(rewards.mean())
-        if self.kind == "batch_mean":
-            b = mean
-        else:
-            b = self.value if self.count else mean
-            self.value = mean if not self.count else self.momentum * self.value + (1 - self.momentum) * mean
-        self.count += 1
-        return rewards - b
-
-    def state_dict(self) -> dict:
-        return {"kind": self.kind, "value": self.value, "count": self.count}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.value, self.count = float(d["value"]), int(d["count"])
+def bernoulli_kl(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """KL(Bernoulli(p) || Bernoulli(q)) elementwise, in nats."""
+    p, q = p.clamp(eps, 1 - eps), q.clamp(eps, 1 - eps)
+    return p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
 
 class PPOStats(NamedTuple):
-    loss: float
+    loss: float        # total loss of the last update
+    policy_loss: float
     ratio: float
     clipfrac: float
-    approx_kl: float
+    approx_kl: float   # to the rollout policy
+    kl_ref: float      # mean Bernoulli KL to the Stage-1 gates
     grad_norm: float
 
 
-def ppo_step(model, optimizer: torch.optim.Optimizer, traj: Trajectory, advantages: torch.Tensor,
-             loss_fn: GateClippedPPOLoss, epochs: int = 2, grad_clip: float = 1.0) -> PPOStats:
-    """``epochs`` optimizer updates on one trajectory batch (decode and scoring actions together);
-    returns the stats of the last update. The caller freezes everything but the policy parameters."""
+def ppo_step(gates: nn.Module, optimizer: torch.optim.Optimizer, traj: Trajectory, loss_fn: GateClippedPPOLoss,
+             epochs: int = 4, grad_clip: float = 1.0, kl_coef: float = 0.1) -> PPOStats:
+    """``epochs`` full-batch updates of ``gates`` on one trajectory batch, from the recorded gate inputs
+    (no backbone pass); returns the stats of the last update. The caller freezes everything but the gates."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    adv = advantages.to(traj.decode.input_ids.device)
+    if not len(traj.skip):
+        return PPOStats(0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0)
+    ones = torch.ones_like(traj.old_logprob)
     for _ in range(epochs):
-        lp_dec, _ = gate_logprobs(model, traj.decode, traj.gate_from)
-        lp_sc, _ = gate_logprobs(model, traj.score, traj.gate_from)
-        b = lp_dec.shape[0]
-        out = loss_fn(torch.cat([lp_dec.reshape(b, -1), lp_sc.reshape(b, -1)], 1),
-                      torch.cat([traj.decode.old_logprobs.reshape(b, -1), traj.score.old_logprobs.reshape(b, -1)], 1),
-                      adv,
-                      torch.cat([traj.decode.action_mask.reshape(b, -1), traj.score.action_mask.reshape(b, -1)], 1))
+        probs = action_probs(gates, traj.inputs)                                 # (A,)
+        out = loss_fn(action_logprobs(probs, traj.skip), traj.old_logprob, traj.advantages, ones)
+        kl_ref = bernoulli_kl(probs, traj.ref_prob).mean()
+        loss = out.loss + kl_coef * kl_ref
         optimizer.zero_grad(set_to_none=True)
-        if out.loss.requires_grad:
-            out.loss.backward()
+        loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return PPOStats(float(out.policy_loss), float(out.ratio), float(out.clipfrac), float(out.approx_kl), float(norm))
+    return PPOStats(float(loss.detach()), float(out.policy_loss), float(out.ratio), float(out.clipfrac),
+                    float(out.approx_kl), float(kl_ref.detach()), float(norm))

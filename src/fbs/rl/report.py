@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 #: Columns of the decomposition table, in order: (log key, header, format).
 DECOMPOSITION = (
     ("compute_term", "compute term α(1 - c/c0)", "{:+.4f}"),
-    ("quality_penalty", "quality penalty β·max(0, Δℓ)", "{:.4f}"),
+    ("quality_penalty", "quality penalty β·Δℓ", "{:.4f}"),
     ("reward", "reward R", "{:+.4f}"),
     ("delta_nll", "Δℓ (nats/token)", "{:+.4f}"),
     ("skip_ratio", "Skip %", "{:.1%}"),

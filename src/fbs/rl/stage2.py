@@ -1,15 +1,18 @@
-"""The Stage-2 recipe (paper §3.1.3 "Stage-2 RL fine-tuning"): PPO on the skip gates, backbone frozen.
+"""The Stage-2 recipe (paper §2.5, §3.1.3 "Stage-2 RL fine-tuning"): PPO on the skip gates, everything else frozen.
 
 Top-down: :func:`train_stage2` builds a :class:`Stage2Trainer` and runs it. One step is
-:meth:`~Stage2Trainer.generate_trajectory` (B pool prompts -> episodes, :mod:`.rollout`), then
-:meth:`~Stage2Trainer.ppo_step` (``ppo_epochs`` clipped updates, :mod:`.ppo`), then
-:meth:`~Stage2Trainer.log_metrics` (reward decomposition per step to ``log.jsonl``). Checkpoints reuse
-:mod:`fbs.train.checkpoint` (atomic, resumable); rollout seeds are a function of the step, so a resumed
-run draws the same episodes.
+:meth:`~Stage2Trainer.generate_trajectory` (B pool prompts -> one batched engine rollout -> per-action
+credits, :mod:`.rollout`, :mod:`.credit`), then :meth:`~Stage2Trainer.ppo_step` (``ppo_epochs`` clipped
+updates with a KL penalty to the Stage-1 gates, :mod:`.ppo`), then :meth:`~Stage2Trainer.log_metrics`
+(reward decomposition per step to ``log.jsonl``). Only ``model.gates`` trains: PAW, CH, the backbone and the
+Stage-1 adapters are frozen (``requires_grad=False``), checked when the trainer starts and again, against a
+fingerprint of their values, at export. Checkpoints reuse :mod:`fbs.train.checkpoint` (atomic, resumable);
+rollout seeds are a function of the step, so a resumed run draws the same episodes.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -29,7 +32,7 @@ from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
 from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
 from .pool import PoolItem, load_default_pool, load_pool, save_pool
-from .ppo import GateClippedPPOLoss, PPOStats, RewardBaseline, ppo_step
+from .ppo import GateClippedPPOLoss, PPOStats, ppo_step
 from .rollout import RolloutOptions, Trajectory, generate_trajectory
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,14 @@ logger = logging.getLogger(__name__)
 
 class Stage2ConfigError(ValueError):
     """A Stage2Config field has an invalid value."""
+
+
+#: Fields of the first Stage-2 recipe and why they are gone (an old config names them).
+REMOVED_FIELDS = {
+    "train_paw": "Stage-2 trains the skip gates only; PAW, CH and the backbone are frozen (paper §2.5)",
+    "baseline": "advantages are per action, normalised over the batch (fbs.rl.credit)",
+    "baseline_momentum": "advantages are per action, normalised over the batch (fbs.rl.credit)",
+}
 
 
 @dataclass
@@ -48,9 +59,6 @@ class Stage2Config:
     """The Stage-1 export directory (``runs/stage1/final``); None = fresh FBS modules (smoke tests only)."""
     fbs: dict = field(default_factory=dict)
     """FBSConfig overrides for a fresh model (ignored with init_from)."""
-    train_paw: bool = False
-    """Also train PAW (paper: SG + PAW). PAW changes the hidden states and so the tokens, an effect the
-    gate-action policy gradient does not see; SG only by default."""
 
     # ---- prompt pool ----
     pool: str | None = None
@@ -65,6 +73,8 @@ class Stage2Config:
     """Exclude pool prompts found in any offline evaluation set (normalized exact match)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this (tokens) are dropped from the pool."""
+    chat_template: bool = False
+    """Wrap each pool prompt in the tokenizer's chat template (a user turn plus the generation prompt)."""
 
     # ---- episodes and reward ----
     max_new_tokens: int = 128
@@ -74,21 +84,26 @@ class Stage2Config:
     temperature: float = 1.0
     """Token sampling temperature."""
     alpha: float = 0.1
-    """Compute-term weight."""
+    """Compute-term weight (paper: 0.1)."""
     beta: float = 0.1
-    """Quality-penalty weight."""
+    """Quality-penalty weight (paper: 0.1)."""
+    gamma: float = 0.5
+    """Per-token discount of the quality reward-to-go (0: a decision answers for its own token only)."""
+    quality: str = "kl"
+    """Per-token quality signal d_t: ``kl`` (KL(full-depth || skipping) next-token distribution) or ``nll``
+    (the full-depth model's NLL of the emitted token)."""
     compute_measure: str = "exact"
     """c / c0: ``exact`` (trace tflops_rel_exact, incl. attention and FBS overhead) or ``paper`` (layer share)."""
 
     # ---- PPO ----
-    batch_size: int = 4
-    """Episodes per PPO step."""
+    batch_size: int = 8
+    """Episodes per PPO step, decoded together in one engine call."""
     epochs: float = 2.0
     """Passes over the prompt pool (paper: 2); sets the number of steps."""
     max_steps: int | None = None
     """Stop after this many steps (None = epochs x pool / batch_size)."""
-    ppo_epochs: int = 2
-    """Optimizer updates per rollout batch (the clip only acts from the second)."""
+    ppo_epochs: int = 4
+    """Optimizer updates per rollout batch (the clip only acts from the second); cheap: they rerun the gates only."""
     clip_epsilon: float = 0.2
     """PPO clip (paper: 0.2)."""
     lr: float = 1e-5
@@ -97,10 +112,8 @@ class Stage2Config:
     """Adam betas."""
     grad_clip: float = 1.0
     """Gradient-norm clip (0 = off)."""
-    baseline: str = "running_mean"
-    """Advantage baseline: ``running_mean`` (EMA of batch rewards) or ``batch_mean``."""
-    baseline_momentum: float = 0.9
-    """EMA momentum of the running-mean baseline."""
+    kl_coef: float = 0.1
+    """Weight of the mean Bernoulli KL(pi || pi_Stage-1) per action in the loss (0 = off)."""
 
     # ---- run ----
     out_dir: str = "runs/stage2"
@@ -135,13 +148,14 @@ class Stage2Config:
         check(0 <= self.pool_zh_fraction <= 1, "pool_zh_fraction must be in [0, 1]")
         check(self.max_new_tokens >= 1 and self.max_prompt_tokens >= 1, "token limits must be >= 1")
         check(self.alpha >= 0 and self.beta >= 0, "alpha and beta must be >= 0")
+        check(0 <= self.gamma <= 1, "gamma must be in [0, 1]")
+        check(self.quality in ("kl", "nll"), "quality must be kl or nll")
+        check(self.kl_coef >= 0, "kl_coef must be >= 0")
         check(self.compute_measure in ("exact", "paper"), "compute_measure must be exact or paper")
         check(self.epochs > 0 and self.ppo_epochs >= 1, "epochs must be > 0 and ppo_epochs >= 1")
         check(self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1")
         check(0 < self.clip_epsilon < 1, "clip_epsilon must be in (0, 1)")
         check(self.lr > 0 and self.grad_clip >= 0, "lr must be > 0 and grad_clip >= 0")
-        check(self.baseline in ("running_mean", "batch_mean"), "baseline must be running_mean or batch_mean")
-        check(0 <= self.baseline_momentum < 1, "baseline_momentum must be in [0, 1)")
         check(self.temperature > 0, "temperature must be > 0")
         for name in ("save_every", "log_every", "threads"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -149,7 +163,7 @@ class Stage2Config:
 
     def rollout_options(self) -> RolloutOptions:
         return RolloutOptions(self.max_new_tokens, self.do_sample, self.temperature, self.alpha, self.beta,
-                              self.compute_measure)
+                              self.gamma, self.quality, self.compute_measure)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -159,6 +173,9 @@ class Stage2Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Stage2Config":
+        for name, why in REMOVED_FIELDS.items():
+            if name in d:
+                raise Stage2ConfigError(f"{name} was removed: {why}")
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise Stage2ConfigError(f"unknown Stage2Config fields {unknown}")
@@ -191,31 +208,54 @@ def build_model(cfg: Stage2Config, base: torch.nn.Module | None = None) -> FBSFo
     return FBSForCausalLM.from_base(src, config=FBSConfig.from_dict(dict(cfg.fbs))).eval()
 
 
-def select_policy(model: FBSForCausalLM, train_paw: bool) -> dict[str, torch.nn.Parameter]:
-    """Freeze everything but SG (and PAW); returns the trainable parameters by name."""
+def select_policy(model: FBSForCausalLM) -> dict[str, torch.nn.Parameter]:
+    """Freeze everything but the skip gates; returns the trainable parameters by name (all under ``gates.``)."""
     keep = {id(p) for p in model.gates.parameters()}
-    if train_paw:
-        keep |= {id(p) for p in model.paw.parameters()}
     for p in model.parameters():
         p.requires_grad_(id(p) in keep)
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    verify_frozen(model, named)
+    return named
+
+
+def verify_frozen(model: FBSForCausalLM, named: dict[str, torch.nn.Parameter]) -> None:
+    """Raise unless exactly the gate parameters require gradients."""
+    gate_ids = {id(p) for p in model.gates.parameters()}
+    wrong = [n for n, p in model.named_parameters() if p.requires_grad != (id(p) in gate_ids)]
+    if wrong or {id(p) for p in named.values()} != gate_ids:
+        raise RuntimeError(f"Stage-2 trains the gates only; these parameters are set wrongly: {wrong[:5]}")
+
+
+@torch.no_grad()
+def frozen_fingerprint(model: FBSForCausalLM) -> dict[str, tuple[float, float]]:
+    """(sum, sum of squares) in float64 of every non-gate parameter: a cheap check that they did not move."""
+    gate_ids = {id(p) for p in model.gates.parameters()}
+    return {n: (float(p.double().sum()), float(p.double().square().sum()))
+            for n, p in model.named_parameters() if id(p) not in gate_ids}
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True))
+    return list(tokenizer(text)["input_ids"])
 
 
 @dataclass
 class EncodedPrompt:
     id: str
     prompt_ids: list[int]
-    gold_ids: list[int]
 
 
-def encode_pool(items: list[PoolItem], tokenizer, max_prompt_tokens: int) -> list[EncodedPrompt]:
-    """Token ids of each prompt and gold option (no special tokens added to y*); long prompts dropped."""
+def encode_pool(items: list[PoolItem], tokenizer, max_prompt_tokens: int,
+                chat_template: bool = False) -> list[EncodedPrompt]:
+    """Token ids of each prompt (the episode decodes its own answer; gold options are not used); long prompts
+    dropped."""
     out = []
     for it in items:
-        p = list(tokenizer(it.prompt)["input_ids"])
-        g = list(tokenizer(it.gold_text, add_special_tokens=False)["input_ids"])
-        if 0 < len(p) <= max_prompt_tokens and len(g) >= 2:
-            out.append(EncodedPrompt(it.id, p, g))
+        p = encode_prompt(tokenizer, it.prompt, chat_template)
+        if 0 < len(p) <= max_prompt_tokens:
+            out.append(EncodedPrompt(it.id, p))
     if len(out) < len(items):
         logger.info("dropped %d pool prompts longer than %d tokens", len(items) - len(out), max_prompt_tokens)
     return out
@@ -233,7 +273,8 @@ def prompt_order(n: int, step: int, batch_size: int, seed: int) -> list[int]:
 
 # ---------------------------------------------------------------------------- the trainer
 class Stage2Trainer:
-    """Owns the policy (gate parameters), optimizer, baseline and the run directory of one Stage-2 run."""
+    """Owns the policy (gate parameters), the frozen Stage-1 gates (KL reference), the optimizer and the run
+    directory of one Stage-2 run."""
 
     def __init__(self, cfg: Stage2Config, model: FBSForCausalLM, prompts: list[EncodedPrompt]):
         if not prompts:
@@ -241,10 +282,12 @@ class Stage2Trainer:
         self.cfg, self.model, self.prompts = cfg, model.eval(), prompts
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.named = select_policy(model, cfg.train_paw)
+        self.named = select_policy(model)
+        # the Stage-1 gate policy: a frozen copy taken before any update (and before resume() loads one)
+        self.ref_gates = copy.deepcopy(model.gates).requires_grad_(False).eval()
+        self.frozen = frozen_fingerprint(model)
         self.optimizer = torch.optim.Adam(list(self.named.values()), lr=cfg.lr, betas=cfg.betas)
         self.loss_fn = GateClippedPPOLoss(cfg.clip_epsilon)
-        self.baseline = RewardBaseline(cfg.baseline, cfg.baseline_momentum)
         self.max_steps = cfg.max_steps or math.ceil(cfg.epochs * len(prompts) / cfg.batch_size)
         self.step = 0
         self.out_dir = Path(cfg.out_dir)
@@ -255,29 +298,29 @@ class Stage2Trainer:
     # ---- the three parts of a step ----
     def generate_trajectory(self) -> Trajectory:
         idx = prompt_order(len(self.prompts), self.step, self.cfg.batch_size, self.cfg.seed)
-        batch = [self.prompts[i] for i in idx]
         seed = self.cfg.seed * 1_000_003 + 2 * self.step
-        return generate_trajectory(self.model, [b.prompt_ids for b in batch], [b.gold_ids for b in batch],
-                                   self.cfg.rollout_options(), seed)
+        return generate_trajectory(self.model, [self.prompts[i].prompt_ids for i in idx], self.cfg.rollout_options(),
+                                   seed, ref_gates=self.ref_gates)
 
-    def ppo_step(self, traj: Trajectory) -> tuple[PPOStats, torch.Tensor]:
-        adv = self.baseline.advantages(traj.rewards)
-        stats = ppo_step(self.model, self.optimizer, traj, adv, self.loss_fn, self.cfg.ppo_epochs, self.cfg.grad_clip)
-        return stats, adv
+    def ppo_step(self, traj: Trajectory) -> PPOStats:
+        return ppo_step(self.model.gates, self.optimizer, traj, self.loss_fn, self.cfg.ppo_epochs, self.cfg.grad_clip,
+                        self.cfg.kl_coef)
 
-    def log_metrics(self, traj: Trajectory, stats: PPOStats, adv: torch.Tensor, seconds: float) -> dict:
+    def log_metrics(self, traj: Trajectory, stats: PPOStats, seconds: float) -> dict:
         """The step's record: reward decomposition (paper Table "reward decomposition"), skip, PPO stats."""
         mean = lambda x: float(x.float().mean())  # noqa: E731
-        n_dec = int(traj.decode.action_mask.sum())
+        n_act = len(traj.skip)
         return {
             "step": self.step, "reward": mean(traj.rewards), "compute_term": mean(traj.compute_term),
-            "quality_penalty": mean(traj.quality_penalty), "delta_nll": mean(traj.delta_nll),
+            "quality_penalty": mean(traj.quality_penalty), "delta_nll": mean(traj.delta),
             "skip_ratio": mean(traj.skip_ratio), "tflops_rel": mean(traj.c_rel),
-            "decode_skip_rate": float(traj.decode.skip_plan.sum()) / max(n_dec, 1),
-            "score_skip_rate": float(traj.score.skip_plan.sum()) / max(int(traj.score.action_mask.sum()), 1),
-            "new_tokens": mean(traj.num_new), "baseline": self.baseline.value, "advantage_abs": mean(adv.abs()),
-            "loss": stats.loss, "ratio": stats.ratio, "clipfrac": stats.clipfrac, "approx_kl": stats.approx_kl,
+            "decode_skip_rate": float(traj.skip.sum()) / max(n_act, 1),
+            "p_mean": float(traj.old_logprob.exp().where(traj.skip, 1 - traj.old_logprob.exp()).mean()) if n_act else 0.0,
+            "actions": n_act, "return_std": float(traj.returns.std()) if n_act > 1 else 0.0,
+            "new_tokens": mean(traj.num_new), "loss": stats.loss, "policy_loss": stats.policy_loss,
+            "ratio": stats.ratio, "clipfrac": stats.clipfrac, "approx_kl": stats.approx_kl, "kl_ref": stats.kl_ref,
             "grad_norm": stats.grad_norm, "gate_p_mismatch": traj.gate_p_mismatch, "seconds": seconds,
+            "episodes_per_hour": 3600 * len(traj.num_new) / max(seconds, 1e-9),
         }
 
     # ---- state ----
@@ -287,14 +330,20 @@ class Stage2Trainer:
             return False
         state = ckpt.load_checkpoint(path, self.named, self.optimizer)
         self.step = state["step"]
-        self.baseline.load_state_dict(state["baseline"])
         logger.info("resumed from %s at step %d", path, self.step)
         return True
 
     def save(self) -> None:
-        state = {"baseline": self.baseline.state_dict(), "config": self.cfg.to_dict(), "pool_size": len(self.prompts)}
+        state = {"config": self.cfg.to_dict(), "pool_size": len(self.prompts)}
         ckpt.save_checkpoint(self.ckpt_dir, self.step, self.named, self.optimizer, state, ckpt.capture_rng(),
                              self.cfg.keep_checkpoints)
+
+    def check_frozen(self) -> None:
+        """Raise if a non-gate parameter changed since the trainer started."""
+        verify_frozen(self.model, self.named)
+        moved = [n for n, v in frozen_fingerprint(self.model).items() if v != self.frozen[n]]
+        if moved:
+            raise RuntimeError(f"Stage-2 changed frozen parameters: {moved[:5]}")
 
     # ---- the loop ----
     def run(self, stop_after: int | None = None) -> list[dict]:
@@ -311,8 +360,8 @@ class Stage2Trainer:
                 while self.step < self.max_steps and (stop_after is None or self.step < stop_after) and not self._stop:
                     t0 = time.perf_counter()
                     traj = self.generate_trajectory()
-                    stats, adv = self.ppo_step(traj)
-                    rec = self.log_metrics(traj, stats, adv, time.perf_counter() - t0)
+                    stats = self.ppo_step(traj)
+                    rec = self.log_metrics(traj, stats, time.perf_counter() - t0)
                     self.step += 1
                     self.history.append(rec)
                     if cfg.log_every and self.step % cfg.log_every == 0:
@@ -341,9 +390,11 @@ class Stage2Trainer:
     def export(self) -> Path:
         """``out_dir/final``: the FBS weights (save_pretrained) plus the Stage-1 adapters / backbone tensors
         copied unchanged, so :func:`fbs.train.stage1.load_trained` loads it."""
+        self.check_frozen()
         path = self.out_dir / "final"
         self.model.config = self.model.config.replace(extra={**self.model.config.extra, "stage2": {
-            "init_from": self.cfg.init_from, "steps": self.step, "alpha": self.cfg.alpha, "beta": self.cfg.beta}})
+            "init_from": self.cfg.init_from, "steps": self.step, "alpha": self.cfg.alpha, "beta": self.cfg.beta,
+            "recipe": "per-action credits, gates only"}})
         self.model.save_pretrained(path)
         if self.cfg.init_from:
             for f in Path(self.cfg.init_from).iterdir():
@@ -374,7 +425,7 @@ def train_stage2(cfg: Stage2Config, resume: bool = True, model: FBSForCausalLM |
     if tok is None:
         raise ValueError("Stage-2 needs the base model's tokenizer to encode the prompt pool")
     items = pool if pool is not None else prepare_pool(cfg)
-    trainer = Stage2Trainer(cfg, model, encode_pool(items, tok, cfg.max_prompt_tokens))
+    trainer = Stage2Trainer(cfg, model, encode_pool(items, tok, cfg.max_prompt_tokens, cfg.chat_template))
     if resume:
         trainer.resume()
     if trainer.step == 0:
@@ -382,7 +433,8 @@ def train_stage2(cfg: Stage2Config, resume: bool = True, model: FBSForCausalLM |
         (trainer.out_dir / "stage2_config.json").write_text(cfg.to_json())
     hist = trainer.run()
     final = trainer.export()
-    keys = ("reward", "compute_term", "quality_penalty", "delta_nll", "skip_ratio", "tflops_rel")
+    keys = ("reward", "compute_term", "quality_penalty", "delta_nll", "skip_ratio", "tflops_rel", "kl_ref",
+            "episodes_per_hour")
     last = hist[-min(len(hist), 10):]
     return {"steps": trainer.step, "pool": len(trainer.prompts), "final": str(final),
             "last": {k: sum(r[k] for r in last) / len(last) for k in keys} if last else {}}
