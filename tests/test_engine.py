@@ -61,6 +61,7 @@ def test_parallel_hard_gates_equal_cached_decoding(policy):
 
 
 def test_skipped_layer_does_no_work():
+    """Through the HF modules (weights="hf"), forward hooks see every call of a skipped layer's modules."""
     model = fbs_tiny()
     layer = model.base.layers[2]
     calls = {"q": 0, "k": 0, "o": 0, "mlp": 0}
@@ -70,36 +71,47 @@ def test_skipped_layer_does_no_work():
     plan = torch.zeros(model.num_layers, dtype=torch.bool)
     plan[2] = True
     try:
-        model.generate(PROMPT, max_new_tokens=8, ignore_eos=True, skip_plan=plan, kv_policy="hole")
+        kw = dict(max_new_tokens=8, ignore_eos=True, weights="hf")
+        model.generate(PROMPT, skip_plan=plan, kv_policy="hole", **kw)
         assert calls == {"q": 1, "k": 1, "o": 1, "mlp": 1}  # prefill only
         calls.update(q=0, k=0, o=0, mlp=0)
-        res = model.generate(PROMPT, max_new_tokens=8, ignore_eos=True, skip_plan=plan, kv_policy="project")
+        res = model.generate(PROMPT, skip_plan=plan, kv_policy="project", **kw)
         assert calls == {"q": 1, "k": 8, "o": 1, "mlp": 1}  # project: only K/V of the 7 decoded tokens
         assert not res.trace.executed[0, :7, 2].any() and res.trace.executed[0, :7, 3].all()
         calls.update(q=0, k=0, o=0, mlp=0)
-        model.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+        model.generate(PROMPT, **kw)
         assert calls == {"q": 8, "k": 8, "o": 8, "mlp": 8}
     finally:
         for h in hooks:
             h.remove()
 
 
-@pytest.mark.parametrize("policy", ["gather", "all"])
-def test_batch_equals_single_runs(policy):
+@pytest.mark.parametrize("policy, kv_policy", [("gather", "hole"), ("gather", "project"), ("all", "hole"),
+                                                ("majority", "project")])
+def test_batch_equals_single_runs(policy, kv_policy):
+    """A batch of 4 gives each row the tokens of its own run: under gather the gates' own single run; under
+    all / majority (which override some rows' decisions) a single run forced to the row's executed plan."""
     model = randomize(fbs_tiny(), seed=3)
     prompts = [_ids(s, n)[0].tolist() for s, n in ((10, 5), (11, 9), (12, 9), (13, 14))]
-    batch = model.generate(prompts, max_new_tokens=10, ignore_eos=True, batch_policy=policy, kv_policy="hole")
+    batch = model.generate(prompts, max_new_tokens=10, ignore_eos=True, batch_policy=policy, kv_policy=kv_policy)
     tr = batch.trace
-    assert tr.intended_skip_ratio > 0
-    if policy == "gather":
-        for r, p in enumerate(prompts):
-            single = model.generate([p], max_new_tokens=10, ignore_eos=True, kv_policy="hole")
-            assert batch.new_tokens[r] == single.new_tokens[0]
+    assert tr.intended_skip_ratio > 0 and tr.skip_ratio > 0
+    for r, p in enumerate(prompts):
+        if policy == "gather":
+            single = model.generate([p], max_new_tokens=10, ignore_eos=True, kv_policy=kv_policy)
             assert torch.equal(tr.executed[r], single.trace.executed[0])
-    else:
-        # 'all' runs a layer for every row unless all rows skip: executed >= not-intended
+        else:
+            single = model.generate([p], max_new_tokens=10, ignore_eos=True, kv_policy=kv_policy,
+                                    skip_plan=~tr.executed[r] & tr.valid[r, :, None])
+        assert batch.new_tokens[r] == single.new_tokens[0]
+    if policy == "all":  # a layer runs for every row unless all rows skip: executed >= not-intended
         assert (tr.executed | tr.intended_skip)[tr.valid].all()
         assert tr.skip_ratio <= tr.intended_skip_ratio
+    if policy != "gather":  # one decision per (step, layer) for the whole batch
+        assert (tr.executed == tr.executed[:1]).all()
+    if policy == "majority":
+        votes = tr.intended_skip[:, :-1].sum(0) * 2 > tr.executed.shape[0]     # (N-1, L)
+        assert torch.equal(~tr.executed[0, :-1], votes)
 
 
 def test_eos_stop_and_min_new_tokens():
@@ -111,12 +123,12 @@ def test_eos_stop_and_min_new_tokens():
         out[..., eos] += 1e3
         return out
 
-    model.base.lm_head.register_forward_hook(eos_wins)
-    res = model.generate(PROMPT, max_new_tokens=10)
+    model.base.lm_head.register_forward_hook(eos_wins)  # seen through the HF modules (weights="hf")
+    res = model.generate(PROMPT, max_new_tokens=10, weights="hf")
     assert res.new_tokens[0] == [eos]
-    res = model.generate(PROMPT, max_new_tokens=10, min_new_tokens=4)
+    res = model.generate(PROMPT, max_new_tokens=10, min_new_tokens=4, weights="hf")
     assert len(res.new_tokens[0]) == 5 and res.new_tokens[0][-1] == eos and eos not in res.new_tokens[0][:4]
-    res = model.generate(PROMPT, max_new_tokens=10, ignore_eos=True)
+    res = model.generate(PROMPT, max_new_tokens=10, ignore_eos=True, weights="hf")
     assert len(res.new_tokens[0]) == 10
 
 

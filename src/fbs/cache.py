@@ -1,13 +1,19 @@
-"""A static per-layer KV cache with explicit per-layer, per-row lengths.
+"""A static per-layer KV cache with explicit per-layer, per-row lengths, and the engine's attention context.
 
 Under the ``hole`` policy a skipped token writes nothing at that layer, so layers (and rows) hold
 different numbers of entries; each entry keeps the RoPE position it was rotated with. Occupancy is never
-inferred from tensor contents.
+inferred from tensor contents: lengths are Python ints, so the hot path needs no host reads.
+
+Buffers are preallocated at full capacity (gpt-fast's static cache). A one-token decode step writes each
+row's entry at its own slot and attends over the whole buffer with a length mask, so every step has the
+same shapes (what a compiled layer step needs); prefill writes and reads views of the filled part.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .modules.chunk import ChunkOut, ChunkState
 
 
 class KVCache:
@@ -20,17 +26,27 @@ class KVCache:
         self.positions: list[list[list[int]]] = [[[] for _ in range(batch)] for _ in range(num_layers)]
         self.lengths = [[0] * batch for _ in range(num_layers)]  # python ints: no host syncs on the hot path
         self.capacity = capacity
+        self.batch = batch
 
     def get_seq_length(self, layer: int, row: int) -> int:
         return self.lengths[layer][row]
 
+    def advance(self, layer: int, rows: list[int], positions: list[list[int]]) -> list[int]:
+        """Book T new entries per row (positions[i] are row i's T positions); returns each row's first slot."""
+        lens = self.lengths[layer]
+        starts = [lens[r] for r in rows]
+        t = len(positions[0])
+        if max(starts) + t > self.capacity:
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded at layer {layer}")
+        for i, r in enumerate(rows):
+            self.positions[layer][r].extend(positions[i])
+            lens[r] += t
+        return starts
+
     def write(self, layer: int, rows: list[int], k: torch.Tensor, v: torch.Tensor, positions: list[list[int]]) -> None:
         """Append T entries per row. k, v: (len(rows), Hkv, T, hd); positions[i] are row i's T positions."""
         t = k.shape[2]
-        lens = self.lengths[layer]
-        starts = [lens[r] for r in rows]
-        if max(starts) + t > self.capacity:
-            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded at layer {layer}")
+        starts = self.advance(layer, rows, positions)
         if len(set(starts)) == 1 and rows == list(range(rows[0], rows[0] + len(rows))):
             s, sl = starts[0], slice(rows[0], rows[0] + len(rows))
             self.k[layer][sl, :, s:s + t] = k
@@ -40,9 +56,6 @@ class KVCache:
                 s = starts[i]
                 self.k[layer][r, :, s:s + t] = k[i]
                 self.v[layer][r, :, s:s + t] = v[i]
-        for i, r in enumerate(rows):
-            self.positions[layer][r].extend(positions[i])
-            lens[r] += t
 
     def view(self, layer: int, rows: list[int]):
         """Keys, values (b, Hkv, n, hd) of the rows and a bool mask (b, 1, 1, n) of valid entries (None if all)."""
@@ -55,3 +68,81 @@ class KVCache:
             return k, v, None
         mask = torch.arange(n).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, n)
         return k, v, mask.to(k.device)[:, None, None, :]
+
+
+class CacheContext:
+    """Where a layer step's K/V go during decoding: some rows of a :class:`KVCache`, their chunk caches and
+    positions. ``cos``/``sin`` (b, T, hd) are the rows' rotary tables for the T new tokens."""
+
+    soft_window = False
+    truncate = True  # PAW computes horizons up to max k(t) only
+
+    def __init__(self, cache: KVCache, chunks: dict[int, ChunkState], rows: list[int], positions: list[list[int]],
+                 cos: torch.Tensor, sin: torch.Tensor, policy: str, preview_emb=None, preview_keys=None,
+                 scaling: float = 1.0):
+        self.cache, self.chunks, self.rows, self.positions = cache, chunks, rows, positions
+        self.cos, self.sin, self.policy, self.scaling = cos, sin, policy, scaling
+        self.preview_emb, self.preview_keys = preview_emb, preview_keys or {}
+        self.all_rows = rows == list(range(cache.batch))
+        self._rows_t = None
+
+    @property
+    def rows_t(self) -> torch.Tensor:
+        if self._rows_t is None:
+            self._rows_t = torch.tensor(self.rows, device=self.cos.device)
+        return self._rows_t
+
+    def select(self, idx: list[int]) -> "CacheContext":
+        """The context of a subset of these rows (``idx`` indexes ``self.rows``)."""
+        ti = torch.tensor(idx, device=self.cos.device)
+        return CacheContext(self.cache, self.chunks, [self.rows[i] for i in idx], [self.positions[i] for i in idx],
+                            self.cos.index_select(0, ti), self.sin.index_select(0, ti), self.policy,
+                            self.preview_emb, self.preview_keys, self.scaling)
+
+    # ---- attention --------------------------------------------------------
+    def attend(self, l: int, q, k, v, hole=None) -> torch.Tensor:
+        """Write the rows' K/V, then attend over everything cached at layer l (causal among the new tokens)."""
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        t = q.shape[2]
+        fresh = all(self.cache.lengths[l][r] == 0 for r in self.rows)
+        self.write(l, k, v)
+        gqa = k.shape[1] != q.shape[1]
+        if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
+            return sdpa(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
+        kk, vv, mask = self.cache.view(l, self.rows)
+        if t > 1:  # chunked prefill: causal within the new tokens, everything cached before them visible
+            n = kk.shape[2]
+            causal = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(n - t)
+            mask = causal[None, None] if mask is None else mask & causal[None, None]
+        return sdpa(q, kk, vv, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+
+    def write(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(l, self.rows, k, v, self.positions)
+
+    def decode_slots(self, l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For a one-token step of fixed shapes: the layer's full K/V buffers, each row's slot (b,) for its new
+        entry, and the row indices (None when the step covers every row of the cache, in order). Books the
+        entries; the caller writes them (see :func:`fbs.fused.attend_static`)."""
+        starts = self.cache.advance(l, self.rows, self.positions)
+        slots = torch.tensor(starts, device=self.cos.device)
+        return self.cache.k[l], self.cache.v[l], slots, None if self.all_rows else self.rows_t
+
+    # ---- chunk head -------------------------------------------------------
+    def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:
+        rows = self.rows_t
+        if xn.shape[1] == 1:
+            state = self.chunks[l].select(rows)
+            c, logits, bound = head.step(xn, state)
+            self.chunks[l].assign(rows, state)
+            return ChunkOut(c, logits, bound, None, None)
+        out, state = head(xn, return_state=True)
+        self.chunks[l].assign(rows, state)
+        return out
+
+    def chunk_write(self, l: int, head, xn: torch.Tensor) -> None:
+        """``project`` for a skipped CH layer: the token joins the chunk cache, nothing is added to its state."""
+        rows = self.rows_t
+        state = self.chunks[l].select(rows)
+        head.step(xn, state, attend=False)
+        self.chunks[l].assign(rows, state)

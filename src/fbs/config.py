@@ -10,6 +10,7 @@ from typing import Literal
 Compression = Literal["conv", "mean", "linear", "none"]
 GateInput = Literal["residual", "preview", "both"]
 KVPolicy = Literal["hole", "project"]
+SkipGranularity = Literal["layer", "ffn"]
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,9 @@ class FBSConfig:
     """Skip threshold at inference: layer l is skipped for token t when p > tau."""
     kv_policy: KVPolicy = "project"
     """What a skipped layer writes to its KV cache for the skipped token (DESIGN.md §2)."""
+    skip_granularity: SkipGranularity = "layer"
+    """What a gate's "skip" removes: the whole layer, or only its FFN ("ffn": attention, PAW, CH and K/V run
+    exactly; the gate still decides before the layer, from the same inputs). DESIGN.md §7b compares the two."""
     never_skip_first: int = 2
     """The first layers are never skipped (appendix E.9 default: 2)."""
     never_skip_last: int = 6
@@ -109,6 +113,8 @@ class FBSConfig:
               f"gate_input must be residual|preview|both, got {self.gate_input!r}")
         check(0.0 <= self.tau <= 1.0, f"tau must be in [0, 1], got {self.tau}")
         check(self.kv_policy in ("hole", "project"), f"kv_policy must be 'hole' or 'project', got {self.kv_policy!r}")
+        check(self.skip_granularity in ("layer", "ffn"),
+              f"skip_granularity must be 'layer' or 'ffn', got {self.skip_granularity!r}")
         check(self.never_skip_first >= 0 and self.never_skip_last >= 0, "never_skip_first/last must be >= 0")
         check(len(set(self.paw_layers)) == len(self.paw_layers), f"paw_layers has duplicates: {self.paw_layers}")
         check(len(set(self.ch_layers)) == len(self.ch_layers), f"ch_layers has duplicates: {self.ch_layers}")

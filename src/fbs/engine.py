@@ -6,8 +6,15 @@ FFN, PAW or CH for that token; under the ``project`` KV policy it still writes t
 cache entry), computed from the unchanged state, so later tokens see what training showed them.
 
 Batches: rows disagree about skipping. ``batch_policy="gather"`` runs a layer only for the rows that
-compute; ``"all"`` runs it for every row unless all rows skip. The trace records intended skips (what the
+compute; ``"all"`` runs it for every row unless all rows skip; ``"majority"`` skips it for every row when
+more than half the rows skip it, else runs it for every row. The trace records intended skips (what the
 gates said) and executed ones (what ran).
+
+Each layer is one :func:`fbs.layer.layer_step`, the same step the parallel forward runs, over the engine's
+KV-cache context. The linear algebra (``weights=``) is either the HF modules themselves (``"hf"``, the
+reference: forward hooks see every call) or fused inference copies of the same weights built once per model
+and weight format (:mod:`fbs.fused`: fp32, bf16 or int8 weight-only), optionally compiled (``compile=True``:
+one compiled artifact for all layers, the skip loop stays in Python).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .cache import KVCache
+from .cache import CacheContext, KVCache
 from .flops import FlopCounter
+from .fused import WEIGHTS, decode_ops
+from .layer import Mix, layer_step, logit_threshold
 from .modules.chunk import ChunkState
 
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
@@ -53,8 +62,11 @@ class DecodeOptions:
     structure_tau: float = 1.0               # tau while protected (1.0 = protected tokens skip nothing)
     validator: str | Callable[[str], bool] | None = None  # json | brackets | python | callable
     fallback_tau: float = 0.9                # tau of the fallback rerun
-    batch_policy: str = "gather"             # gather | all
+    batch_policy: str = "gather"             # gather | all | majority
     output_scores: bool = False              # keep each step's next-token logits in the result
+    weights: str = "fp32"                    # hf (the HF modules) | fp32 | bf16 | int8 (fused inference copies)
+    compile: bool | str = False              # torch.compile the fused one-token step (True: inductor; or a backend)
+    record_gate_p: bool = True               # keep gate probabilities in the trace (else NaN where not kept)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -65,8 +77,12 @@ class DecodeOptions:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.batch_policy not in ("gather", "all"):
-            raise ValueError(f"batch_policy must be 'gather' or 'all', got {self.batch_policy!r}")
+        if self.batch_policy not in ("gather", "all", "majority"):
+            raise ValueError(f"batch_policy must be 'gather', 'all' or 'majority', got {self.batch_policy!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.compile and self.weights == "hf":
+            raise ValueError("compile=True runs the fused weights; use weights='fp32', 'bf16' or 'int8'")
         if self.kv_policy not in (None, "hole", "project"):
             raise ValueError(f"kv_policy must be 'hole' or 'project', got {self.kv_policy!r}")
         if isinstance(self.validator, str) and self.validator not in VALIDATORS:
@@ -259,7 +275,8 @@ class _Decoder:
                 for t in prompt:
                     self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
         self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
-        self.gates = model.gates.fused()
+        self.ops = decode_ops(model, opts.weights, opts.compile)
+        self.granularity = cfg.skip_granularity
         eos = opts.eos_token_id
         if eos is None and not opts.ignore_eos:
             eos = getattr(getattr(model.base.hf, "generation_config", None), "eos_token_id", None)
@@ -272,52 +289,9 @@ class _Decoder:
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.B)]
         self.active = list(range(self.B))
 
-    # ---- per-layer pieces -------------------------------------------------
-    def _attend_cached(self, l, rows, xn, cos, sin, positions):
-        base = self.m.base
-        q = base.query(l, xn, cos, sin)
-        k, v = base.key_value(l, xn, cos, sin)
-        t = xn.shape[1]
-        fresh = all(self.cache.lengths[l][r] == 0 for r in rows)
-        self.cache.write(l, rows, k, v, positions)
-        if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
-            return base.attn_out(l, base.attend(q, k, v, None, causal=True))
-        kk, vv, mask = self.cache.view(l, rows)
-        if t > 1:  # chunked prefill: causal within the new tokens, everything cached before them visible
-            n = kk.shape[2]
-            causal = torch.ones(t, n, dtype=torch.bool, device=xn.device).tril(n - t)
-            mask = causal[None, None] if mask is None else mask & causal[None, None]
-        return base.attn_out(l, base.attend(q, kk, vv, mask))
-
-    def _layer(self, l, rows, x, xn, cos, sin, positions):
-        """Full FBS layer for ``rows`` (x: (b, T, d)). Returns (new x, new zlow or None, k, boundary)."""
-        m = self.m
-        h = x + self._attend_cached(l, rows, xn, cos, sin, positions)
-        new_z, k, bound = None, None, None
-        if str(l) in m.paw:
-            out = m.paw[str(l)](xn, self.emb_v, self.keys_v[str(l)], soft=False, truncate=True)
-            h, new_z, k = h + out.z, out.zlow, out.k_hard
-        if str(l) in m.ch:
-            head = m.ch[str(l)]
-            if xn.shape[1] == 1:
-                state = self.chunks[l].select(torch.tensor(rows))
-                c, _, bound = head.step(xn, state)
-                self.chunks[l].assign(torch.tensor(rows), state)
-            else:
-                cout, state = head(xn, return_state=True)
-                c, bound = cout.c, cout.boundary
-                self.chunks[l].assign(torch.tensor(rows), state)
-            h = h + c
-        return h + m.base.mlp(l, m.base.norm2(l, h)), new_z, k, bound
-
-    def _write_only(self, l, rows, xn, cos, sin, positions):
-        """``project`` policy for skipped rows: K/V (and chunk entry) from the unchanged state, nothing else."""
-        k, v = self.m.base.key_value(l, xn, cos, sin)
-        self.cache.write(l, rows, k, v, positions)
-        if str(l) in self.m.ch:
-            state = self.chunks[l].select(torch.tensor(rows))
-            self.m.ch[str(l)].step(xn, state, attend=False)
-            self.chunks[l].assign(torch.tensor(rows), state)
+    def _context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
+        return CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
+                            self.m.base.scaling)
 
     # ---- prefill ------------------------------------------------------------
     def prefill(self) -> list[torch.Tensor]:
@@ -326,39 +300,45 @@ class _Decoder:
         for r, p in enumerate(self.prompts):
             groups.setdefault(len(p), []).append(r)
         logits = [None] * self.B
+        ops = self.ops
         for length, rows in groups.items():
             # rows of equal length run as one batch (rows need not be contiguous for the cache)
             ids = torch.tensor([self.prompts[r] for r in rows], device=self.dev)
             pos = torch.arange(length, device=self.dev).expand(len(rows), length)
-            x = self.m.base.embed(ids)
-            cos, sin = self.m.base.rope(x, pos)
-            plist = [list(range(length))] * len(rows)
+            x = ops.embed(ids)
+            cos, sin = ops.rope(x, pos)
+            ctx = self._context(rows, [list(range(length))] * len(rows), cos, sin)
             for l in range(self.L):
-                xn = self.m.base.norm1(l, x)
-                x, _, _, _ = self._layer(l, rows, x, xn, cos, sin, plist)
-            last = self.m.base.head(x[:, -1:])[:, 0]
+                x = layer_step(self.m, ops, l, x, ctx).x
+            last = ops.head(x[:, -1:])[:, 0]
             for i, r in enumerate(rows):
                 logits[r] = last[i]
         return logits
 
     # ---- decode -------------------------------------------------------------
-    def _skip_decision(self, l, step, rows, xn, rel, zterms, prev_skip):
-        """Returns (skip list[bool] per row, p tensor (b,) or None)."""
+    def _needs_gate(self, l: int) -> bool:
+        return self.gated[l] and self.plan is None and not self.opts.force_compute
+
+    def _skip_decision(self, l, step, rows, logit) -> tuple[list[bool], list[float] | None]:
+        """Returns (skip per row, gate logits per row or None). ``logit`` (b,) is read once."""
         o = self.opts
         if o.force_compute:
             return [False] * len(rows), None
         if self.plan is not None:
             s = self.plan[min(step, len(self.plan) - 1)][l]
             return [s] * len(rows), None
-        if not self.gated[l]:
+        if logit is None:
             return [False] * len(rows), None
-        p = torch.sigmoid(self.gates.logits(l, xn, rel, zterms, prev_skip))[:, 0]  # (b,)
         if o.gate_sampling:
-            dec = torch.bernoulli(p, generator=self.gen).bool().tolist()
-        else:
-            taus = [self._row_tau(r) for r in rows]
-            dec = [pi > ti for pi, ti in zip(p.tolist(), taus)]
-        return dec, p
+            p = torch.sigmoid(logit.float())
+            both = torch.stack([logit.float(), torch.bernoulli(p, generator=self.gen)]).tolist()
+            return [d > 0.5 for d in both[1]], both[0]
+        values = logit.tolist()  # the layer's one host read
+        return [v > self._row_threshold(r) for v, r in zip(values, rows)], values
+
+    def _row_threshold(self, row: int) -> float:
+        """The logit threshold of this row's tau (p > tau <=> logit > log(tau / (1 - tau)))."""
+        return logit_threshold(self._row_tau(row))
 
     def _row_tau(self, row: int) -> float:
         if self.structure is None:
@@ -368,63 +348,101 @@ class _Decoder:
             return max(self.tau, self.opts.structure_tau)
         return self.tau
 
+    def _batch_run(self, skip: list[bool]) -> list[bool]:
+        """Which rows run the layer (or its FFN), from what each row intends, under the batch policy."""
+        run = [not s for s in skip]
+        policy = self.opts.batch_policy
+        if policy == "all" and any(run):
+            return [True] * len(run)
+        if policy == "majority":
+            return [sum(skip) * 2 <= len(skip)] * len(run)
+        return run
+
     def decode_step(self, step: int, tokens: list[int]) -> torch.Tensor:
         """One token for every active row; returns next-token logits (b, V) for the active rows."""
-        rows, m, rec = self.active, self.m, self.rec
+        rows, m, rec, ops = self.active, self.m, self.rec, self.ops
         b = len(rows)
         pos_list = [len(self.prompts[r]) + step for r in rows]
-        x = m.base.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
-        cos, sin = m.base.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
+        x = ops.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
+        cos, sin = ops.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
+        ctx = self._context(rows, [[p] for p in pos_list], cos, sin)
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
-        zterms = self.gates.preview_terms(zlow)
-        rel = x.new_ones(b, 1)
-        prev_skip = None  # (b, 1) 1.0 where the previous layer was skipped; None while nothing was
-        positions = [[p] for p in pos_list]
+        zterms = ops.preview_terms(zlow)
+        x_prev, prev_skip = None, None  # previous layer's input; (b, 1) 1.0 where it was skipped (None: none was)
         for i, r in enumerate(rows):
             rec.ctx[r][step], rec.valid[r][step] = pos_list[i], True
         for l in range(self.L):
-            xn = m.base.norm1(l, x)
-            skip, p = self._skip_decision(l, step, rows, xn, rel, zterms, prev_skip)
-            run = [not s for s in skip]
-            if self.opts.batch_policy == "all" and any(run):
-                run = [True] * b
-            sel = [i for i in range(b) if run[i]]
-            if len(sel) == b:
-                new, new_z, k, bound = self._layer(l, rows, x, xn, cos, sin, positions)
-            elif sel:
-                ti = torch.tensor(sel, device=self.dev)
-                out, new_z, k, bound = self._layer(l, [rows[i] for i in sel], x[ti], xn[ti], cos[ti], sin[ti],
-                                                   [positions[i] for i in sel])
-                new = x.index_copy(0, ti, out)
+            gated = self._needs_gate(l)
+            pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True) if gated else None
+            skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None)
+            run = self._batch_run(skip)
+            if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn"):
+                pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs
+            if self.granularity == "ffn":
+                new, zlow_new, sel, paw, ch = self._ffn_only(l, x, ctx, pre, run, zlow)
             else:
-                new, new_z, k, bound = x, None, None, None
-            skipped = [i for i in range(b) if not run[i]]
-            if skipped and self.policy == "project":
-                ti = torch.tensor(skipped, device=self.dev)
-                self._write_only(l, [rows[i] for i in skipped], xn[ti], cos[ti], sin[ti],
-                                 [positions[i] for i in skipped])
-            p_list = p.tolist() if p is not None else None
-            for i, r in enumerate(rows):
-                rec.executed[r][step][l] = run[i]
-                rec.intended[r][step][l] = skip[i]
-                rec.kv[r][step][l] = run[i] or self.policy == "project"
-                if p_list is not None:
-                    rec.p[r][step][l] = p_list[i]
-            if new_z is not None:
-                zlow = new_z if len(sel) == b else zlow.index_copy(0, torch.tensor(sel, device=self.dev), new_z)
-                zterms = self.gates.preview_terms(zlow)
-                if l == m.layers_cfg.paw[0]:
-                    for i, kv in zip(sel, k[:, 0].tolist()):
-                        rec.k[rows[i]][step] = kv
-            if bound is not None and l == m.layers_cfg.ch[0]:
-                for i, bv in zip(sel, bound.tolist()):
-                    rec.bound[rows[i]][step] = bv
-            if self.gates.use_prev_skip:
+                new, zlow_new, sel, paw, ch = self._whole_layer(l, x, ctx, pre, run, zlow)
+            self._record(step, l, rows, skip, run, logits, sel, paw, ch)
+            if paw is not None:
+                zlow, zterms = zlow_new, ops.preview_terms(zlow_new)
+            if m.gates.use_prev_skip:
                 prev_skip = None if all(run) else torch.tensor([[0.0 if r else 1.0] for r in run], device=self.dev)
-            if l + 1 < self.L and self.gated[l + 1] and m.gates.use_residual and not self.opts.force_compute:
-                rel = (new - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)
-            x = new
-        return m.base.head(x)[:, 0]
+            x_prev, x = x, new
+        return ops.head(x)[:, 0]
+
+    def _whole_layer(self, l, x, ctx, pre, run, zlow):
+        """Layer granularity: the layer runs for the rows in ``run``; the others keep x (and, under ``project``,
+        write their K/V and chunk entry from the unchanged state). Returns (x', zlow', rows that ran, PAW, CH)."""
+        b = x.shape[0]
+        sel = [i for i in range(b) if run[i]]
+        new, out = x, None
+        if len(sel) == b:
+            out = layer_step(self.m, self.ops, l, x, ctx, xn=pre.xn, kv=pre.kv, zlow=zlow)
+            new, zlow_new = out.x, out.zlow
+        elif sel:
+            ti = torch.tensor(sel, device=self.dev)
+            kv = None if pre.kv is None else (pre.kv[0][ti], pre.kv[1][ti])
+            out = layer_step(self.m, self.ops, l, x[ti], ctx.select(sel), xn=pre.xn[ti], kv=kv, zlow=zlow[ti])
+            new = x.index_copy(0, ti, out.x)
+            zlow_new = zlow.index_copy(0, ti, out.zlow) if out.paw is not None else zlow
+        skipped = [i for i in range(b) if not run[i]]
+        if skipped and self.policy == "project":
+            sub = ctx if not sel else ctx.select(skipped)
+            ti = torch.tensor(skipped, device=self.dev)
+            xn = pre.xn if not sel else pre.xn[ti]
+            kv = self.ops.kv(l, xn, sub) if pre.kv is None else ((pre.kv[0], pre.kv[1]) if not sel else
+                                                                 (pre.kv[0][ti], pre.kv[1][ti]))
+            sub.write(l, *kv)
+            if str(l) in self.m.ch:
+                sub.chunk_write(l, self.m.ch[str(l)], xn)
+        if out is None:
+            return new, zlow, sel, None, None
+        return new, zlow_new, sel, out.paw, out.ch
+
+    def _ffn_only(self, l, x, ctx, pre, run, zlow):
+        """FFN granularity: attention, PAW and CH run for every row; the FFN only for the rows in ``run``."""
+        b = x.shape[0]
+        sel = [i for i in range(b) if run[i]]
+        mix = Mix("ffn") if len(sel) == b else Mix("ffn", ffn_rows=torch.tensor(sel, device=self.dev, dtype=torch.long))
+        out = layer_step(self.m, self.ops, l, x, ctx, mix, xn=pre.xn, kv=pre.kv, zlow=zlow)
+        return out.x, out.zlow, list(range(b)), out.paw, out.ch
+
+    def _record(self, step, l, rows, skip, run, logits, sel, paw, ch) -> None:
+        rec, m = self.rec, self.m
+        kv_always = self.policy == "project" or self.granularity == "ffn"
+        keep_p = logits is not None and self.opts.record_gate_p
+        for i, r in enumerate(rows):
+            rec.executed[r][step][l] = run[i]
+            rec.intended[r][step][l] = skip[i]
+            rec.kv[r][step][l] = run[i] or kv_always
+            if keep_p:
+                rec.p[r][step][l] = logits[i]  # a logit; _finish turns the whole grid into probabilities
+        if paw is not None and l == m.layers_cfg.paw[0]:
+            for i, k in zip(sel, paw.k_hard[:, 0].tolist()):
+                rec.k[rows[i]][step] = k
+        if ch is not None and l == m.layers_cfg.ch[0]:
+            for i, bv in zip(sel, ch.boundary.view(-1).tolist()):
+                rec.bound[rows[i]][step] = bv
 
     # ---- sampling -----------------------------------------------------------
     def pick(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
@@ -559,6 +577,7 @@ def _finish(dec: _Decoder) -> GenerationResult:
     dtypes = {"executed": torch.bool, "intended_skip": torch.bool, "kv_written": torch.bool, "gate_p": torch.float32,
               "window_k": torch.long, "chunk_boundary": torch.bool, "context_len": torch.long, "valid": torch.bool}
     fields = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in dec.rec.rows(n).items()}
+    fields["gate_p"] = torch.sigmoid(fields["gate_p"])  # recorded as logits (NaN stays NaN)
     tr = DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[False] * dec.B)
     tr.tflops_rel, tr.tflops_rel_exact = dec.flops.relative(tr)
     scores = [torch.stack(s) for s in dec.scores] if dec.opts.output_scores else None

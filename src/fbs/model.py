@@ -22,7 +22,8 @@ from torch import nn
 from .config import FBSConfig
 from .hf_adapter import BaseDecoder
 from .modules.chunk import ChunkHead
-from .modules.gate import SkipGates, relative_update, straight_through
+from .layer import HFOps, Mix, SequenceContext, layer_step, next_gate_inputs
+from .modules.gate import SkipGates, straight_through
 from .modules.preview import ParafoveaWindow, default_preview_ids
 
 logger = logging.getLogger(__name__)
@@ -210,20 +211,19 @@ class FBSForCausalLM(nn.Module):
             positions = torch.arange(t, device=dev).expand(b, t)
             keymask = None
         else:
-            attention_mask = attention_mask.bool()
-            positions = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
-            keymask = attention_mask
+            keymask = attention_mask.bool()
+            positions = (keymask.long().cumsum(1) - 1).clamp_min(0)
         cos, sin = self.base.rope(x, positions)
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        eye = torch.eye(t, dtype=torch.bool, device=dev)
+        emb_v, keys_v = self.preview_vocab() if len(self.paw) else (None, {})
+        ctx = SequenceContext(self.base, cos, sin, keymask, policy, soft_window, emb_v, keys_v, bios_labels)
+        ops = HFOps(self.base)
         gated_pos = (torch.arange(t, device=dev) >= gate_from).expand(b, t)
         plan = self._expand_plan(skip_plan, b, t) if mode == "plan" else None
+        st = skip_training or SkipTraining()
 
-        emb_v, keys_v = self.preview_vocab() if len(self.paw) else (None, {})
         zlow = x.new_zeros(b, t, cfg.preview_rank)
         rel = x.new_ones(b, t)
-        prev_skip = x.new_zeros(b, t)  # hard skip of the previous layer (gate input with gate_prev_skip)
-        st = skip_training or SkipTraining()
+        prev_skip = None  # hard skip of the previous layer (gate input with gate_prev_skip); None = zeros
         if st != SkipTraining() and mode != "soft":
             raise ValueError("skip_training applies to gate_mode='soft' only")
         probs = x.new_zeros(b, t, spec.num_layers)
@@ -232,13 +232,11 @@ class FBSForCausalLM(nn.Module):
         hidden = [x] if output_hidden_states else None
 
         for l in range(spec.num_layers):
-            xn = self.base.norm1(l, x)
+            xn = ops.norm1(l, x)
             skip, g = None, None  # skip: hard bool (B,T); g: float mixture weight
             if l in self.layers_cfg.gated:
-                if st.detach_gate_inputs:
-                    p = self.gates.prob(l, xn.detach(), rel.detach(), zlow.detach(), prev_skip)
-                else:
-                    p = self.gates.prob(l, xn, rel, zlow, prev_skip)
+                gin = (xn.detach(), rel.detach(), zlow.detach()) if st.detach_gate_inputs else (xn, rel, zlow)
+                p = self.gates.prob(l, *gin, prev_skip)
                 probs[..., l] = p
                 if mode == "soft":
                     force = st.force_skip[..., l] if st.force_skip is not None else None
@@ -254,48 +252,15 @@ class FBSForCausalLM(nn.Module):
             elif mode == "plan" and bool(plan[..., l].any()):
                 raise ValueError(f"skip_plan skips layer {l}, which is a never-skip layer {self.layers_cfg.never_skip}")
 
-            # attention; K/V of every token come from its layer input (project semantics) unless holed
-            q = self.base.query(l, xn, cos, sin)
-            k, v = self.base.key_value(l, xn, cos, sin)
-            mask = None
-            if keymask is not None or (skip is not None and policy == "hole"):
-                mask = causal.expand(b, t, t)
-                if keymask is not None:
-                    mask = mask & keymask[:, None, :]
-                if skip is not None and policy == "hole":
-                    mask = mask & (~skip[:, None, :] | eye)
-                mask = (mask | eye).unsqueeze(1)
-            h = x + self.base.attn_out(l, self.base.attend(q, k, v, mask, causal=True))
-            if str(l) in self.paw:
-                out = self.paw[str(l)](xn, emb_v, keys_v[str(l)], soft=soft_window)
-                h = h + out.z
-                new_z = out.zlow if skip is None else torch.where(skip.unsqueeze(-1), zlow, out.zlow)
-                prev_logits.append(out.logits), win_k.append(out.k_soft), win_w.append(out.weights)
-            if str(l) in self.ch:
-                write = ~skip if (skip is not None and policy == "hole") else None
-                if keymask is not None:
-                    write = keymask if write is None else write & keymask
-                cout = self.ch[str(l)](xn, write=write, labels=bios_labels)
-                h = h + cout.c
-                bios.append(cout.bios_logits), bounds.append(cout.boundary)
-                cstates.append(cout.chunk_state), tstates.append(cout.token_state)
-            f = h + self.base.mlp(l, self.base.norm2(l, h))
-            if skip is not None:
-                new = torch.where(skip.unsqueeze(-1), x, f)
-            elif g is not None:
-                new = g.unsqueeze(-1) * x + (1 - g).unsqueeze(-1) * f
-            else:
-                new = f
-            if str(l) in self.paw:
-                zlow = new_z
-            if skip is not None:
-                prev_skip = skip.to(x.dtype)
-            elif g is not None:
-                prev_skip = (g.detach() > 0.5).to(x.dtype)
-            else:
-                prev_skip = x.new_zeros(b, t)
-            rel = relative_update(new, x)
-            x = new
+            out = layer_step(self, ops, l, x, ctx, Mix(cfg.skip_granularity, skip, g), xn=xn, zlow=zlow)
+            if out.paw is not None:
+                prev_logits.append(out.paw.logits), win_k.append(out.paw.k_soft), win_w.append(out.paw.weights)
+            if out.ch is not None:
+                bios.append(out.ch.bios_logits), bounds.append(out.ch.boundary)
+                cstates.append(out.ch.chunk_state), tstates.append(out.ch.token_state)
+            hard = skip if g is None else g.detach() > 0.5
+            rel, prev_skip = next_gate_inputs(out.x, x, hard)
+            x, zlow = out.x, out.zlow
             if hidden is not None:
                 hidden.append(x)
 

@@ -1,0 +1,348 @@
+"""The engine's linear algebra: the HF modules (``weights="hf"``) or fused inference copies of the same weights.
+
+:func:`decode_ops` returns the ops object a :func:`fbs.layer.layer_step` runs with during decoding. Besides the
+layer pieces it has ``pre``: RMSNorm_1, the layer's K/V and, for a gated layer, the gate logit.
+
+Fused copies (:class:`FusedOps`) are an inference-time view built once per model and weight format and
+rebuilt when any source parameter changes (the HF modules stay the source of truth, e.g. for training):
+
+* per layer, W_kvg = [W_k; W_v; A_l] where A_l is the gate's input projection folded through the shared
+  residual projection (the gate reads RMSNorm_1(h), the same input as K/V), so one matmul gives K, V and the
+  gate's hidden pre-activation; then W_q, W_o, [W_gate; W_up] and W_down;
+* the LM head (tied or not) in the same format;
+* weights in fp32, bf16 or int8 per output channel (:mod:`fbs.quant`); fp32 computes what the HF modules do.
+
+One-token steps run two fixed-shape functions per layer, ``pre`` (norm, K/V, gate) and ``block`` (Q, cache
+write, attention over the static cache, O, FFN), optionally ``torch.compile``d: one artifact serves every
+layer because weights and cache buffers are arguments, and the skip loop stays in Python, so changing skip
+patterns never recompiles. Prefill (many tokens) runs the same weights eagerly as GEMMs (int8 dequantized).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .cache import CacheContext
+from .hf_adapter import apply_rope
+from .layer import HFOps
+from .modules.gate import relative_update
+from .quant import FORMATS, Weight, matmul
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = ("hf",) + FORMATS
+
+
+class Pre(NamedTuple):
+    """What a layer computes before its skip decision, for the rows of a step."""
+
+    xn: torch.Tensor                                   # (b, T, d) RMSNorm_1(x)
+    kv: tuple[torch.Tensor, torch.Tensor] | None       # (b, Hkv, T, hd) rotated K and V, when already projected
+    logit: torch.Tensor | None                         # (b,) gate logit (skip when > logit(tau)), gated layers
+
+
+def decode_ops(model, weights: str = "fp32", compile: bool = False):
+    """The ops of one generate call: HF modules (``"hf"``) or the model's cached fused copies."""
+    if weights == "hf":
+        return HFDecodeOps(model)
+    if weights not in FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    per_model = _FUSED.setdefault(model, {})
+    stamp = _source_stamp(model)
+    key = (weights, compile)
+    cached = per_model.get(key)
+    if cached is None or cached[0] != stamp:
+        if cached is not None:
+            logger.info("model weights changed since the %s copies were built: rebuilding them", weights)
+        per_model[key] = (stamp, FusedOps(model, weights, compile))
+    return per_model[key][1]
+
+
+_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _source_stamp(model) -> tuple:
+    """Identity and version counter of every parameter the fused copies are built from."""
+    params = list(model.base.parameters()) + list(model.gates.parameters())
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
+# --------------------------------------------------------------------------- HF modules
+class HFDecodeOps(HFOps):
+    """The HF modules plus the algebraically fused gates (:class:`fbs.modules.gate.FusedGates`)."""
+
+    def __init__(self, model):
+        super().__init__(model.base)
+        self.gates = model.gates.fused()
+
+    def preview_terms(self, zlow: torch.Tensor):
+        return self.gates.preview_terms(zlow)
+
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
+        xn = self.norm1(l, x)
+        if not gated:
+            return Pre(xn, None, None)
+        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev)
+        return Pre(xn, None, self.gates.logits(l, xn, rel, zterms, prev_skip)[:, 0])
+
+
+# --------------------------------------------------------------------------- fused copies
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _linear(x, w, s, b):
+    y = matmul(x, w, s)
+    return y if b is None else y + b
+
+
+def _heads(y: torch.Tensor, n: int, hd: int, norm, eps: float) -> torch.Tensor:
+    """(b, T, n*hd) -> (b, n, T, hd), with the per-head RMSNorm of Qwen3 when ``norm`` is given."""
+    b, t, _ = y.shape
+    y = y.view(b, t, n, hd)
+    if norm is not None:
+        y = _rms(y, norm, eps)
+    return y.transpose(1, 2)
+
+
+def _pre_step(x, x_prev, zterm, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int, hd: int,
+              eps: float):
+    """RMSNorm_1, K/V (rotated) and, with ``gate`` = (w_rel, w_prev, out_w, out_b, bias), the gate logit (b,)."""
+    xn = _rms(x, ln1, eps)
+    y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, T, 2*nkv*hd [+ G])
+    width = nkv * hd
+    k = apply_rope(_heads(y[..., :width], nkv, hd, kn, eps), cos, sin)
+    v = _heads(y[..., width:2 * width], nkv, hd, None, eps)
+    if gate is None:
+        return xn, k, v, None
+    w_rel, w_prev, out_w, out_b, bias = gate
+    g = y[..., 2 * width:] if bias is None else bias.expand(*x.shape[:-1], -1)  # (b, T, G)
+    if w_rel is not None:
+        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev)
+        g = g + torch.log(rel + 1e-3).unsqueeze(-1) * w_rel
+    if zterm is not None:
+        g = g + zterm
+    if prev_skip is not None:
+        g = g + prev_skip.unsqueeze(-1) * w_prev
+    logit = F.linear(F.silu(g), out_w, out_b)                        # (b, T, 1)
+    return xn, k, v, logit[:, -1, 0]
+
+
+def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int):
+    """h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h), with gate and up as one matmul."""
+    y = matmul(_rms(h, ln2, eps), gu, gu_s)
+    return h + matmul(F.silu(y[..., :inter]) * y[..., inter:], dn, dn_s)
+
+
+def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s, dn, dn_s,
+                *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool):
+    """One new token per row: Q, write K/V at each row's slot of the static cache, attend over the slots
+    filled so far, O and (with ``ffn``) the FFN. ``rows`` None: the step's rows are the cache's rows."""
+    b = x.shape[0]
+    q = apply_rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
+    idx = torch.arange(b, device=x.device) if rows is None else rows
+    kc[idx, :, slots] = k[:, :, 0]
+    vc[idx, :, slots] = v[:, :, 0]
+    keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
+    valid = torch.arange(kc.shape[2], device=x.device).unsqueeze(0) <= slots.unsqueeze(1)  # (b, C)
+    o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid[:, None, None, :], scale=scale,
+                                       enable_gqa=keys.shape[1] != heads)
+    h = x + matmul(o.transpose(1, 2).reshape(b, 1, heads * hd), wo, wo_s)
+    return _ffn_step(h, ln2, gu, gu_s, dn, dn_s, eps=eps, inter=inter) if ffn else h
+
+
+def _head_step(x, norm, w, s, *, eps: float):
+    return matmul(_rms(x, norm, eps), w, s)
+
+
+class _Layer(NamedTuple):
+    ln1: torch.Tensor
+    kvg: Weight
+    kvg_b: torch.Tensor | None
+    q: Weight
+    q_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Weight
+    ln2: torch.Tensor
+    gu: Weight
+    down: Weight
+    gate: tuple | None        # (w_rel, w_prev, out_w, out_b, bias-when-no-rows), gated layers
+
+
+def _compile_dir() -> str:
+    root = Path(os.environ.get("FBS_CACHE_DIR", Path.home() / ".cache" / "fbs"))
+    return str(root / "inductor")
+
+
+#: inductor options of the compiled step on CPU (cpp_wrapper: the step's kernels are called from C++, which
+#: removes most of the per-kernel Python overhead of a one-token step)
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
+
+#: graphs dynamo may keep per compiled function: (gated or not) x (formats) x (a static and a dynamic shape)
+RECOMPILE_LIMIT = 32
+
+
+def _compiler(backend: bool | str, device: torch.device):
+    """``torch.compile`` of one step function, whole-graph; ``True`` = inductor (with :data:`CPU_INDUCTOR_OPTIONS`
+    on CPU), a string = that backend (e.g. ``"eager"`` to test graph capture). Shapes start static; a second
+    batch size or cache capacity makes dynamo compile one shape-generic graph instead of one per size."""
+    # each step function is one code object shared by every layer and weight format; dynamo's default limit of
+    # 8 graphs per code object is too tight for formats x gated/ungated layers (a global, only ever raised)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if backend is True or backend == "inductor":
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _compile_dir())  # compiled kernels persist across runs
+        opts = dict(CPU_INDUCTOR_OPTIONS) if device.type == "cpu" else {}
+        return lambda fn: torch.compile(fn, fullgraph=True, options=opts)
+    return lambda fn: torch.compile(fn, fullgraph=True, backend=backend)
+
+
+class FusedOps:
+    """Fused (and optionally compiled) copies of a model's decoder weights in one format; see the module doc."""
+
+    def __init__(self, model, fmt: str = "fp32", compile: bool = False):
+        base, spec = model.base, model.base.spec
+        self.base, self.spec, self.fmt = base, spec, fmt
+        self.dtype = base.embedding_weight.dtype
+        fused_gates = model.gates.fused()
+        self.gates = fused_gates
+        self.layers = [self._layer(l, fused_gates, model.layers_cfg.gated) for l in range(spec.num_layers)]
+        self.norm_w = base.norm.weight.detach()
+        self.eps = float(getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", 1e-6)))
+        self.head_w = Weight(base.lm_head.weight, fmt)
+        self.emb = base.embedding_weight.detach()
+        hd, eps, inter = spec.head_dim, self.eps, spec.intermediate_size
+        self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps)
+        self._k_block = dict(heads=spec.num_heads, hd=hd, eps=eps, scale=base.scaling, inter=inter)
+        self._k_ffn, self._k_head = dict(eps=eps, inter=inter), dict(eps=eps)
+        self.compiled = compile
+        fns = (_pre_step, _block_step, _ffn_step, _head_step)
+        if compile:
+            wrap = _compiler(compile, self.emb.device)
+            fns = tuple(wrap(f) for f in fns)
+        self._pre_fn, self._block_fn, self._ffn_fn, self._head_fn = fns
+
+    def _layer(self, l: int, fg, gated: tuple[int, ...]) -> _Layer:
+        layer, fmt = self.base.layers[l], self.fmt
+        attn, mlp = layer.self_attn, layer.mlp
+        rows = [attn.k_proj.weight, attn.v_proj.weight]
+        bias = [attn.k_proj.bias, attn.v_proj.bias] if attn.k_proj.bias is not None else None
+        gate = None
+        if l in gated:
+            a, hid_b = fg.a[l]
+            if a is not None:  # fold the gate's input projection into the K/V matmul
+                rows.append(a)
+                if bias is not None:
+                    bias.append(hid_b)
+                elif hid_b is not None:
+                    bias = [torch.zeros(2 * attn.k_proj.weight.shape[0], dtype=a.dtype, device=a.device), hid_b]
+            gate = (fg.w_rel.get(l), fg.w_prev.get(l), fg.out_w[l].detach(), fg.out_b[l].detach(),
+                    None if a is not None else hid_b.detach())
+        kvg_b = torch.cat([b.detach() for b in bias]) if bias is not None else None
+        norm = lambda m: None if m is None else m.weight.detach()  # noqa: E731
+        return _Layer(
+            ln1=layer.input_layernorm.weight.detach(), kvg=Weight(torch.cat([r.detach() for r in rows]), fmt),
+            kvg_b=kvg_b, q=Weight(attn.q_proj.weight, fmt),
+            q_b=None if attn.q_proj.bias is None else attn.q_proj.bias.detach(),
+            q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
+            o=Weight(attn.o_proj.weight, fmt), ln2=layer.post_attention_layernorm.weight.detach(),
+            gu=Weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), fmt),
+            down=Weight(mlp.down_proj.weight, fmt), gate=gate,
+        )
+
+    # ---- whole-model pieces ---------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.emb)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        return self.base.rope(x, positions)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == 1:
+            x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
+            return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
+        return _head_step(x, self.norm_w, self.head_w.dequantized(self.dtype), None, eps=self.eps)
+
+    def preview_terms(self, zlow: torch.Tensor):
+        return self.gates.preview_terms(zlow)
+
+    # ---- one layer ------------------------------------------------------------
+    def _one_token(self, x: torch.Tensor, ctx) -> bool:
+        return x.shape[1] == 1 and isinstance(ctx, CacheContext)
+
+    def norm1(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.layers[l].ln1, self.eps)
+
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
+        w = self.layers[l]
+        gate = w.gate if gated else None
+        zterm = None if zterms is None or gate is None else zterms[..., self.gates.z_slice[l]]
+        ps = prev_skip if gate is not None and gate[1] is not None else None
+        xp = x_prev if gate is not None and gate[0] is not None else None
+        if xp is x:  # every row skipped the previous layer; a distinct tensor keeps one compiled graph (no aliasing)
+            xp = x.clone()
+        kvg, kvg_s = w.kvg.tensors if self._one_token(x, ctx) else (w.kvg.dequantized(self.dtype), None)
+        xn, k, v, logit = self._pre_fn(x, xp, zterm, ps, ctx.cos, ctx.sin, w.ln1, kvg, kvg_s, w.kvg_b, w.k_norm, gate,
+                                       **self._k_pre)
+        return Pre(xn, (k, v), logit)
+
+    def kv(self, l: int, xn: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        w, width = self.layers[l], self.spec.num_kv_heads * self.spec.head_dim
+        y = _linear(xn, *self._weights(w.kvg, xn), w.kvg_b)
+        k = apply_rope(_heads(y[..., :width], self.spec.num_kv_heads, self.spec.head_dim, w.k_norm, self.eps),
+                       ctx.cos, ctx.sin)
+        return k, _heads(y[..., width:2 * width], self.spec.num_kv_heads, self.spec.head_dim, None, self.eps)
+
+    def _weights(self, wt: Weight, x: torch.Tensor):
+        """Decode steps use the stored format; longer inputs a dequantized GEMM."""
+        return wt.tensors if x.shape[1] == 1 else (wt.dequantized(self.dtype), None)
+
+    def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
+        w = self.layers[l]
+        if kv is None:
+            xn2, k, v, _ = self._pre_fn(x, None, None, None, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b,
+                                        w.k_norm, None, **self._k_pre)
+            xn = xn2 if xn is None else xn
+        else:
+            k, v = kv
+        kc, vc, slots, rows = ctx.decode_slots(l)
+        return self._block_fn(x, xn, k, v, ctx.cos, ctx.sin, kc, vc, slots, rows, *w.q.tensors, w.q_b, w.q_norm,
+                              *w.o.tensors, w.ln2, *w.gu.tensors, *w.down.tensors, ffn=ffn, **self._k_block)
+
+    def attention(self, l: int, x, xn, ctx, hole=None, kv=None) -> torch.Tensor:
+        if self._one_token(x, ctx):
+            return self._cached(l, x, xn, ctx, kv, ffn=False)
+        w, s = self.layers[l], self.spec
+        q = apply_rope(_heads(_linear(xn, *self._weights(w.q, xn), w.q_b), s.num_heads, s.head_dim, w.q_norm,
+                              self.eps), ctx.cos, ctx.sin)
+        k, v = self.kv(l, xn, ctx) if kv is None else kv
+        o = ctx.attend(l, q, k, v, hole)
+        b, _, t, _ = o.shape
+        return x + matmul(o.transpose(1, 2).reshape(b, t, -1), *self._weights(w.o, x))
+
+    def ffn(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        w = self.layers[l]
+        if h.shape[1] == 1:
+            return self._ffn_fn(h, w.ln2, *w.gu.tensors, *w.down.tensors, **self._k_ffn)
+        return _ffn_step(h, w.ln2, *self._weights(w.gu, h), *self._weights(w.down, h), eps=self.eps,
+                         inter=self.spec.intermediate_size)
+
+    def ffn_delta(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        return self.ffn(l, h) - h
+
+    def block(self, l: int, x, xn, ctx, kv=None) -> torch.Tensor:
+        if self._one_token(x, ctx):
+            return self._cached(l, x, xn, ctx, kv, ffn=True)
+        xn = self.norm1(l, x) if xn is None else xn
+        return self.ffn(l, self.attention(l, x, xn, ctx, None, kv))

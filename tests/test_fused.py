@@ -1,0 +1,115 @@
+"""The engine's fused weights (fp32 / bf16 / int8) and the compiled one-token step."""
+
+import pytest
+import torch
+
+import fbs.fused
+from conftest import fbs_tiny, randomize
+from fbs.fused import decode_ops
+from fbs.quant import dequantize, quantize_int8
+
+PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("family, policy", [("llama", "project"), ("qwen2", "hole"), ("qwen3", "project")])
+def test_fused_fp32_equals_hf_modules(family, policy):
+    """Fused K/V + folded gate, fused gate/up, static-cache attention: the same tokens, logits and skips."""
+    model = randomize(fbs_tiny(family, seed=1), seed=2)
+    prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist()]
+    kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy)
+    ref = model.generate(prompts, weights="hf", **kw)
+    out = model.generate(prompts, weights="fp32", **kw)
+    assert 0 < ref.trace.skip_ratio < 1
+    assert out.new_tokens == ref.new_tokens
+    assert torch.equal(out.trace.executed, ref.trace.executed)
+    for a, b in zip(out.scores, ref.scores):
+        assert (a - b).abs().max() < 1e-4
+    ok = ~torch.isnan(ref.trace.gate_p)
+    assert torch.equal(ok, ~torch.isnan(out.trace.gate_p))
+    assert (out.trace.gate_p[ok] - ref.trace.gate_p[ok]).abs().max() < 1e-5
+
+
+def test_fused_copies_follow_weight_changes():
+    model = fbs_tiny()
+    ops = decode_ops(model, "fp32")
+    assert decode_ops(model, "fp32") is ops  # built once
+    before = model.generate(PROMPT, max_new_tokens=6, ignore_eos=True, output_scores=True).scores[0]
+    with torch.no_grad():
+        model.base.layers[2].mlp.down_proj.weight.mul_(3.0)
+    assert decode_ops(model, "fp32") is not ops
+    after = model.generate(PROMPT, max_new_tokens=6, ignore_eos=True, output_scores=True).scores[0]
+    ref = model.generate(PROMPT, max_new_tokens=6, ignore_eos=True, output_scores=True, weights="hf").scores[0]
+    assert (after - before).abs().max() > 1e-3 and (after - ref).abs().max() < 1e-4
+
+
+def test_int8_quantization_roundtrip():
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (48,) and q.abs().max() <= 127
+    err = (dequantize(q, s) - w).abs().max(dim=1).values
+    assert (err <= w.abs().amax(dim=1) / 127 * 0.51 + 1e-3 * w.abs().amax(dim=1)).all()  # half a step (+ bf16 scale)
+
+
+def test_int8_logits_near_fp32_and_int8_head_used(family, monkeypatch):
+    """int8 weight-only decoding (LM head included): each step's logits lie within 3% of the logits' range of
+    the fp32 parallel forward over the same tokens; the decode steps' LM head is the int8 matrix."""
+    model = fbs_tiny(family)
+    ops = decode_ops(model, "int8")
+    head_dtypes = []
+    real = fbs.fused.matmul
+
+    def spy(x, w, s):
+        if w.data_ptr() == ops.head_w.w.data_ptr():
+            head_dtypes.append(w.dtype)
+        return real(x, w, s)
+
+    monkeypatch.setattr(fbs.fused, "matmul", spy)
+    ids = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(3))
+    q8 = model.generate(ids, max_new_tokens=8, ignore_eos=True, output_scores=True, weights="int8")
+    assert head_dtypes == [torch.int8] * 8  # the prefill's last position and 7 decode steps
+    with torch.no_grad():
+        ref = model(q8.sequences, gate_mode="off").logits[:, 15:-1]  # fp32, HF modules, same tokens
+    for r in range(2):
+        err = (q8.scores[r] - ref[r]).abs().max()
+        assert 0 < err < 0.03 * (ref[r].max() - ref[r].min())
+
+
+def test_bf16_weights_run_and_stay_close():
+    model = fbs_tiny()
+    ref = model.generate(PROMPT, max_new_tokens=4, ignore_eos=True, output_scores=True)
+    out = model.generate(PROMPT, max_new_tokens=4, ignore_eos=True, output_scores=True, weights="bf16")
+    a, b = ref.scores[0], out.scores[0]
+    assert 0 < (a - b).abs().max() < 0.05 * (a.max() - a.min())
+
+
+def test_compiled_graph_count_does_not_grow_with_skip_patterns():
+    """The compiled step takes weights and cache buffers as arguments and the skip loop stays in Python: new
+    per-token skip patterns reuse the captured graphs (counted at dynamo's level; ``eager`` backend for speed)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    kw = dict(ignore_eos=True, compile="eager")
+    model.generate(PROMPT, max_new_tokens=10, **kw)                                     # gates decide
+    model.generate(PROMPT, max_new_tokens=10, force_compute=True, **kw)
+    first = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+    for policy in ("project", "hole"):
+        for _ in range(3):
+            plan = torch.rand(10, model.num_layers, generator=g) < 0.5
+            plan[:, list(model.layers_cfg.never_skip)] = False
+            model.generate(PROMPT, max_new_tokens=10, skip_plan=plan, kv_policy=policy, **kw)
+        model.generate(PROMPT, max_new_tokens=10, tau=0.2, kv_policy=policy, **kw)
+    assert counters["stats"]["unique_graphs"] == first <= 8
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_eager_tokens():
+    """inductor (cpp_wrapper) vs eager fused fp32: identical tokens and skips, logits within rounding."""
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    kw = dict(max_new_tokens=16, ignore_eos=True, output_scores=True)
+    eager = model.generate(PROMPT, **kw)
+    compiled = model.generate(PROMPT, compile=True, **kw)
+    assert compiled.new_tokens == eager.new_tokens
+    assert torch.equal(compiled.trace.executed, eager.trace.executed) and eager.trace.skip_ratio > 0
+    assert (compiled.scores[0] - eager.scores[0]).abs().max() < 1e-4
