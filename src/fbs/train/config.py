@@ -132,7 +132,7 @@ class TrainConfig:
     recipe: str = "stage1"
     """``stage1``: the paper's multi-task recipe with oracle-distilled gates. ``skip_distill``: every step a
     frozen teacher pass (the base model, no adapters, no FBS) and a student pass that skips (its own gates
-    at ``skip_tau`` plus random layer dropout); loss λ_kl KL(teacher || student) + λ_lm L_lm + the paper's
+    at a threshold that meets the budget, plus random layer dropout); loss λ_kl KL(teacher || student) + λ_lm L_lm + the paper's
     PAW/CH terms; gates learn loss-aware targets at the ``target_skip`` budget."""
     chat_data: str | None = None
     """Directory of ``fbs data chat`` (train.jsonl): chat conversations mixed into training."""
@@ -155,8 +155,11 @@ class TrainConfig:
     gate_start: float = 0.1
     """Fraction of max_steps after which the gates' own decisions skip (before: random dropout only, while the
     gates already learn their targets)."""
-    skip_tau: float = 0.5
-    """Threshold of the gates in skip_distill training, the same rule as inference (p > tau); exported as tau."""
+    budget_ramp: float = 0.3
+    """Fraction of max_steps (from gate_start) over which the share the gates skip rises from 0 to target_skip.
+    The gates skip where p > tau, the rule of inference; in training tau is the running quantile of p that
+    skips the current share (:class:`fbs.train.losses.BudgetThreshold`), at inference it is calibrated the
+    same way on held-out text. The last training tau is exported."""
     control: bool = False
     """skip_distill without any skipping (no dropout, gates never skip): the control model that isolates the
     fine-tuning's own effect."""
@@ -235,7 +238,7 @@ class TrainConfig:
         check(0 <= self.chat_share < 1, f"chat_share must be in [0, 1), got {self.chat_share}")
         check(self.chat_share == 0 or self.chat_data, "chat_share > 0 needs chat_data (a `fbs data chat` directory)")
         check(0 < self.target_skip < 1, f"target_skip must be in (0, 1), got {self.target_skip}")
-        for name in ("drop_max", "drop_ramp", "gate_start", "skip_tau"):
+        for name in ("drop_max", "drop_ramp", "gate_start", "budget_ramp"):
             check(0 <= getattr(self, name) <= 1, f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("lambda_kl", "lambda_lm", "harm_weight"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")

@@ -320,6 +320,28 @@ class HarmTargets:
         self.threshold = state.get("threshold")
 
 
+class BudgetThreshold:
+    """The training threshold tau of the gates: p > tau skips, as at inference, with tau the quantile of the
+    gate probabilities that skips ``rate`` of the gated pairs. Estimated from the micro-batches already seen
+    (exponential average), since a forward needs tau before its own probabilities exist. Without it, gates
+    whose mean p sits near the budget can put most pairs above a fixed 0.5 at once (measured: 81% skipped
+    two steps after the gates were switched on, KL 8.5 nats)."""
+
+    def __init__(self, momentum: float = 0.5):
+        self.momentum = momentum
+        self.tau: float | None = None
+
+    def current(self) -> float:
+        return 1.0 if self.tau is None else self.tau
+
+    def update(self, probs: torch.Tensor, rate: float) -> None:
+        """probs: gate probabilities of the gated pairs just seen; rate: share of them to skip."""
+        if probs.numel() == 0:
+            return
+        q = 1.0 if rate <= 0 else float(torch.quantile(probs.detach().float().flatten()[:16_000_000], 1 - rate))
+        self.tau = q if self.tau is None else self.momentum * self.tau + (1 - self.momentum) * q
+
+
 class _HarmToTarget(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets: HarmTargets):
