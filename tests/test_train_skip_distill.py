@@ -173,3 +173,22 @@ def test_control_never_skips_and_leaves_the_gates_alone(tmp_path):
     assert all(h["skip_rate"] == 0 for h in hist)
     for n, p in tr.model.gates.named_parameters():
         assert torch.equal(p, gates_before[n]), n
+
+
+def test_budget_threshold_skips_the_budget_share():
+    from fbs.train.losses import BudgetThreshold
+
+    bt = BudgetThreshold(momentum=0.0)
+    assert bt.current() == 1.0  # nothing seen yet: the gates do not skip
+    p = torch.rand(10_000, generator=torch.Generator().manual_seed(0))
+    bt.update(p, 0.3)
+    assert float((p > bt.current()).float().mean()) == pytest.approx(0.3, abs=0.002)
+    bt.update(p, 0.0)
+    assert bt.current() == 1.0
+
+
+def test_gate_share_ramps_from_gate_start_to_the_budget(tmp_path):
+    tr = Trainer(_distill_cfg(tmp_path, gate_start=0.2, budget_ramp=0.4), tiny_data(n=8), base=tiny_hf())
+    full = 0.3 * 6 / 4
+    assert tr.gate_share(0.1) == 0.0 and tr.gate_share(0.2) == 0.0
+    assert tr.gate_share(0.4) == pytest.approx(full / 2) and tr.gate_share(0.9) == pytest.approx(full)

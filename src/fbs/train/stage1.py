@@ -38,7 +38,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
 from .lora import LoRALinear, add_adapters, save_adapters
-from .losses import (HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, lm_loss, oracle_targets,
+from .losses import (BudgetThreshold, HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, lm_loss, oracle_targets,
                      relative_updates)
 
 logger = logging.getLogger(__name__)
@@ -326,7 +326,9 @@ class Trainer:
         if gated_share >= 1:
             raise ValueError(f"target_skip={cfg.target_skip} needs {gated_share:.0%} of the gated layers "
                              f"{model.layers_cfg.gated}: allow more layers to skip (fbs.never_skip_first/last)")
+        self.gated_share = gated_share
         self.harm = HarmTargets(gated_share, cfg.harm_weight)
+        self.budget = BudgetThreshold()
         self.drop_depth = drop_depth_curve(model).to(self.acc.device)
         # the teacher is the base model: the backbone itself with adapters off, or a frozen copy when it trains
         self.teacher = copy.deepcopy(model.base.hf).eval().requires_grad_(False) if cfg.trainable == "all" else None
@@ -350,6 +352,7 @@ class Trainer:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         if self.distill:
             self.harm.load_state_dict(state.get("harm", {}))
+            self.budget.tau = state.get("gate_tau")
         logger.info("resumed from %s at step %d", path, self.step)
         return True
 
@@ -359,6 +362,7 @@ class Trainer:
                      "world": self.acc.num_processes}
             if self.distill:
                 state["harm"] = self.harm.state_dict()
+                state["gate_tau"] = self.budget.tau
             ckpt.save_checkpoint(self.ckpt_dir, self.step, self.named, self.optimizer, state, rng,
                                  self.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
@@ -397,8 +401,7 @@ class Trainer:
             rate = cfg.drop_max * (min(1.0, frac / cfg.drop_ramp) if cfg.drop_ramp > 0 else 1.0)
             u = torch.rand(b, t, self.model.num_layers, generator=self.gate_gen, device=ids.device)
             force = (u < rate * self.drop_depth) & mask
-            if frac >= cfg.gate_start:
-                tau = cfg.skip_tau
+            tau = self.budget.current()
         self.harm.n_pairs = max(1, int(mask.sum())) * self.accum
         model = self.acc.unwrap_model(self.wrapped)
         hook = model.gates.logit_hook(self.harm) if not cfg.control else contextlib.nullcontext()
@@ -407,7 +410,18 @@ class Trainer:
                                soft_sample="threshold", tau=tau,
                                skip_training=SkipTraining(force_skip=force, straight_through=not cfg.control,
                                                           detach_gate_inputs=True))
-        return self.loss_fn(out, teacher, ids, model.preview_targets(ids), mask, cfg.skip_tau, bios)
+        if not cfg.control:
+            self.budget.update(out.gate_probs.detach()[mask], self.gate_share(frac))
+        return self.loss_fn(out, teacher, ids, model.preview_targets(ids), mask, tau, bios)
+
+    def gate_share(self, frac: float) -> float:
+        """Share of the gated pairs the gates skip at training progress ``frac``: 0 before gate_start, then a
+        linear ramp to the budget over budget_ramp."""
+        cfg = self.cfg
+        if frac < cfg.gate_start:
+            return 0.0
+        ramp = min(1.0, (frac - cfg.gate_start) / cfg.budget_ramp) if cfg.budget_ramp > 0 else 1.0
+        return ramp * self.gated_share
 
     def micro_step(self, micro_index: int) -> LossParts:
         cfg = self.cfg
@@ -466,6 +480,7 @@ class Trainer:
         if self.distill:
             out["harm_threshold"] = self.harm.threshold or 0.0
             out["target_rate"] = self.harm.last_target_rate
+            out["gate_tau"] = self.budget.current()
         self.step += 1
         self.tokens_seen += self.accum * self.cfg.micro_batch_size * self.cfg.block_size * self.acc.num_processes
         return out
@@ -515,8 +530,8 @@ class Trainer:
         return self.history
 
     def eval_tau(self) -> float:
-        """The threshold held-out skipping is evaluated at now: skip_tau (skip_distill) or the annealed tau."""
-        return self.cfg.skip_tau if self.distill else tau_at(max(0, self.step - 1), self.cfg)
+        """The threshold held-out skipping is evaluated at now: the budget's (skip_distill) or the annealed tau."""
+        return self.budget.current() if self.distill else tau_at(max(0, self.step - 1), self.cfg)
 
     def evaluate(self, taus: list[float]) -> list[EvalResult]:
         model = self.acc.unwrap_model(self.wrapped)
@@ -525,10 +540,10 @@ class Trainer:
     def finish(self) -> dict:
         """Final held-out evaluation at the annealed tau and ``eval_taus``; export to ``out_dir/final``."""
         cfg = self.cfg
-        final_tau = cfg.skip_tau if self.distill else cfg.tau_end
+        final_tau = self.eval_tau() if self.distill else cfg.tau_end
         results = [r.to_dict() for r in self.evaluate(sorted({final_tau, *cfg.eval_taus}, reverse=True))]
         if self.acc.is_main_process:
-            export(self.acc.unwrap_model(self.wrapped), cfg, self.out_dir / "final", results)
+            export(self.acc.unwrap_model(self.wrapped), cfg, self.out_dir / "final", results, final_tau)
             _Logger(self.out_dir, True, False).write({"step": self.step, "final_eval": results})
         self.acc.wait_for_everyone()
         return {"step": self.step, "tokens": self.tokens_seen, "eval": results}
@@ -597,14 +612,15 @@ class _Logger:
 
 
 # ---------------------------------------------------------------------------- export and entry point
-def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[dict] | None = None) -> Path:
+def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[dict] | None = None,
+           tau: float | None = None) -> Path:
     """``save_pretrained`` (FBS weights) + adapters / other trained backbone tensors + metadata."""
     import shutil
 
     from safetensors.torch import save_file
 
     inherited = _backbone_delta_files(Path(cfg.init_from)) if cfg.init_from and cfg.trainable == "fbs" else []
-    tau = cfg.skip_tau if cfg.recipe == "skip_distill" else cfg.tau_end
+    tau = cfg.tau_end if tau is None else tau
     if not inherited:
         model.config = model.config.replace(tau=tau, extra={**model.config.extra, "stage1": {
             "recipe": cfg.recipe, "trainable": cfg.trainable, "lora_rank": cfg.lora_rank,
