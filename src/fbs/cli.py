@@ -7,43 +7,15 @@ import importlib
 import json
 import logging
 import sys
-from pathlib import Path
+
+from .loading import add_model_arguments, load_from_args
 
 #: Subpackages that add their own subcommands through ``register(subparsers)``.
 SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.bench.cli", "fbs.train.cli", "fbs.rl.cli")
 
-ASSETS = Path(__file__).parent / "assets"
-
-
-def shipped_checkpoint(base: str) -> Path | None:
-    """The trained FBS weights shipped in the package for a bundled base model, if any."""
-    path = ASSETS / f"fbs-{base}"
-    return path if (path / "fbs_config.json").is_file() else None
-
-
-def load_model(args):
-    """Build the FBS model the CLI options ask for: a checkpoint, the shipped weights, or a fresh FBS."""
-    from . import FBSConfig, FBSForCausalLM
-
-    overrides = {k: v for k, v in (("tau", args.tau), ("kv_policy", args.kv_policy)) if v is not None}
-    ckpt = args.checkpoint or (None if args.fresh else shipped_checkpoint(args.model))
-    if ckpt is not None:
-        logging.getLogger(__name__).info("loading FBS checkpoint %s", ckpt)
-        return FBSForCausalLM.from_pretrained(ckpt, base=args.model if args.checkpoint else None, **overrides)
-    return FBSForCausalLM.from_base(args.model, config=FBSConfig(**overrides))
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="base model: a bundled name (smollm2-135m, qwen2.5-coder-0.5b) or an HF directory")
-    p.add_argument("--checkpoint", help="FBS checkpoint directory (default: the weights shipped for --model)")
-    p.add_argument("--fresh", action="store_true", help="ignore shipped weights: untrained FBS modules")
-    p.add_argument("--tau", type=float, help="skip threshold (default: the checkpoint's operating point)")
-    p.add_argument("--kv-policy", choices=("hole", "project"), help="KV cache policy for skipped layers")
-
 
 def cmd_info(args) -> int:
-    model = load_model(args)
+    model = load_from_args(args)
     counts = model.param_counts()
     cfg = model.config
     spec = model.base.spec
@@ -86,7 +58,7 @@ def cmd_generate(args) -> int:
     if not text.strip():
         print("error: empty prompt (pass it as an argument or on stdin)", file=sys.stderr)
         return 2
-    model = load_model(args)
+    model = load_from_args(args)
     tok = model.tokenizer
     ids = _prompt_ids(model, tok, text, not args.no_chat_template)
     opts = dict(
@@ -94,6 +66,7 @@ def cmd_generate(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop_strings=args.stop or None, protect_structure=args.protect_structure, validator=args.validator,
         force_compute=args.force_compute, never_skip=tuple(args.never_skip or ()), tokenizer=tok,
+        **{k: v for k, v in (("weights", args.weights), ("compile", args.compile)) if v is not None},
     )
     if args.stream and not args.json:
         from .engine import stream
@@ -137,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="parameter counts and layer layout of an FBS model")
-    _add_model_args(p)
+    add_model_arguments(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate text with layer skipping")
     p.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
-    _add_model_args(p)
+    add_model_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--min-new-tokens", type=int, default=0)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -157,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protect-structure", action="store_true", help="no skipping on structure tokens / open brackets")
     p.add_argument("--validator", choices=("json", "brackets", "python"), help="fallback rerun at tau 0.9 if invalid")
     p.add_argument("--force-compute", action="store_true", help="run every layer (no skipping)")
+    p.add_argument("--weights", choices=("fp32", "bf16", "int8", "hf"),
+                   help="decode weights: fused fp32 (default), bf16, int8 weight-only, or the HF modules as they are")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                   help="torch.compile the one-token layer step (default off; the first run compiles for a minute "
+                        "or more, later runs reuse the kernels cached under $FBS_CACHE_DIR/inductor)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="with --json: include the per-step trace")

@@ -7,9 +7,7 @@ evaluation under skipping (thresholded or planned gates) and the equivalence tes
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
 import os
 import tempfile
@@ -318,86 +316,12 @@ class FBSForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, base=None, tokenizer=None, **overrides) -> "FBSForCausalLM":
         """Load an FBS checkpoint onto its base model (``base`` defaults to the name recorded in it).
 
-        ``base`` may be a name, a directory or an HF model instance. An instance is shared (no copy) unless the
-        checkpoint changes backbone weights (Stage-1 adapters or trained tensors): then the model works on a
-        deep copy, so the caller's model keeps computing the base model.
-        ``overrides`` replace inference-time config fields (tau, kv_policy, never_skip_*)."""
-        from safetensors.torch import load_file
+        ``base`` may be a name, a directory or an HF model instance; an instance is copied when the checkpoint
+        changes backbone weights, so the caller's model is never modified. ``overrides`` replace inference-time
+        config fields (tau, kv_policy, never_skip_*). See :func:`fbs.loading.load_checkpoint`."""
+        from .loading import load_checkpoint  # fbs.loading builds on this module
 
-        path = Path(path)
-        cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
-        if not cfg_file.is_file() or not w_file.is_file():
-            raise CheckpointError(f"{path} is not an FBS checkpoint: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
-        try:
-            cfg = FBSConfig.from_dict(json.loads(cfg_file.read_text()))
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{cfg_file} is malformed: {e}") from e
-        structural = {"k_max", "paw_layers", "ch_layers", "preview_vocab_size", "preview_rank", "chunk_rank",
-                      "gate_rank", "gate_width", "gate_input", "gate_prev_skip", "paw_compression", "paw_conv_groups",
-                      "never_skip_first", "never_skip_last", "never_skip_layers"}
-        bad = sorted(set(overrides) & structural - {"never_skip_first", "never_skip_last", "never_skip_layers"})
-        if bad:
-            raise CheckpointError(f"cannot override structural fields {bad} when loading a trained checkpoint")
-        if base is not None and not isinstance(base, (str, os.PathLike)) and cls._changes_backbone(path):
-            # The checkpoint changes backbone weights (adapters, trained tensors) and FBS calls the base's own
-            # modules: applying them to the caller's model would silently change it (e.g. a benchmark's HF
-            # baseline running this checkpoint's adapters). Work on a private copy instead.
-            logger.info("%s changes the backbone: loading it onto a copy of the given base model", path)
-            base = copy.deepcopy(base)
-        model = cls.from_base(base if base is not None else cfg.base_model, config=cfg, tokenizer=tokenizer)
-        if cfg.base_fingerprint and model.config.base_fingerprint != cfg.base_fingerprint:
-            raise CheckpointError(
-                f"checkpoint {path} was trained on base {cfg.base_model!r} (fingerprint {cfg.base_fingerprint}), "
-                f"but the given base has fingerprint {model.config.base_fingerprint}; load it with the base it was made for"
-            )
-        sd = load_file(w_file)
-        missing, unexpected = model._load_fbs_state(sd)
-        if missing or unexpected:
-            raise CheckpointError(f"{w_file} does not match the config: missing {missing}, unexpected {unexpected}")
-        model._load_backbone_deltas(path)
-        if overrides:
-            model.configure(**overrides)
-        return model
-
-    @staticmethod
-    def _changes_backbone(path: Path) -> bool:
-        from .train.lora import ADAPTERS_NAME
-
-        return (path / ADAPTERS_NAME).is_file() or (path / BACKBONE_NAME).is_file()
-
-    def _load_backbone_deltas(self, path: Path) -> None:
-        """Apply what Stage-1 trained in the backbone, if the checkpoint has it: LoRA adapters
-        (``adapters.safetensors``) and other trained backbone tensors (``backbone_trainable.safetensors``).
-        ``from_pretrained`` only calls this on a base it owns (loaded by name, or a copy of the caller's
-        model), so adapters are merged into the weights: no decode overhead."""
-        from safetensors.torch import load_file
-
-        from .train.lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters, merge_adapters
-
-        meta = self.config.extra.get("stage1", {})
-        if (path / ADAPTERS_NAME).is_file():
-            load_adapters(self, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
-                          tuple(meta.get("lora_targets", ())) or DEFAULT_TARGETS)
-            merge_adapters(self.base.layers)
-        backbone = path / BACKBONE_NAME
-        if backbone.is_file():
-            res = self.load_state_dict(load_file(str(backbone)), strict=False)
-            if res.unexpected_keys:
-                raise CheckpointError(f"{backbone} has unknown tensors {res.unexpected_keys[:5]}")
-
-    def _load_fbs_state(self, sd: dict[str, torch.Tensor]):
-        missing, unexpected = [], []
-        if "preview_ids" in sd:
-            self.set_preview_vocab(sd.pop("preview_ids"))
-        else:
-            missing.append("preview_ids")
-        for prefix, mod in (("paw.", self.paw), ("ch.", self.ch), ("gates.", self.gates)):
-            part = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-            res = mod.load_state_dict(part, strict=False)
-            missing += [prefix + k for k in res.missing_keys]
-            unexpected += [prefix + k for k in res.unexpected_keys]
-        unexpected += [k for k in sd if not k.startswith(("paw.", "ch.", "gates."))]
-        return missing, unexpected
+        return load_checkpoint(path, base=base, tokenizer=tokenizer, **overrides)
 
     def configure(self, **changes) -> None:
         """Change inference-time settings (tau, kv_policy, never_skip_*) in place, re-validated."""

@@ -87,15 +87,13 @@ def load_fbs(model, tok, spec: RunSpec):
     """The FBS model over the already-loaded base, and a note on where its modules came from.
 
     Untrained modules share the base's weights. A trained checkpoint with Stage-1 adapters gets a private,
-    merged copy of the base (``FBSForCausalLM.from_pretrained``), so the HF systems keep running the base model
+    merged copy of the base (:func:`fbs.loading.load_checkpoint`), so the HF systems keep running the base model
     and the FBS systems pay no adapter overhead; the FBS rows' peak RSS includes that copy."""
-    from fbs import FBSForCausalLM
-    from fbs.cli import shipped_checkpoint
+    from fbs import loading
 
-    ckpt = spec.checkpoint or (None if spec.fresh else shipped_checkpoint(spec.base))
-    if ckpt is not None:
-        return FBSForCausalLM.from_pretrained(ckpt, base=model, tokenizer=tok), f"checkpoint {ckpt}"
-    return FBSForCausalLM.from_base(model, tokenizer=tok), "untrained FBS modules (no checkpoint)"
+    ckpt = loading.choose_checkpoint(spec.base, spec.checkpoint, shipped=not spec.fresh)
+    model = loading.load_fbs(model, ckpt, shipped=False, tokenizer=tok)
+    return model, (f"checkpoint {ckpt}" if ckpt is not None else "untrained FBS modules (no checkpoint)")
 
 
 def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=None) -> list:

@@ -31,10 +31,10 @@ def build_system(args):
 
         model, tok = load_base(args.model)
         return HFSystem(model, tok, name=args.name or f"{args.model} (base)", **kw)
-    from fbs.cli import load_model
+    from fbs.loading import load_from_args
     from fbs.models import load_tokenizer
 
-    model = load_model(args)
+    model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     name = args.name or f"FBS {args.model} (tau={args.tau if args.tau is not None else model.config.tau}, "\
                         f"kv={args.kv_policy or model.config.kv_policy}, gates={args.gate_mode})"
@@ -131,16 +131,16 @@ def cmd_sweep(args) -> int:
     import torch
 
     from fbs import FBSForCausalLM
-    from fbs.cli import load_model
     from fbs.eval.report import runtime_info, seed_everything
     from fbs.eval.sweep import heldout_documents, markdown, run_sweep
+    from fbs.loading import load_from_args
     from fbs.models import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     taus = [float(t) for t in args.taus.split(",") if t.strip()]
-    model = load_model(args)
+    model = load_from_args(args)
     base = FBSForCausalLM.from_base(model.config.base_model or args.model)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     docs = heldout_documents(args.corpus, tok, args.split, args.per_lang, args.max_tokens, args.seed)
@@ -173,14 +173,14 @@ def cmd_list(args) -> int:
 
 
 def register(subparsers) -> None:
-    from fbs.cli import _add_model_args
+    from fbs.loading import add_model_arguments
 
     p = subparsers.add_parser("eval", help="quality evaluation (perplexity, MMLU, ARC, GSM8K, HumanEval, MBPP ...)")
     sub = p.add_subparsers(dest="eval_command", required=True)
 
     r = sub.add_parser("run", help="evaluate one system on tasks and write a JSON record + markdown table")
     r.add_argument("--system", choices=("base", "fbs"), default="base")
-    _add_model_args(r)
+    add_model_arguments(r)
     r.add_argument("--gate-mode", choices=("threshold", "off"), default="threshold",
                    help="fbs: 'off' runs every layer (the nothing-skipped reference)")
     r.add_argument("--tasks", help="comma-separated task names (default: the main-table set; see `fbs eval list`)")
@@ -219,7 +219,7 @@ def register(subparsers) -> None:
 
     w = sub.add_parser("sweep", help="tau sweep of an FBS checkpoint on held-out corpus documents: "
                                      "skip %%, TFLOPs(rel), PPL with bootstrap CIs vs the base model")
-    _add_model_args(w)
+    add_model_arguments(w)
     w.add_argument("--corpus", required=True, help="corpus directory from `fbs data build`")
     w.add_argument("--split", default="test")
     w.add_argument("--per-lang", type=int, default=24, help="documents per language (seeded sample)")

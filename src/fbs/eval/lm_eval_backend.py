@@ -112,17 +112,10 @@ def _build_system(kind: str, pretrained, checkpoint, fresh, tau, kv_policy, gate
     if kind == "base":
         model, tok = load_base(pretrained)
         return HFSystem(model, tok, name=f"{pretrained} (base)", **kw)
-    from fbs import FBSConfig, FBSForCausalLM
+    from fbs.loading import load_fbs
 
     overrides = {k: v for k, v in (("tau", tau), ("kv_policy", kv_policy)) if v is not None}
-    if checkpoint:
-        model = FBSForCausalLM.from_pretrained(checkpoint, base=pretrained, **overrides)
-    else:
-        from fbs.cli import shipped_checkpoint
-
-        ckpt = None if fresh else shipped_checkpoint(pretrained)
-        model = (FBSForCausalLM.from_pretrained(ckpt, **overrides) if ckpt is not None
-                 else FBSForCausalLM.from_base(pretrained, config=FBSConfig(**overrides)))
+    model = load_fbs(pretrained, checkpoint or None, shipped=not fresh, **overrides)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(pretrained)
     return FBSSystem(model, tok, tau=tau, kv_policy=kv_policy, gate_mode=gate_mode, name="fbs", **kw)
 

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import yaml
 
-from .. import FBSForCausalLM
+from .. import FBSConfig, FBSForCausalLM
+from ..loading import load_fbs
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
 from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
@@ -198,14 +199,9 @@ class Stage2Config:
 def build_model(cfg: Stage2Config, base: torch.nn.Module | None = None) -> FBSForCausalLM:
     """The Stage-1 model (with its adapters) or a fresh FBS model; in eval mode (no dropout in rollouts)."""
     torch.manual_seed(cfg.seed)
-    if cfg.init_from:
-        from ..train.stage1 import load_trained
-
-        return load_trained(cfg.init_from, base=base).eval()
-    from ..config import FBSConfig
-
-    src = base if base is not None else cfg.model
-    return FBSForCausalLM.from_base(src, config=FBSConfig.from_dict(dict(cfg.fbs))).eval()
+    src = base if base is not None else (None if cfg.init_from else cfg.model)  # None: the checkpoint's own base
+    config = None if cfg.init_from else FBSConfig.from_dict(dict(cfg.fbs))
+    return load_fbs(src, cfg.init_from, shipped=False, config=config).eval()
 
 
 def select_policy(model: FBSForCausalLM) -> dict[str, torch.nn.Parameter]:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .. import FBSForCausalLM
+from ..loading import load_checkpoint, load_fbs
 from ..model import BACKBONE_NAME, SkipTraining
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -114,9 +115,8 @@ def build_model(cfg: TrainConfig, base: nn.Module | None = None) -> FBSForCausal
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
         _check_init_from(cfg)
-        model = FBSForCausalLM.from_pretrained(cfg.init_from, base=base)
-    else:
-        model = FBSForCausalLM.from_base(base if base is not None else cfg.model, config=cfg.fbs_config())
+    src = base if base is not None else (None if cfg.init_from else cfg.model)  # None: the checkpoint's own base
+    model = load_fbs(src, cfg.init_from, shipped=False, config=None if cfg.init_from else cfg.fbs_config())
     if cfg.trainable == "adapters":
         add_adapters(model.base.layers, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     return model
@@ -643,8 +643,8 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
 
 def load_trained(path: str | Path, base: nn.Module | None = None) -> FBSForCausalLM:
     """Load an :func:`export` directory: FBS weights, adapters and trained backbone tensors
-    (``FBSForCausalLM.from_pretrained`` applies them)."""
-    return FBSForCausalLM.from_pretrained(Path(path), base=base).eval()
+    (:func:`fbs.loading.load_checkpoint` applies them)."""
+    return load_checkpoint(Path(path), base=base).eval()
 
 
 def train(cfg: TrainConfig, resume: bool = True, data: BlockData | None = None,
