@@ -113,3 +113,18 @@ def test_compiled_decoding_gives_eager_tokens():
     assert compiled.new_tokens == eager.new_tokens
     assert torch.equal(compiled.trace.executed, eager.trace.executed) and eager.trace.skip_ratio > 0
     assert (compiled.scores[0] - eager.scores[0]).abs().max() < 1e-4
+
+
+def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
+    from fbs.bench.runner import RunSpec, build_systems
+
+    model = fbs_tiny()
+    spec = RunSpec(systems=("fbs-full", "fbs-tau"), taus=(1.0,), weights=("fp32", "int8"),
+                   batch_policies=("gather", "majority"), compile=True)
+    systems = build_systems(model.base.hf, None, model, spec)
+    assert [s.name for s in systems] == [
+        "fbs-full-compute", "fbs-full-compute-majority", "fbs-full-compute-int8", "fbs-full-compute-int8-majority",
+        "fbs-tau1", "fbs-tau1-majority", "fbs-tau1-int8", "fbs-tau1-int8-majority"]
+    assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority"}
+    with pytest.raises(ValueError, match="weights"):
+        RunSpec(weights=("fp16",))

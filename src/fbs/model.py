@@ -218,12 +218,12 @@ class FBSForCausalLM(nn.Module):
         gated_pos = (torch.arange(t, device=dev) >= gate_from).expand(b, t)
         plan = self._expand_plan(skip_plan, b, t) if mode == "plan" else None
         st = skip_training or SkipTraining()
+        if st != SkipTraining() and mode != "soft":
+            raise ValueError("skip_training applies to gate_mode='soft' only")
 
         zlow = x.new_zeros(b, t, cfg.preview_rank)
         rel = x.new_ones(b, t)
         prev_skip = None  # hard skip of the previous layer (gate input with gate_prev_skip); None = zeros
-        if st != SkipTraining() and mode != "soft":
-            raise ValueError("skip_training applies to gate_mode='soft' only")
         probs = x.new_zeros(b, t, spec.num_layers)
         skips = x.new_zeros(b, t, spec.num_layers)
         prev_logits, win_k, win_w, bios, bounds, cstates, tstates = [], [], [], [], [], [], []

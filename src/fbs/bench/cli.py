@@ -39,7 +39,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        num_assistant_tokens=args.num_assistant_tokens, prompt_lookup_tokens=args.prompt_lookup_tokens,
                        draft=args.draft, draft_runs=args.draft_runs, batch_sizes=args.batch_sizes,
                        long_context=args.long_lengths if args.long_context else (),
-                       long_warmup=args.long_warmup, long_runs=args.long_runs, device=args.device)
+                       long_warmup=args.long_warmup, long_runs=args.long_runs, device=args.device,
+                       weights=args.weights, compile=args.compile, batch_policies=args.batch_policies)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=s.device, help="cpu or cuda (timing syncs the device around each run)")
     p.add_argument("--taus", type=_floats, default=s.taus, help="FBS tau sweep, comma list")
     p.add_argument("--plans", type=_floats, default=s.plans, help="forced static plans: skipped-layer fractions")
+    p.add_argument("--weights", type=_strs, default=s.weights,
+                   help="decode weight formats of the FBS systems, comma list from fp32, bf16, int8, hf (the HF "
+                        "modules); each FBS system runs once per format (default: fp32)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s.compile,
+                   help="torch.compile the engine's one-token layer step (default: off)")
+    p.add_argument("--batch-policies", type=_strs, default=s.batch_policies,
+                   help="engine batch policies of the FBS systems, comma list from gather, all, majority; each "
+                        "FBS system runs once per policy (default: gather)")
     p.add_argument("--early-exit-layer", type=int, help="HF self-speculative draft depth (default: half)")
     p.add_argument("--num-assistant-tokens", type=int, default=s.num_assistant_tokens)
     p.add_argument("--prompt-lookup-tokens", type=int, default=s.prompt_lookup_tokens)

@@ -22,6 +22,7 @@ from fbs.bench import report
 from fbs.bench.accounting import LayerCost
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, prompts_digest)
+from fbs.fused import WEIGHTS
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import FBSSystem, forced_plan, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup
 
@@ -66,6 +67,13 @@ class RunSpec:
     """Side of the square fp32 matmul that measures peak throughput."""
     device: str = "cpu"
     """Where the models run (``cuda`` works through the same code path but has not been measured here)."""
+    weights: tuple[str, ...] = ("fp32",)
+    """Decode weight formats of the FBS systems (``fp32``, ``bf16``, ``int8``, ``hf`` = the HF modules): each FBS
+    system runs once per format; formats other than fp32 add ``-<format>`` to its name."""
+    compile: bool = False
+    """``torch.compile`` the engine's one-token layer step (the probe run absorbs the first compile)."""
+    batch_policies: tuple[str, ...] = ("gather",)
+    """Engine batch policies of the FBS systems (gather, all, majority); others than gather add ``-<policy>``."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - {"all"}
@@ -73,6 +81,10 @@ class RunSpec:
             raise ValueError(f"unknown systems {sorted(unknown)}; choose from all, {', '.join(GROUPS)}")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if set(self.weights) - set(WEIGHTS) or not self.weights:
+            raise ValueError(f"weights must be a non-empty list from {', '.join(WEIGHTS)}, got {self.weights}")
+        if set(self.batch_policies) - {"gather", "all", "majority"} or not self.batch_policies:
+            raise ValueError(f"batch policies must be from gather, all, majority, got {self.batch_policies}")
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -132,7 +144,23 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
             pct = round(100 * plan.float().mean().item())
             systems.append(FBSSystem(f"fbs-plan{pct}", fbs_model, {"skip_plan": plan, "kv_policy": "project"}))
             systems.append(FBSSystem(f"fbs-plan{pct}-hole", fbs_model, {"skip_plan": plan, "kv_policy": "hole"}))
-    return systems
+    return _decode_variants(systems, spec)
+
+
+def _decode_variants(systems: list, spec: RunSpec) -> list:
+    """Every FBS system once per decode weight format (``spec.weights``) and batch policy (``spec.batch_policies``),
+    with ``spec.compile``; the defaults (fp32, gather) keep the system's name, others add a suffix."""
+    out = []
+    for s in systems:
+        if not isinstance(s, FBSSystem):
+            out.append(s)
+            continue
+        for w in spec.weights:
+            for policy in spec.batch_policies:
+                name = s.name + ("" if w == "fp32" else f"-{w}") + ("" if policy == "gather" else f"-{policy}")
+                knobs = {**s.knobs, "weights": w, "compile": spec.compile and w != "hf", "batch_policy": policy}
+                out.append(FBSSystem(name, s.model, knobs))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- running
