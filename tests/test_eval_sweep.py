@@ -1,14 +1,21 @@
-"""The tau sweep: per-document NLL against a hand computation, skip accounting, operating-point choice."""
+"""The tau sweep: decode-faithful NLL against a hand computation, skip accounting, the random / static / oracle
+plans, operating-point choice, tau calibration, writing tau into a checkpoint, Pareto plots, the OOD blocks."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from fbs.eval.sweep import HeldoutDoc, heldout_documents, run_sweep, score, select_operating_point
+from fbs.eval.ood import build_blocks, fill_blocks
+from fbs.eval.plots import pareto_plots
+from fbs.eval.sweep import (HeldoutDoc, calibrate_tau, heldout_documents, oracle_plans, random_plans, run_sweep, score,
+                            select_operating_point, static_plans, write_tau)
 
 from conftest import fbs_tiny, randomize, tiny_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _docs(n=5, t=12, seed=0):
@@ -18,48 +25,127 @@ def _docs(n=5, t=12, seed=0):
             for i, L in enumerate(lens)]
 
 
-def test_nll_matches_the_hf_model_document_by_document(one_thread):
+def test_nll_is_that_of_the_tokens_after_the_prompt():
     model = fbs_tiny()
     hf = tiny_hf()
     docs = _docs()
-    s = score(model, docs, tau=None, name="off", batch_size=2)
-    for d, nll in zip(docs, s.nll):
-        logits = hf(d.input_ids[None]).logits[0, :-1]
-        want = torch.nn.functional.cross_entropy(logits, d.input_ids[1:]).item()
-        assert abs(nll - want) < 1e-5
-    assert s.skip_ratio == 0.0
+    for gate_from in (1, 4):
+        s = score(model, docs, tau=None, name="off", batch_size=2, gate_from=gate_from)
+        for d, nll in zip(docs, s.nll):
+            with torch.no_grad():
+                logits = hf(d.input_ids[None]).logits[0, gate_from - 1:-1]
+            want = torch.nn.functional.cross_entropy(logits, d.input_ids[gate_from:]).item()
+            assert abs(nll - want) < 1e-5
+        assert s.skip_ratio == 0.0 and s.kind == "full"
 
 
-def test_skip_count_is_every_gated_pair_after_gate_from(one_thread):
+def test_skip_count_is_every_gated_pair_of_the_decoded_positions():
     # gates with a large positive bias: p ~ 1 > tau everywhere, so exactly the gated layers are skipped
     model = randomize(fbs_tiny(), gate_bias=30.0)
     docs = _docs()
-    gated = len(model.layers_cfg.gated)
-    s = score(model, docs, tau=0.5, name="all", batch_size=3, gate_from=0)
-    assert s.skip_ratio == gated / model.num_layers
-    assert s.pairs == [len(d.input_ids) * model.num_layers for d in docs]
-    # from position 2 on: the first two tokens of every document keep all their layers
-    s2 = score(model, docs, tau=0.5, name="all", batch_size=3, gate_from=2)
-    assert s2.skipped == [(len(d.input_ids) - 2) * gated for d in docs]
+    gated, L = len(model.layers_cfg.gated), model.num_layers
+    for gate_from in (1, 3):
+        s = score(model, docs, tau=0.5, name="all", batch_size=3, gate_from=gate_from)
+        # decoded positions gate_from .. T-2 (the last token's layers decide no scored prediction)
+        assert s.pairs == [(len(d.input_ids) - 1 - gate_from) * L for d in docs]
+        assert s.skipped == [(len(d.input_ids) - 1 - gate_from) * gated for d in docs]
+        assert s.skip_ratio == gated / L
+    with pytest.raises(ValueError, match="shorter than gate_from"):
+        score(model, docs, tau=0.5, gate_from=10)
+
+
+def test_baseline_plans_match_the_gates_count():
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    docs = _docs()
+    gate_from = 2
+    rels: list = []
+    score(model, docs, tau=None, gate_from=gate_from, relative_updates=rels)
+    assert [tuple(u.shape) for u in rels] == [(len(d.input_ids), model.num_layers) for d in docs]
+    counts = score(model, docs, tau=0.5, gate_from=gate_from).skipped
+    assert sum(counts) > 0
+    gated = list(model.layers_cfg.gated)
+    for plans in (random_plans(model, docs, counts, gate_from, seed=1),
+                  oracle_plans(model, docs, counts, rels, gate_from)):
+        assert [int(p.sum()) for p in plans] == counts
+        for p, d in zip(plans, docs):
+            allowed = torch.zeros_like(p)
+            allowed[gate_from:len(d.input_ids) - 1, gated] = True
+            assert not (p & ~allowed).any()
+        s = score(model, docs, plans=plans, gate_from=gate_from, kind="x")
+        assert s.skipped == counts
+    # the oracle takes the smallest relative updates of the window
+    p, u, d = oracle_plans(model, docs, counts, rels, gate_from)[0], rels[0], docs[0]
+    win = torch.zeros_like(p)
+    win[gate_from:len(d.input_ids) - 1, gated] = True
+    if counts[0]:
+        assert u[p].max() <= u[win & ~p].min()
+    # static: the same layers at every position of a block, pooled count as close as one block allows
+    plans, order = static_plans(model, docs, sum(counts), rels, gate_from)
+    assert sorted(order) == gated
+    for p, d in zip(plans, docs):
+        rows = p[gate_from:len(d.input_ids) - 1]
+        assert (rows == rows[0]).all()
+        assert set(torch.nonzero(rows[0]).flatten().tolist()) == set(order[:int(rows[0].sum())])
+    total = sum(int(p.sum()) for p in plans)
+    assert abs(total - sum(counts)) <= max(len(d.input_ids) for d in docs) / 2
 
 
 def test_operating_point_is_the_cheapest_tau_within_tolerance():
     rows = [{"tau": None, "ppl": 10.0, "tflops_rel": 1.0},
             {"tau": 0.9, "ppl": 10.1, "tflops_rel": 0.95},
             {"tau": 0.8, "ppl": 10.19, "tflops_rel": 0.90},
+            {"tau": 0.8, "ppl": 10.0, "tflops_rel": 0.50, "kind": "oracle"},
             {"tau": 0.7, "ppl": 10.3, "tflops_rel": 0.80}]
     assert select_operating_point(rows, base_ppl=10.0, tolerance=0.02)["tau"] == 0.8
+    assert select_operating_point(rows, base_ppl=10.0, tolerance=0.02)["tflops_rel"] == 0.90
     assert select_operating_point(rows, base_ppl=10.0, tolerance=0.0) is None
 
 
-def test_sweep_rows_and_base_comparison(one_thread):
+def test_sweep_rows_baselines_and_plot(tmp_path):
     model = randomize(fbs_tiny(), gate_bias=0.0)
-    base = fbs_tiny()
-    res = run_sweep(model, base, _docs(), taus=[0.99, 0.0], progress=False)
-    rows = {(r["system"], r["tau"]): r for r in res["rows"]}
+    base, control = fbs_tiny(), randomize(fbs_tiny(), seed=4)
+    res = run_sweep(model, base, _docs(), taus=[0.99, 0.5, 0.0], progress=False, gate_from=2, control=control,
+                    matched_taus=[0.5])
+    kinds = [r["kind"] for r in res["rows"]]
+    assert kinds == ["base", "control", "full", "tau", "tau", "tau", "random", "static", "oracle"]
+    rows = {(r["kind"], r["tau"]): r for r in res["rows"]}
     assert rows[("base", None)]["vs_base"]["delta"] == 0.0
-    assert rows[("fbs", 0.99)]["skip_ratio"] <= rows[("fbs", 0.0)]["skip_ratio"]
+    assert rows[("tau", 0.99)]["skip_ratio"] <= rows[("tau", 0.5)]["skip_ratio"] <= rows[("tau", 0.0)]["skip_ratio"]
+    assert rows[("random", 0.5)]["skip_ratio"] == rows[("tau", 0.5)]["skip_ratio"]
+    assert rows[("oracle", 0.5)]["skip_ratio"] == rows[("tau", 0.5)]["skip_ratio"]
+    assert abs(rows[("static", 0.5)]["skip_ratio"] - rows[("tau", 0.5)]["skip_ratio"]) < 0.1
+    assert set(rows[("tau", 0.5)]["per_lang_skip"]) == {"en", "zh"}
+    with pytest.raises(ValueError, match="matched taus"):
+        run_sweep(model, base, _docs(), taus=[0.9], progress=False, gate_from=2, matched_taus=[0.5])
     json.dumps(res)  # serializable
+    paths = pareto_plots([("new", {"texts": {"in": res}}), ("old", {"texts": {"in": res}})], tmp_path / "p")
+    assert [p.name for p in paths] == ["p_in.png"] and paths[0].stat().st_size > 1000
+
+
+def test_calibrated_tau_hits_the_target_skip_ratio():
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    g = torch.Generator().manual_seed(3)
+    docs = [HeldoutDoc(f"d{i}", "en", torch.randint(0, 200, (40,), generator=g)) for i in range(6)]
+    for target in (0.1, 0.3):
+        res = calibrate_tau(model, docs, target, gate_from=4, batch_size=3)
+        assert abs(res["skip_ratio"] - target) <= 0.01
+        again = score(model, docs, tau=res["tau"], gate_from=4).skip_ratio
+        assert again == res["skip_ratio"] and 0.0 < res["tau"] < 1.0
+    with pytest.raises(ValueError, match="cannot reach"):
+        calibrate_tau(model, docs, 0.9, gate_from=4)  # only 4 of 6 layers are gated
+
+
+def test_write_tau_into_a_checkpoint(tmp_path):
+    from fbs import FBSForCausalLM
+
+    model = fbs_tiny()
+    model.save_pretrained(tmp_path / "ckpt")
+    write_tau(tmp_path / "ckpt", 0.4242, {"target": 0.3, "skip_ratio": 0.301})
+    cfg = json.loads((tmp_path / "ckpt" / "fbs_config.json").read_text())
+    assert cfg["tau"] == 0.4242 and cfg["extra"]["tau_calibration"]["target"] == 0.3
+    assert FBSForCausalLM.from_pretrained(tmp_path / "ckpt", base=tiny_hf()).config.tau == 0.4242
+    with pytest.raises(FileNotFoundError):
+        write_tau(tmp_path, 0.5, {})
 
 
 def test_heldout_documents_sample_is_seeded_and_per_language(tmp_path):
@@ -75,3 +161,30 @@ def test_heldout_documents_sample_is_seeded_and_per_language(tmp_path):
     assert [d.id for d in a] == [d.id for d in b]
     assert sorted(d.lang for d in a) == ["en"] * 3 + ["zh"] * 3
     assert all(len(d.input_ids) <= 7 for d in a)
+    assert all(len(d.input_ids) >= 10 for d in heldout_documents(tmp_path, tok, per_lang=6, max_tokens=20,
+                                                                 min_tokens=10))
+
+
+def test_ood_blocks_are_seeded_fixed_size_and_start_at_documents():
+    def tokenize(text):
+        return [len(w) for w in text.split()]
+
+    docs = [(f"s/{i}", " ".join(["w" * (1 + i % 5)] * (3 + i % 7))) for i in range(40)]
+    a = fill_blocks(iter(docs), tokenize, 4, 16, seed=0, source="s")
+    assert a == fill_blocks(iter(docs[::-1]), tokenize, 4, 16, seed=0, source="s")  # order-independent input
+    assert a != fill_blocks(iter(docs), tokenize, 4, 16, seed=1, source="s")
+    texts = dict(docs)
+    for names, ids in a:
+        assert len(ids) == 16
+        assert ids[:len(tokenize(texts[names[0]]))] == tokenize(texts[names[0]])[:16]
+    with pytest.raises(ValueError, match="only"):
+        fill_blocks(iter(docs[:3]), tokenize, 4, 16, seed=0, source="s")
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": tokenize(text)}
+
+    sources = {"en": [("a", lambda: iter(docs)), ("b", lambda: iter(docs[5:]))], "code": [("c", lambda: iter(docs))]}
+    blocks = build_blocks(Tok(), per_kind=3, block_tokens=16, sources=sources)
+    assert [b["id"] for b in blocks] == ["ood-en/a/0", "ood-en/b/0", "ood-en/a/1", "ood-code/c/0", "ood-code/c/1",
+                                         "ood-code/c/2"]

@@ -5,6 +5,10 @@
     fbs eval compare results/fbs.json results/base.json [--bh]
     fbs eval table results/base.json results/fbs.json
     fbs eval make-tasks --out-dir ~/.cache/fbs/eval/lm_eval_tasks
+    fbs eval sweep --checkpoint CKPT --text in,ood --corpus corpus --control CTRL --out results/sweep.json
+    fbs eval sweep --checkpoint CKPT --text in --corpus corpus --target-skip 0.3 --write-tau CKPT
+    fbs eval pareto results/old.json results/new.json --labels old,new --out-prefix results/pareto
+    fbs eval chat --checkpoint CKPT --taus 0.3,0.5 --control CTRL --out results/chat.json
     fbs eval list
 
 Only this module prints; the handlers are plain functions returning an exit code.
@@ -127,40 +131,207 @@ def cmd_make_tasks(args) -> int:
     return 0
 
 
-def cmd_sweep(args) -> int:
+def _setup_runtime(args) -> None:
+    """``--threads`` and the global seed (appendix B.1)."""
     import torch
 
-    from fbs import FBSForCausalLM
-    from fbs.eval.report import runtime_info, seed_everything
-    from fbs.eval.sweep import heldout_documents, markdown, run_sweep
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.eval.report import seed_everything
 
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
-    taus = [float(t) for t in args.taus.split(",") if t.strip()]
+
+
+def _floats(spec: str | None) -> list[float]:
+    return [float(t) for t in (spec or "").split(",") if t.strip()]
+
+
+def _sweep_texts(args, tok) -> dict:
+    """{text name: held-out blocks} for ``--text`` (in: the corpus test split; ood: :mod:`fbs.eval.ood`)."""
+    from fbs.eval.ood import ood_blocks
+    from fbs.eval.sweep import heldout_documents
+
+    texts = [t.strip() for t in args.text.split(",") if t.strip()]
+    unknown = set(texts) - {"in", "ood"}
+    if unknown or not texts:
+        raise SystemExit(f"--text takes 'in', 'ood' or 'in,ood', got {args.text!r}")
+    docs = {}
+    for t in texts:
+        if t == "in":
+            if not args.corpus:
+                raise SystemExit("--text in needs --corpus DIR (a corpus from `fbs data build`)")
+            docs[t] = heldout_documents(args.corpus, tok, args.split, args.per_lang, args.max_tokens, args.seed,
+                                        min_tokens=args.gate_from + 2)
+        else:
+            docs[t] = ood_blocks(tok, seed=args.seed, limit=args.ood_per_kind)
+    return docs
+
+
+def cmd_sweep(args) -> int:
+    from fbs import FBSForCausalLM
+    from fbs.eval.plots import pareto_plots
+    from fbs.eval.report import runtime_info
+    from fbs.eval.sweep import markdown, run_sweep
+    from fbs.loading import load_checkpoint, load_from_args
+    from fbs.models import load_tokenizer
+
+    _setup_runtime(args)
     model = load_from_args(args)
-    base = FBSForCausalLM.from_base(model.config.base_model or args.model)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
-    docs = heldout_documents(args.corpus, tok, args.split, args.per_lang, args.max_tokens, args.seed)
+    texts = _sweep_texts(args, tok)
+    if args.target_skip is not None:
+        return _calibrate(args, model, texts)
+    taus = _floats(args.taus)
+    spec = args.matched_taus.strip().lower()
+    matched = ([] if spec == "none" else list(taus) if spec == "all"
+               else [float(model.config.tau)] if spec == "config" else _floats(spec))
+    taus += [t for t in matched if t not in taus]
+    base = FBSForCausalLM.from_base(model.config.base_model or args.model)
+    control = load_checkpoint(args.control) if args.control else None
     start = time.perf_counter()
-    res = run_sweep(model, base, docs, taus, args.batch_size, args.seed, not args.no_progress, args.tolerance,
-                    args.gate_from)
-    langs = sorted({d.lang for d in docs})
-    res.update(corpus=str(args.corpus), split=args.split, per_lang=args.per_lang, max_tokens=args.max_tokens,
-               checkpoint=args.checkpoint, wall_s=time.perf_counter() - start, runtime=runtime_info(args.seed))
-    out = Path(args.out)
+    res: dict = {"texts": {}}
+    for name, docs in texts.items():
+        print(f"{name}: {len(docs)} blocks", flush=True)
+        res["texts"][name] = run_sweep(model, base, docs, taus, args.batch_size, args.seed, not args.no_progress,
+                                       args.tolerance, args.gate_from, control=control, matched_taus=matched)
+    first = res["texts"][next(iter(texts))]
+    # top level: the first text's base / full-depth / threshold rows, the shape older readers expect
+    res.update(rows=[r for r in first["rows"] if r["kind"] in ("base", "full", "tau")], base_ppl=first["base_ppl"],
+               operating_point=first["operating_point"], gate_from=args.gate_from, text=list(texts),
+               corpus=str(args.corpus) if args.corpus else None, split=args.split, per_lang=args.per_lang,
+               max_tokens=args.max_tokens, ood_per_kind=args.ood_per_kind, checkpoint=args.checkpoint,
+               control=args.control, wall_s=time.perf_counter() - start, runtime=runtime_info(args.seed))
+    out = Path(args.out or "results/sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    table = markdown(res["rows"], langs)
-    op = res["operating_point"]
-    note = (f"operating point (most efficient tau with PPL within {100 * args.tolerance:.0f}% of base "
-            f"{res['base_ppl']:.3f}): " + ("none" if op is None else f"tau={op}"))
-    out.with_suffix(".md").write_text(table + "\n\n" + note + "\n")
-    print(table)
-    print(note)
-    print(f"wrote {out} and {out.with_suffix('.md')} ({len(docs)} documents, {res['wall_s']:.0f} s)")
+    parts = []
+    for name, r in res["texts"].items():
+        langs = sorted({d["lang"] for d in r["documents"]})
+        op = r["operating_point"]
+        note = (f"operating point (most efficient tau with PPL within {100 * args.tolerance:.0f}% of base "
+                f"{r['base_ppl']:.3f}): " + ("none" if op is None else f"tau={op}"))
+        parts.append(f"## {name} held-out text ({len(r['documents'])} blocks, gates from token {args.gate_from})"
+                     f"\n\n{markdown(r['rows'], langs)}\n\n{note}\n")
+    md = "\n".join(parts)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    if not args.no_plot:
+        label = Path(args.checkpoint).name if args.checkpoint else "FBS"
+        for p in pareto_plots([(label, res)], out.with_name(out.stem + "_pareto")):
+            print(f"wrote {p}")
+    print(f"wrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+def _calibrate(args, model, texts: dict) -> int:
+    from fbs.eval.sweep import calibrate_tau, write_tau
+
+    name = next(iter(texts))
+    docs = texts[name]
+    print(f"calibrating tau to {100 * args.target_skip:.2f}% skipped pairs on {name} text ({len(docs)} blocks, "
+          f"gates from token {args.gate_from})", flush=True)
+    res = calibrate_tau(model, docs, args.target_skip, args.gate_from, args.batch_size, tol=args.calib_tol,
+                        progress=lambda t, r: print(f"  tau={t:.6f}  skip={100 * r:.2f}%", flush=True))
+    res.update(text=name, checkpoint=args.checkpoint)
+    print(f"tau={res['tau']:.6f} skips {100 * res['skip_ratio']:.2f}% (target {100 * args.target_skip:.2f}%)")
+    out = Path(args.out or "results/tau_calibration.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    if args.write_tau:
+        info = {k: res[k] for k in ("target", "skip_ratio", "gate_from", "blocks", "text")}
+        print(f"wrote tau={res['tau']:.6f} into {write_tau(args.write_tau, res['tau'], info)}")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_pareto(args) -> int:
+    from fbs.eval.plots import pareto_plots
+
+    labels = args.labels.split(",") if args.labels else [Path(p).stem for p in args.sweeps]
+    if len(labels) != len(args.sweeps):
+        raise SystemExit(f"{len(labels)} labels for {len(args.sweeps)} sweep files")
+    results = [(lab, json.loads(Path(p).read_text())) for lab, p in zip(labels, args.sweeps)]
+    for p in pareto_plots(results, args.out_prefix):
+        print(f"wrote {p}")
+    return 0
+
+
+def _checkpoint_path(args) -> Path | None:
+    from fbs.loading import choose_checkpoint
+
+    return choose_checkpoint(args.model, args.checkpoint, shipped=not args.fresh)
+
+
+def _load_chat_models(args):
+    """(base model: a fresh FBS, tokenizer, {model key: loader}, the checkpoint's tau)."""
+    from fbs import FBSConfig, FBSForCausalLM
+    from fbs.loading import load_checkpoint, load_from_args
+    from fbs.model import CONFIG_NAME
+
+    base = FBSForCausalLM.from_base(args.model)
+    ckpt = _checkpoint_path(args)
+    tau = json.loads((ckpt / CONFIG_NAME).read_text())["tau"] if ckpt else FBSConfig().tau
+    loaders = {"checkpoint": lambda: load_from_args(args)}
+    if args.control:
+        loaders["control"] = lambda: load_checkpoint(args.control)
+    return base, base.tokenizer, loaders, tau
+
+
+def _chat_items(args):
+    from fbs.data.chat import load_items, read_items, split
+
+    items = read_items(args.items) if args.items else split(load_items())[1]
+    if args.limit:
+        count: dict[str, int] = {}
+        kept = []
+        for it in items:
+            count[it.lang] = count.get(it.lang, 0) + 1
+            if count[it.lang] <= args.limit:
+                kept.append(it)
+        items = kept
+    return items
+
+
+def cmd_chat(args) -> int:
+    from fbs.eval.chat import ChatSystem, markdown, run_chat_eval
+    from fbs.eval.report import runtime_info
+
+    _setup_runtime(args)
+    items = _chat_items(args)
+    base, tok, loaders, ckpt_tau = _load_chat_models(args)
+    taus = _floats(args.taus) or [args.tau if args.tau is not None else ckpt_tau]
+    ckpt = str(_checkpoint_path(args) or "fresh FBS")
+    systems = [ChatSystem("base", "base", "base")]
+    if not args.no_full:
+        systems.append(ChatSystem("fbs full depth", "full", "checkpoint", None, ckpt))
+    systems += [ChatSystem(f"fbs tau {t:g}", "tau", "checkpoint", t, ckpt) for t in taus]
+    if args.control:
+        systems.append(ChatSystem("control full depth", "control", "control", None, args.control))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"checkpoint": ckpt, "control": args.control, "items": args.items or "fbs.data.chat.split()",
+            "limit": args.limit, "runtime": runtime_info(args.seed)}
+    done: list[dict] = []
+
+    def partial(rec):
+        done.append(rec)
+        m = rec["metrics"]
+        print(f"{rec['name']:>20}: EOS {100 * m['eos']['value']:.1f}%  loop {100 * m['loop']['value']:.1f}%  "
+              f"stuck {100 * m['stuck']['value']:.1f}%  "
+              f"len {m['length']['value']:.0f}  ROUGE-L {m['rouge_l']['value']:.3f}  base NLL "
+              f"{m['base_nll']['value']:.3f}  skip {100 * rec['skip_ratio']:.1f}%", flush=True)
+        out.write_text(json.dumps({"systems": done, "partial": True, **meta}, ensure_ascii=False))
+
+    start = time.perf_counter()
+    res = run_chat_eval(base, tok, items, systems, loaders, max_new_tokens=args.max_new_tokens,
+                        batch_size=args.batch_size, base_cache=args.base_cache, seed=args.seed,
+                        progress=not args.no_progress, on_system=partial)
+    res.update(meta, wall_s=time.perf_counter() - start)
+    out.write_text(json.dumps(res, indent=1, ensure_ascii=False))
+    md = out.with_suffix(".md")
+    md.write_text(f"# Free-running chat answers: {len(items)} held-out prompts\n\n"
+                  + markdown(res, samples=args.samples))
+    print(f"wrote {out} and {md} ({res['wall_s']:.0f} s)")
     return 0
 
 
@@ -217,24 +388,62 @@ def register(subparsers) -> None:
     m.add_argument("--seed", type=int, default=42)
     m.set_defaults(func=cmd_make_tasks)
 
-    w = sub.add_parser("sweep", help="tau sweep of an FBS checkpoint on held-out corpus documents: "
-                                     "skip %%, TFLOPs(rel), PPL with bootstrap CIs vs the base model")
+    w = sub.add_parser("sweep", help="tau sweep of an FBS checkpoint on held-out text (in-domain, OOD): skip %%, "
+                                     "decode-faithful PPL with bootstrap CIs vs the base model, baselines, "
+                                     "Pareto plots; --target-skip calibrates tau")
     add_model_arguments(w)
-    w.add_argument("--corpus", required=True, help="corpus directory from `fbs data build`")
+    w.add_argument("--text", default="in", help="held-out text: in (corpus test split), ood, or in,ood")
+    w.add_argument("--corpus", help="corpus directory from `fbs data build` (for --text in)")
     w.add_argument("--split", default="test")
-    w.add_argument("--per-lang", type=int, default=24, help="documents per language (seeded sample)")
-    w.add_argument("--max-tokens", type=int, default=512, help="tokens scored per document (its first ones)")
+    w.add_argument("--per-lang", type=int, default=24, help="in-domain documents per language (seeded sample)")
+    w.add_argument("--max-tokens", type=int, default=512, help="in-domain tokens per document (its first ones)")
+    w.add_argument("--ood-per-kind", type=int, help="OOD blocks per kind (en, zh, code; default all 32)")
     w.add_argument("--taus", default=",".join(str(t) for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)))
+    w.add_argument("--matched-taus", default="config",
+                   help="taus at which random / static / oracle plans skip as many pairs as the gates: 'config' "
+                        "(the checkpoint's tau), 'all', 'none' or a list; added to --taus")
+    w.add_argument("--control", help="control checkpoint (same recipe, never skipping), scored at full depth")
     w.add_argument("--tolerance", type=float, default=0.02,
                    help="operating point: the most efficient tau with PPL <= (1 + tolerance) x base PPL")
     w.add_argument("--batch-size", type=int, default=4)
-    w.add_argument("--gate-from", type=int, default=1,
-                   help="never skip positions before this (decode prefills the prompt; 1 = all but the first token)")
+    w.add_argument("--gate-from", type=int, default=128,
+                   help="prompt tokens never gated; only later tokens are scored (decode-faithful)")
+    w.add_argument("--target-skip", type=float,
+                   help="calibrate instead of sweeping: the tau whose skip ratio on the first --text is this (0-1)")
+    w.add_argument("--calib-tol", type=float, default=0.002, help="calibration: accepted |skip ratio - target|")
+    w.add_argument("--write-tau", metavar="CKPT", help="calibration: write the tau into this checkpoint's config")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    w.add_argument("--out", default="results/sweep.json", help="JSON path (markdown next to it)")
+    w.add_argument("--out", help="JSON path, markdown next to it (default results/sweep.json, or "
+                                 "results/tau_calibration.json with --target-skip)")
+    w.add_argument("--no-plot", action="store_true", help="no Pareto PNGs (<out>_pareto_<text>.png)")
     w.add_argument("--no-progress", action="store_true")
     w.set_defaults(func=cmd_sweep)
+
+    pp = sub.add_parser("pareto", help="Pareto plots (skip %% vs PPL) of several `fbs eval sweep` JSONs, one per text")
+    pp.add_argument("sweeps", nargs="+")
+    pp.add_argument("--labels", help="comma-separated legend labels (default: the file names)")
+    pp.add_argument("--out-prefix", default="results/pareto", help="writes <prefix>_<text>.png")
+    pp.set_defaults(func=cmd_pareto)
+
+    ch = sub.add_parser("chat", help="free-running answers to held-out chat prompts: EOS rate, loops, length, "
+                                     "ROUGE-L and base NLL against the base model's answers")
+    add_model_arguments(ch)
+    ch.add_argument("--taus", help="comma-separated taus of the checkpoint (default: --tau or its config tau)")
+    ch.add_argument("--control", help="control checkpoint, decoded at full depth")
+    ch.add_argument("--no-full", action="store_true", help="skip the checkpoint at full depth")
+    ch.add_argument("--items", help="held-out items JSONL from `fbs data chat` (default: computed from the archive)")
+    ch.add_argument("--limit", type=int, help="the first N held-out prompts of each language")
+    ch.add_argument("--max-new-tokens", type=int, default=256)
+    ch.add_argument("--batch-size", type=int, default=8, help="prompts per engine call")
+    ch.add_argument("--base-cache", default="results/chat_base_answers.json",
+                    help="the base model's answers, reused by later runs")
+    ch.add_argument("--samples", type=int, default=4, help="sample prompts per language in the markdown")
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ch.add_argument("--out", default="results/chat.json", help="JSON path (markdown next to it)")
+    ch.add_argument("--no-progress", action="store_true")
+    ch.set_defaults(func=cmd_chat)
 
     ls = sub.add_parser("list", help="known tasks")
     ls.set_defaults(func=cmd_list)
