@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fbs import FBSConfig, FBSForCausalLM
-from fbs.bench.accounting import LayerCost, baseline_decode_macs, skip_trace_macs, speculative_ratios
+from fbs.flops import LayerCost, baseline_decode_macs, skip_trace_macs
+from fbs.bench.accounting import speculative_ratios
 from fbs.bench.systems import FBSSystem, forced_plan, hf_greedy, hf_prompt_lookup
 
 # d=64, 4 heads of 16 (2 KV heads), FFN 128, vocab 256, 4 layers
@@ -73,15 +74,15 @@ def test_hf_greedy_counts_exactly_plain_decoding():
 def test_learned_prompt_length_counts_exactly_plain_decoding():
     """A draft model's counter learns its prompt length from the first pass; on plain greedy decoding that
     must reproduce the hand formula for N - 1 decode steps over a 12-token prompt."""
-    from fbs.bench.accounting import InvocationCounter
+    from fbs.hf_adapter import DecodeCallCounter
 
     m = tiny_llama()
     ids = torch.randint(1, 200, (1, 12))
-    with InvocationCounter(m, None) as c:
+    with DecodeCallCounter(m, None) as c:
         m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     cost = LayerCost.from_config(m.config)
     assert c.prompt_len == 12
-    assert (c.invocations, c.decode_macs(cost)) == baseline_decode_macs(cost, 12, 6)
+    assert (c.invocations, cost.counted_macs(c.dec_tokens, c.dec_keys, c.lm_rows)) == baseline_decode_macs(cost, 12, 6)
 
 
 def test_assisted_generation_counts_the_draft_models_work():

@@ -46,7 +46,8 @@ def document(tmp_path_factory):
                     chunk_cache_size=4, gate_rank=8, gate_width=8, paw_layers=(0,), ch_layers=(3,),
                     never_skip_first=1, never_skip_last=1)
     fbs = FBSForCausalLM.from_base(model, config=cfg).eval()
-    spec = RunSpec(systems=("hf-greedy", "prompt-lookup", "assisted", "fbs-full", "fbs-tau", "fbs-plan"),
+    spec = RunSpec(base="/no/such/tiny-model",
+                   systems=("hf-greedy", "prompt-lookup", "assisted", "llama-cpp", "fbs-full", "fbs-tau", "fbs-plan"),
                    taus=(0.5,), plans=(0.25,), batch_sizes=(1, 2), long_context=(64, 128), long_runs=1,
                    long_warmup=0, machine_mb=8, matmul_n=128)
     bench = BenchConfig(prompt_len=16, new_tokens=6, warmup=0, runs=2, num_prompts=2)
@@ -79,6 +80,12 @@ def test_document_contents(document):
     assert by[("fbs-full-compute", 2)]["layer_skip_ratio"] == 0.0
     plan = next(r for (name, b), r in by.items() if name.startswith("fbs-plan") and b == 1)
     assert plan["tflops_rel"] == pytest.approx(0.75)  # 1 of 4 layers skipped on every decode step
+    full = by[("fbs-full-compute", 1)]
+    assert base["bytes_rel"] == 1.0 and full["bytes_rel"] > 1.0  # full depth plus the FBS modules' weights
+    assert plan["bytes_rel"] < full["bytes_rel"] and plan["skip_saving"]["reference"] == "fbs-full-compute"
+    assert plan["skip_saving"]["predicted"] == pytest.approx(1 - plan["bytes_rel"] / full["bytes_rel"])
+    assert full["skip_saving"] is None and base["skip_saving"] is None
+    assert by[("llama-cpp", 1)]["status"] == "unavailable" and "GGUF" in by[("llama-cpp", 1)]["note"]
     assert {r["prompt_len"] for r in doc["long_context"]} == {64, 90}  # 128 clipped to 96 - 6 positions
     assert "| hf-greedy | 1 |" in paths["markdown"].read_text()
     assert paths["plot"] is None or paths["plot"].stat().st_size > 0

@@ -102,7 +102,7 @@ class StepOutput:
 class DecodeTrace:
     """What ran, per (row, generated token, layer). N = generated tokens (rows that stopped are padded)."""
 
-    executed: torch.Tensor        # (B, N, L) bool: the layer ran for that token
+    executed: torch.Tensor        # (B, N, L) bool: the layer (its FFN under skip_granularity="ffn") ran for that token
     intended_skip: torch.Tensor   # (B, N, L) bool: the gate (or plan) said skip
     kv_written: torch.Tensor      # (B, N, L) bool: a K/V entry was written
     gate_p: torch.Tensor          # (B, N, L) float, NaN where no gate was evaluated
@@ -113,6 +113,7 @@ class DecodeTrace:
     tflops_rel: float             # paper's Eq.: executed layer invocations / all (decode tokens)
     tflops_rel_exact: float       # executed MACs incl. attention, K/V projections, LM head, FBS overhead
     fallback: list[bool]          # per row: the validator failed and the row was regenerated
+    skip_granularity: str = "layer"  # "ffn": a pair not executed still ran its attention (and wrote K/V)
 
     @property
     def skip_ratio(self) -> float:
@@ -578,7 +579,8 @@ def _finish(dec: _Decoder) -> GenerationResult:
               "window_k": torch.long, "chunk_boundary": torch.bool, "context_len": torch.long, "valid": torch.bool}
     fields = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in dec.rec.rows(n).items()}
     fields["gate_p"] = torch.sigmoid(fields["gate_p"])  # recorded as logits (NaN stays NaN)
-    tr = DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[False] * dec.B)
+    tr = DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[False] * dec.B,
+                     skip_granularity=dec.granularity)
     tr.tflops_rel, tr.tflops_rel_exact = dec.flops.relative(tr)
     scores = [torch.stack(s) for s in dec.scores] if dec.opts.output_scores else None
     return GenerationResult(seq, [list(o) for o in dec.out], tr, dict(dec.timings), scores)

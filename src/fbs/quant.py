@@ -2,8 +2,8 @@
 
 int8 is symmetric per output channel: w ~= q * s with q in [-127, 127] (int8, (N, K)) and one bf16 scale per
 output row. One-token steps run ``torch._weight_int8pack_mm`` with bf16 activations (its fast path on CPU;
-with fp32 activations the kernel is slow); longer inputs (prefill) dequantize the matrix and run a GEMM.
-The residual stream, norms, biases and the KV cache stay in the model's dtype.
+with fp32 activations the kernel is slow). The residual stream, norms, biases and the KV cache stay in the
+model's dtype. The engine runs many-token inputs (prefill) as GEMMs on the fp32 source weights.
 """
 
 from __future__ import annotations

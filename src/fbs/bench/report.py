@@ -42,7 +42,7 @@ TOP_KEYS: dict[str, str] = {
 #: Keys of every record in ``results``.
 RESULT_KEYS: dict[str, str] = {
     "system": "system name (hf-greedy, hf-prompt-lookup, hf-early-exit-<k>, hf-assisted, fbs-...)",
-    "family": "baseline | speculative | fbs",
+    "family": "baseline | speculative | external (llama.cpp) | fbs",
     "batch_size": "rows per generate call",
     "status": "ok | unavailable | failed",
     "note": "why a system is unavailable or failed; empty otherwise",
@@ -54,6 +54,10 @@ RESULT_KEYS: dict[str, str] = {
     "tflops_rel": "paper Eq. (tflops-rel): executed decode layer invocations / plain decoding's",
     "tflops_rel_exact": "executed decode MACs / plain decoding's, incl. attention over context, LM head, "
                         "K/V projections of project-skipped layers, drafts and verification, PAW/CH/SG",
+    "bytes_rel": "bytes read while decoding / plain decoding's (weights of the layers that ran, once per step; "
+                 "K/V cache; LM head; FBS modules), by the system's weight format; FBS and the baseline only",
+    "skip_saving": "FBS systems that skip: {reference, predicted, measured, captured}: decode-time saving over "
+                   "fbs-full-compute predicted from the skipped bytes, measured, and measured / predicted",
     "layer_skip_ratio": "fraction of (token, layer) decode invocations skipped (FBS); 0 for the baseline",
     "method_ratio": "the paper's method-specific ratio in [0, 1]: layer-skip (FBS), acceptance rate "
                     "(draft models, early exit), verified/advance ratio (prompt lookup); 0 for the baseline",
@@ -91,7 +95,8 @@ def _summary_ms(s: Summary | None) -> dict[str, float] | None:
 
 
 def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | None,
-                  match: tuple[float, float] | None, roofline: dict[str, Any] | None) -> dict[str, Any]:
+                  match: tuple[float, float] | None, roofline: dict[str, Any] | None,
+                  skip_saving: dict[str, Any] | None = None) -> dict[str, Any]:
     ok = res.status == "ok"
     B = res.batch_size
     probe = res.probe or {}
@@ -110,6 +115,8 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "speedup": baseline_total_s / res.total_s.median if ok and baseline_total_s else None,
         "tflops_rel": probe.get("tflops_rel"),
         "tflops_rel_exact": probe.get("tflops_rel_exact"),
+        "bytes_rel": probe.get("bytes_rel"),
+        "skip_saving": skip_saving,
         "layer_skip_ratio": probe.get("layer_skip_ratio"),
         "method_ratio": probe.get("method_ratio"),
         "method_ratio_kind": kind,
@@ -188,7 +195,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{' (systems interleaved round by round)' if p.get('interleave') else ''}; {doc['environment']['cpu']}, "
             f"{doc['environment']['torch_threads']} threads, torch {doc['environment']['torch']}")
     cols = ["System", "B", "Latency (ms)", "± std", "Prefill (ms)", "Decode (ms)", "Decode tok/s", "Speed-up",
-            "TFLOPs (rel)", "TFLOPs (rel, exact)", "Ratio (%)", "Ratio kind", "Token-match (%)",
+            "TFLOPs (rel)", "TFLOPs (rel, exact)", "Bytes (rel)", "Ratio (%)", "Ratio kind", "Token-match (%)",
             "Exact-match (%)", "Peak RSS (MB)", "Roofline (%)"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in doc["results"]:
@@ -207,10 +214,21 @@ def markdown(doc: dict[str, Any]) -> str:
             name, str(r["batch_size"]), _f(lat["total"]["median"], ".0f"), _f(lat["total"]["std"], ".0f"),
             _f(lat["prefill"]["median"], ".0f"), _f(lat["decode"]["median"], ".0f"), _f(r["decode_tok_s"], ".1f"),
             _f(r["speedup"], ".2f"), _f(r["tflops_rel"], ".2f"), _f(r["tflops_rel_exact"], ".2f"),
-            _f(r["method_ratio"], ".1f", 100), r["method_ratio_kind"], _f(r["token_match_pct"], ".1f"),
+            _f(r.get("bytes_rel"), ".2f"), _f(r["method_ratio"], ".1f", 100), r["method_ratio_kind"], _f(r["token_match_pct"], ".1f"),
             _f(r["exact_match_pct"], ".1f"), _f(r["peak_rss_mb"], ".0f"),
             _f(roof.get("fraction_of_baseline"), ".0f", 100),
         ]) + " |")
+    savings = [r for r in doc["results"] if r.get("skip_saving")]
+    if savings:
+        lines += ["", "Skipping vs the same engine at full depth (`fbs-full-compute`): decode-time saving predicted "
+                      "from the skipped bytes, measured, and the share of the prediction captured.", "",
+                  "| System | B | Skip (%) | Predicted saving (%) | Measured saving (%) | Captured (%) |",
+                  "|---|---|---|---|---|---|"]
+        for r in savings:
+            sv = r["skip_saving"]
+            lines.append(f"| {r['system']} | {r['batch_size']} | {_f(r['layer_skip_ratio'], '.1f', 100)} | "
+                         f"{_f(sv['predicted'], '.1f', 100)} | {_f(sv['measured'], '.1f', 100)} | "
+                         f"{_f(sv['captured'], '.0f', 100)} |")
     m = doc.get("machine") or {}
     if m:
         lines += ["", f"Machine: read {m['read_gbs']:.1f} GB/s, GEMV {m['gemv_gbs']:.1f} GB/s, fp32 matmul "
@@ -245,11 +263,11 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     if base:
         ax.axhline(base[0]["latency_ms"]["decode"]["median"], color="grey", ls="--", lw=1,
                    label=f"{base[0]['system']} (no skip)")
-    markers = {"fbs": "o", "speculative": "s", "baseline": "D"}
+    markers = {"fbs": "o", "speculative": "s", "baseline": "D", "external": "^"}
     core = [r["latency_ms"]["decode"]["median"] for r in rows if r["family"] != "speculative"]
     top = 1.5 * max(core) if core else None  # speculative rows far above the rest are drawn at the edge
     labels: list[tuple[float, float, str]] = []
-    for fam in ("fbs", "speculative", "baseline"):
+    for fam in ("fbs", "speculative", "external", "baseline"):
         pts = [r for r in rows if r["family"] == fam]
         if not pts:
             continue
@@ -273,7 +291,7 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     if top is not None:
         ax.set_ylim(0, top * 1.05)
     p = doc["protocol"]
-    ax.set_xlabel("layer-skip ratio (%)  [speculative methods skip no layers: plotted at 0]")
+    ax.set_xlabel("layer-skip ratio (%)  [speculative methods and llama.cpp skip no layers: at 0]")
     ax.set_ylabel(f"decode latency, {p['new_tokens'] - 1} tokens (ms)")
     ax.set_title(f"{doc['model']['name']}: prompt {p['prompt_len']}, batch 1, {doc['environment']['cpu']}",
                  fontsize=8)

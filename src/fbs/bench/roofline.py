@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from fbs.bench.accounting import LayerCost
+from fbs.flops import LayerCost, step_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -89,25 +89,19 @@ def measure_machine(size_mb: int = 256, repeats: int = 5, matmul_n: int = 2048,
 
 def decode_roofline(cost: LayerCost, peaks: MachinePeaks, prompt_len: int, new_tokens: int, batch: int = 1,
                     executed_fraction: float = 1.0, kv_policy: str = "project",
-                    overhead_macs_per_token: float = 0.0) -> dict[str, float]:
+                    overhead_macs_per_token: float = 0.0, weights: str = "fp32") -> dict[str, float]:
     """Lower bound on one decode step's time, at the mean decode context, for a given executed-layer fraction.
 
-    Skipped layers read nothing under ``hole``; under ``project`` they read their K/V projection weights and
-    write one K/V entry. The embedding row read is negligible and ignored. Weights are read once per step for
-    the whole batch; K/V is read per row.
+    Bytes are :func:`fbs.flops.step_bytes` (weights once per step for the batch, K/V per row; skipped layers
+    read nothing under ``hole`` and their K/V projection weights under ``project``), FLOPs are 2 x MACs per row.
     """
     L = cost.num_layers
     ctx = prompt_len + new_tokens / 2
     run = executed_fraction * L
-    skipped = L - run
-    kv_w_bytes = cost.kv_proj * cost.dtype_bytes  # K/V projection weights: one weight per MAC
-    weight_bytes = run * cost.weight_bytes_per_layer + cost.lm_head_bytes
-    kv_read = batch * run * ctx * cost.kv_bytes_per_key
+    total_bytes = step_bytes(cost, ctx, run, kv_policy, batch, weights)
     macs_row = run * cost.layer_macs(int(ctx)) + cost.lm_head + overhead_macs_per_token
     if kv_policy == "project":
-        weight_bytes += skipped * kv_w_bytes
-        macs_row += skipped * cost.kv_proj
-    total_bytes = weight_bytes + kv_read
+        macs_row += (L - run) * cost.kv_proj
     flops = 2 * macs_row * batch
     t_mem = total_bytes / (peaks.bandwidth_gbs * 1e9)
     t_cmp = flops / (peaks.matmul_gflops * 1e9)

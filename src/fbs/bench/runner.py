@@ -19,18 +19,19 @@ from typing import Any
 import torch
 
 from fbs.bench import report
-from fbs.bench.accounting import LayerCost
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, prompts_digest)
 from fbs.fused import WEIGHTS
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
-from fbs.bench.systems import FBSSystem, forced_plan, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup
+from fbs.bench.systems import (FBSSystem, forced_plan, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup,
+                               llama_cpp_system)
+from fbs.flops import LayerCost
 
 logger = logging.getLogger(__name__)
 
 #: System groups accepted by ``RunSpec.systems`` (``all`` = every group).
-GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "fbs-bare", "fbs-full", "fbs-tau", "fbs-hole",
-          "fbs-protect", "fbs-plan")
+GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "llama-cpp", "fbs-bare", "fbs-full", "fbs-tau",
+          "fbs-hole", "fbs-protect", "fbs-plan")
 
 
 @dataclasses.dataclass
@@ -119,6 +120,8 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
         systems.append(hf_early_exit(model, spec.early_exit_layer or L // 2, spec.num_assistant_tokens))
     if spec.wants("assisted"):
         systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens, spec.draft_runs))
+    if spec.wants("llama-cpp"):
+        systems.append(llama_cpp_system(spec.base, tok))
     if fbs_model is None:
         return systems
     tau0 = fbs_model.config.tau
@@ -186,6 +189,24 @@ def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: Be
         out["system_tok_s"] = own["tok_s"]
         out["fraction_of_system"] = tok_s / own["tok_s"]
     return out
+
+
+def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any] | None:
+    """Decode-time saving of a layer-skipping FBS system over the same engine at full depth (``fbs-full-compute``
+    with the same weights, batch policy and compilation), against the saving its skipped bytes predict
+    (decoding is bandwidth-bound): ``captured`` = measured / predicted."""
+    if res.status != "ok" or res.family != "fbs" or not (res.probe or {}).get("layer_skip_ratio"):
+        return None
+    same = ("weights", "batch_policy", "compile")
+    full = next((r for r in results if r.name.startswith("fbs-full-compute") and r.status == "ok"
+                 and all(r.params.get(k) == res.params.get(k) for k in same)), None)
+    mine, ref = (res.probe or {}).get("bytes_rel"), ((full.probe or {}) if full else {}).get("bytes_rel")
+    if not mine or not ref:
+        return None
+    predicted = 1.0 - mine / ref
+    measured = 1.0 - res.decode_s.median / full.decode_s.median
+    return {"reference": full.name, "predicted": predicted, "measured": measured,
+            "captured": measured / predicted if predicted > 0 else None}
 
 
 def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -> list[SystemResult]:
@@ -270,7 +291,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
             if base is not None and r.outputs is not None:  # a reduced budget probes the first prompts only
                 match = match_rates(r.outputs, base.outputs[: r.outputs.shape[0]])
             rec = report.result_record(r, cfg.new_tokens, base.total_s.median if base else None, match,
-                                       _roofline(r, cost, peaks, cfg, extra_bytes))
+                                       _roofline(r, cost, peaks, cfg, extra_bytes), skip_saving(r, results))
             records.append(rec)
 
     long_records = _long_context(spec, bench, model, tok, systems, progress)

@@ -1,4 +1,4 @@
-"""The systems compared side by side: HF greedy decoding, HF's speculative variants, and the FBS engine.
+"""The systems compared side by side: HF greedy decoding, HF's speculative variants, llama.cpp and the FBS engine.
 
 Every system has the same small interface (the lm-evaluation-harness style: a name, a family, and one method):
 
@@ -14,7 +14,7 @@ preparation, the prompt forward and, for speculative methods, the first draft + 
 token -> end. No extra run and no subtraction of a separate ``max_new_tokens=1`` run is needed. Exactly N new
 tokens: ``min_new_tokens = max_new_tokens = N`` (HF masks EOS until N tokens exist).
 
-The FBS engine times prefill and decode itself (``res.timings``).
+The FBS engine times prefill and decode itself (``res.timings``); llama.cpp is timed around its own calls.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from fbs.bench.accounting import InvocationCounter, LayerCost, baseline_decode_macs, skip_trace_macs, \
-    speculative_ratios
+from fbs.bench.accounting import fbs_decode_stats, hf_decode_stats, speculative_ratios
 from fbs.bench.harness import GenOutput
+from fbs.hf_adapter import DecodeCallCounter
 
 logger = logging.getLogger(__name__)
 
@@ -109,19 +111,13 @@ class HFSystem:
         T = input_ids.shape[1]
         draft = self.gen_kwargs.get("assistant_model")
         # a separate draft model's decode work is counted too (its prompt length is learned: it may be re-encoded)
-        with InvocationCounter(self.model, T) as counter, \
-                (InvocationCounter(draft, None) if draft is not None else contextlib.nullcontext()) as drafted:
+        with DecodeCallCounter(self.model, T) as counter, \
+                (DecodeCallCounter(draft, None) if draft is not None else contextlib.nullcontext()) as drafted:
             seqs = self._call(input_ids, new_tokens, clock)
-        cost = LayerCost.from_config(self.model.config)
-        base_inv, base_macs = baseline_decode_macs(cost, T, new_tokens, batch=input_ids.shape[0])
-        draft_macs = drafted.decode_macs(LayerCost.from_config(draft.config)) if draft is not None else 0
-        stats: dict[str, Any] = {
-            "tflops_rel": counter.invocations / base_inv if base_inv else None,
-            "tflops_rel_exact": (counter.decode_macs(cost) + draft_macs) / base_macs if base_macs else None,
-            "layer_skip_ratio": 0.0 if self.family == "baseline" else None,
-        }
-        if draft is not None:
-            stats["draft_macs_rel"] = draft_macs / base_macs if base_macs else None
+        stats = hf_decode_stats(counter, self.model, T, new_tokens, input_ids.shape[0], drafted, draft)
+        stats["layer_skip_ratio"] = 0.0 if self.family == "baseline" else None
+        if self.family == "baseline":  # the base model at full depth in fp32: the bytes(rel) reference
+            stats["bytes_rel"] = 1.0
         if self.family == "speculative":
             stats.update(speculative_ratios(counter.candidates, new_tokens))
         stats["method_ratio"] = _method_ratio(stats, self.ratio_kind)
@@ -211,50 +207,154 @@ class FBSSystem:
                                   ignore_eos=True, do_sample=False, **self.knobs)
         out = GenOutput(res.sequences, float(res.timings["prefill_s"]), float(res.timings["decode_s"]))
         if probe:
-            out.stats = fbs_trace_stats(res.trace, self.model, input_ids.shape[1], new_tokens,
-                                        self.knobs.get("kv_policy", _config_policy(self.model)))
+            weights = self.knobs.get("weights", "fp32")  # "hf": the HF modules themselves, fp32 here
+            out.stats = fbs_decode_stats(res.trace, self.model, input_ids.shape[1], new_tokens,
+                                         "fp32" if weights == "hf" else weights)
         return out
 
 
-def _config_policy(model) -> str:
-    return model.config.kv_policy
+# ------------------------------------------------------------------------------------------ llama.cpp
+
+LLAMA_CPP_VERSION = "0.3.36"
+LLAMA_CPP_INSTALL = (
+    "FBS_BENCH_LLAMA_CPP=1 bash scripts/install_bench_deps.sh .venv/bin/python (builds llama-cpp-python=="
+    f"{LLAMA_CPP_VERSION} from source, ~6 min on 2 cores, with AVX-512/AMX off: the native build crashes in some VMs)"
+)
 
 
-def fbs_trace_stats(trace, model, prompt_len: int, new_tokens: int, kv_policy: str) -> dict[str, Any]:
-    """Skip ratio and both TFLOPs(rel) of one engine run.
+def _llama_class():
+    """``llama_cpp.Llama``, or None when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    return Llama
 
-    The reported figures are the engine's (``fbs.flops.FlopCounter``: it prices PAW per window size k(t), CH and
-    SG exactly). They are recomputed here independently from ``trace.executed`` with this package's cost
-    model, against the same plain-decoding denominator as the HF systems, and kept as ``bench_*`` cross-checks
-    (the bench's exact variant prices the FBS overhead at one MAC per added parameter per token).
-    Trace entry s is the decode step that consumed generated token s (position ``trace.context_len``); the
-    last entry never runs (``trace.valid`` is False there), so N new tokens take N-1 decode steps.
-    """
-    valid = trace.valid.bool().cpu()
-    executed = trace.executed.bool().cpu() & valid.unsqueeze(-1)
-    B = executed.shape[0]
-    hf_config = model.base.hf.config
-    cost = LayerCost.from_config(hf_config)
-    overhead = float(sum(p.numel() for p in model.fbs_parameters()))
-    inv = macs = 0
-    for b in range(B):  # rows may have different valid steps in general; here all have N-1
-        steps = valid[b]
-        i, m = skip_trace_macs(cost, executed[b, steps][None], prompt_len, kv_policy, overhead,
-                               trace.context_len[b, steps].cpu())
-        inv, macs = inv + i, macs + m
-    base_inv, base_macs = baseline_decode_macs(cost, prompt_len, new_tokens, batch=B)
-    stats = {
-        "layer_skip_ratio": float(trace.skip_ratio),
-        "intended_skip_ratio": float(trace.intended_skip_ratio),
-        "tflops_rel": float(trace.tflops_rel),
-        "tflops_rel_exact": float(trace.tflops_rel_exact),
-        "bench_tflops_rel": inv / base_inv if base_inv else None,
-        "bench_tflops_rel_exact": macs / base_macs if base_macs else None,
-        "fbs_params": overhead,
-        "fallback_rows": float(sum(trace.fallback)),
-    }
-    stats["method_ratio"] = stats["layer_skip_ratio"]
-    return stats
+
+@dataclasses.dataclass
+class LlamaCppSystem:
+    """llama.cpp (through llama-cpp-python) on the GGUF the base model ships in: the CPU engine a user would pick
+    instead. Greedy and exactly N tokens: ``eval(prompt)``, then ``sample(temp=0)`` / ``eval([token])`` per
+    token, never stopping at EOS. Prefill = prompt evaluation + the first token's sampling, decode = the N-1
+    later tokens, as for HF. Batch 1 only (``Llama`` holds one sequence).
+
+    It is fed the HF tokenizer's ids, so prompts are identical and outputs compare id by id, provided the
+    GGUF's vocabulary is the tokenizer's (checked on first use: same size, each id's text compared; a
+    different vocabulary makes the system unavailable). ``probe`` stats report how many vocabulary entries
+    render differently and how many generated tokens are among them (0: text match equals token match).
+    ``llama_factory(model_path=..., n_ctx=..., n_threads=..., n_batch=..., verbose=False)`` builds the engine
+    (default ``llama_cpp.Llama``; tests pass a double); ``missing`` says why it cannot run."""
+
+    model_path: str | None
+    tokenizer: Any
+    n_threads: int | None = None  # None: torch's thread count (the benchmark's --threads)
+    n_batch: int = 512
+    llama_factory: Any = None
+    missing: str = ""
+    name: str = "llama-cpp"
+    family: str = "external"
+    ratio_kind: str | None = None
+    max_runs: int | None = None
+
+    def __post_init__(self) -> None:
+        self._llm = None
+        self._n_ctx = 0
+        self._finalizer: weakref.finalize | None = None
+        self.vocab: dict[str, Any] | None = None
+        if self.llama_factory is None and not self.missing:
+            self.llama_factory = _llama_class()
+            if self.llama_factory is None:
+                self.missing = f"llama-cpp-python is not installed; install it with {LLAMA_CPP_INSTALL}"
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {"gguf": Path(self.model_path).name if self.model_path else None, "n_batch": self.n_batch,
+                "n_threads": self.n_threads or torch.get_num_threads(), "sampling": "greedy (temp=0)"}
+
+    def unavailable(self, batch_size: int) -> str:
+        if self.missing:
+            return self.missing
+        if batch_size != 1:
+            return "llama-cpp-python's Llama decodes one sequence at a time: batch size 1 only"
+        if self.vocab is None:
+            try:
+                self._engine(256)
+            except Exception as e:  # a broken build or GGUF must not stop the other systems
+                self.missing = f"llama.cpp could not load {self.model_path}: {type(e).__name__}: {e}"
+        return self.missing
+
+    def _engine(self, n_ctx: int):
+        """The Llama object, rebuilt only when a longer context is needed; checks the vocabulary once."""
+        if self._llm is None or n_ctx > self._n_ctx:
+            self.close()  # free the old context first
+            self._llm = self.llama_factory(model_path=self.model_path, n_ctx=n_ctx, n_batch=self.n_batch,
+                                           n_threads=self.n_threads or torch.get_num_threads(), verbose=False)
+            self._n_ctx = n_ctx
+            if hasattr(self._llm, "close"):  # close before interpreter teardown (Llama.__del__ fails late)
+                self._finalizer = weakref.finalize(self, self._llm.close)
+        if self.vocab is None:
+            self.vocab = vocab_agreement(self._llm, self.tokenizer)
+            if not self.vocab["same_size"]:
+                self.missing = (f"the GGUF's vocabulary ({self.vocab['gguf_size']} ids) is not the HF tokenizer's "
+                                f"({self.vocab['hf_size']}): prompts and outputs cannot be compared id by id")
+        return self._llm
+
+    def close(self) -> None:
+        """Free the llama.cpp model and context (also done at exit)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._llm = None
+
+    def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False) -> GenOutput:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"{self.name} runs batch size 1 only, got {input_ids.shape[0]} rows")
+        prompt = input_ids[0].tolist()
+        llm = self._engine(len(prompt) + new_tokens)
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = int(llm.sample(temp=0.0))
+        t1 = time.perf_counter()
+        out = [tok]
+        for _ in range(new_tokens - 1):
+            llm.eval([tok])
+            tok = int(llm.sample(temp=0.0))
+            out.append(tok)
+        t2 = time.perf_counter()
+        seqs = torch.cat([input_ids.cpu(), torch.tensor([out], dtype=input_ids.dtype)], dim=1).to(input_ids.device)
+        stats: dict[str, Any] = {}
+        if probe:
+            differ = set(self.vocab["differing_ids"]) if self.vocab else set()
+            stats = {"vocab_size": self.vocab["gguf_size"] if self.vocab else None,
+                     "vocab_pieces_differ": len(differ), "generated_pieces_differ": sum(t in differ for t in out),
+                     "layer_skip_ratio": None, "method_ratio": None}
+        return GenOutput(seqs, prefill_s=t1 - t0, decode_s=t2 - t1, stats=stats)
+
+
+def vocab_agreement(llm, tokenizer) -> dict[str, Any]:
+    """Does the GGUF's vocabulary match the HF tokenizer's? Sizes, and the ids whose text differs (llama.cpp
+    renders special tokens with ``special=True``; byte fragments that are not valid UTF-8 compare as the
+    replacement character, as HF decodes them)."""
+    gguf_size, hf_size = int(llm.n_vocab()), len(tokenizer)
+    differ = []
+    if gguf_size == hf_size:
+        for i in range(gguf_size):
+            mine = llm.detokenize([i], special=True).decode("utf-8", errors="replace")
+            if mine != tokenizer.decode([i]):
+                differ.append(i)
+    return {"same_size": gguf_size == hf_size, "gguf_size": gguf_size, "hf_size": hf_size, "differing_ids": differ}
+
+
+def llama_cpp_system(base: str, tokenizer, n_threads: int | None = None) -> LlamaCppSystem:
+    """llama.cpp on the GGUF that ships ``base`` (a bundled name); unavailable, with the reason, otherwise."""
+    from fbs.models import BaseModelError, bundled_gguf
+
+    try:
+        path = str(bundled_gguf(base))
+    except BaseModelError as e:
+        return LlamaCppSystem(None, tokenizer, n_threads, missing=f"no GGUF to run: {e}")
+    return LlamaCppSystem(path, tokenizer, n_threads)
 
 
 def forced_plan(num_layers: int, fraction: float, never_skip: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
