@@ -141,7 +141,7 @@ def _distill_cfg(tmp_path, **kw):
 
 def test_skip_distillation_learns_the_budget_and_resumes_exactly(tmp_path):
     data = tiny_data(n=8)
-    cfg = _distill_cfg(tmp_path / "a")
+    cfg = _distill_cfg(tmp_path / "a", gate_targets="harm")
     tr = Trainer(cfg, data, base=tiny_hf())
     teacher_before = tr.teacher_logits(data.train_ids[:1])
     hist = tr.run()
@@ -154,7 +154,7 @@ def test_skip_distillation_learns_the_budget_and_resumes_exactly(tmp_path):
     assert hist[-1]["skip_rate"] >= hist[-1]["gate_rate"] - 1e-6  # gates plus random dropout
 
     # crash after 4 steps, resume: same parameters as the uninterrupted run
-    cfg_b = _distill_cfg(tmp_path / "b")
+    cfg_b = _distill_cfg(tmp_path / "b", gate_targets="harm")
     crashed = Trainer(cfg_b, data, base=tiny_hf())
     crashed.run(stop_after=4)
     resumed = Trainer(cfg_b, data, base=tiny_hf())
@@ -192,3 +192,19 @@ def test_gate_share_ramps_from_gate_start_to_the_budget(tmp_path):
     full = 0.3 * 6 / 4
     assert tr.gate_share(0.1) == 0.0 and tr.gate_share(0.2) == 0.0
     assert tr.gate_share(0.4) == pytest.approx(full / 2) and tr.gate_share(0.9) == pytest.approx(full)
+
+
+def test_update_targets_teach_the_gates_to_skip_the_smallest_updates(tmp_path):
+    """gate_targets=update: BCE towards the pairs with the smallest relative update of the student's own pass."""
+    data = tiny_data(n=8)
+    tr = Trainer(_distill_cfg(tmp_path, gate_targets="update"), data, base=tiny_hf())
+    hist = tr.run()
+    assert hist[-1]["gate_rate"] > 0.1
+    model = tr.model.eval()
+    with torch.no_grad():
+        out = model(data.eval_ids, gate_mode="soft", soft_sample="threshold", tau=1.0, gate_from=1)
+    mask = torch.zeros_like(out.gate_probs, dtype=torch.bool)
+    mask[:, 1:, list(model.layers_cfg.gated)] = True
+    p, u = out.gate_probs[mask], out.layer_updates[mask]
+    small = u < u.quantile(0.45)
+    assert float(p[small].mean()) > float(p[~small].mean())  # higher skip probability where the update is small

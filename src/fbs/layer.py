@@ -58,21 +58,34 @@ class Mix:
         return self.skip if self.granularity == "layer" and policy == "hole" else None
 
     def output(self, ops, l: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.output_and_update(ops, l, x, h)[0]
+
+    def output_and_update(self, ops, l: int, x: torch.Tensor,
+                          h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer output and, for a soft mixture (training), the relative update (B, T) the skippable unit
+        makes to every token, run or not (detached): ||f(x) - x|| / ||x|| for a layer, ||MLP(h)|| / ||h|| for
+        an FFN. None otherwise."""
         if self.granularity == "layer":
             f = ops.ffn(l, h)
             if self.skip is not None:
-                return torch.where(self.skip.unsqueeze(-1), x, f)
+                return torch.where(self.skip.unsqueeze(-1), x, f), None
             if self.g is not None:
-                return self.g.unsqueeze(-1) * x + (1 - self.g).unsqueeze(-1) * f
-            return f
+                update = relative_update(f.detach(), x.detach())
+                return self.g.unsqueeze(-1) * x + (1 - self.g).unsqueeze(-1) * f, update
+            return f, None
+        if self.g is not None and self.ffn_rows is None and self.skip is None:
+            delta = ops.ffn_delta(l, h)
+            update = delta.detach().norm(dim=-1) / h.detach().norm(dim=-1).clamp_min(1e-6)
+            return h + (1 - self.g).unsqueeze(-1) * delta, update
+        return self._ffn_output(ops, l, h), None
+
+    def _ffn_output(self, ops, l: int, h: torch.Tensor) -> torch.Tensor:
         if self.ffn_rows is not None:
             if self.ffn_rows.numel() == 0:
                 return h
             return h.index_copy(0, self.ffn_rows, ops.ffn(l, h.index_select(0, self.ffn_rows)))
         if self.skip is not None:
             return torch.where(self.skip.unsqueeze(-1), h, ops.ffn(l, h))
-        if self.g is not None:
-            return h + (1 - self.g).unsqueeze(-1) * ops.ffn_delta(l, h)
         return ops.ffn(l, h)
 
 
@@ -84,6 +97,7 @@ class LayerOut(NamedTuple):
     zlow: torch.Tensor | None       # (B, T, R) preview summary after this layer (PAW layers; else passed through)
     paw: PreviewOut | None          # what PAW produced (PAW layers only)
     ch: ChunkOut | None             # what CH produced (CH layers only)
+    update: torch.Tensor | None = None  # (B, T) soft mixture only: relative update of the skippable unit
 
 
 def layer_step(model, ops, l: int, x: torch.Tensor, ctx, mix: Mix = COMPUTE, *, xn: torch.Tensor | None = None,
@@ -108,7 +122,8 @@ def layer_step(model, ops, l: int, x: torch.Tensor, ctx, mix: Mix = COMPUTE, *, 
     if key in model.ch:
         ch = ctx.chunk(l, model.ch[key], xn, hole)
         h = h + ch.c
-    return LayerOut(mix.output(ops, l, x, h), zlow, paw, ch)
+    out, update = mix.output_and_update(ops, l, x, h)
+    return LayerOut(out, zlow, paw, ch, update)
 
 
 def next_gate_inputs(new: torch.Tensor, x: torch.Tensor,

@@ -54,6 +54,7 @@ class FBSOutput:
     chunk_states: torch.Tensor | None         # (C, B, T, Rc) open-chunk state per token
     token_chunk_states: torch.Tensor | None   # (C, B, T, Rc) token projection in chunk space
     hidden_states: tuple[torch.Tensor, ...] | None = None  # L+1 tensors (B, T, d) when requested
+    layer_updates: torch.Tensor | None = None  # (B, T, L) soft mode: relative update of each skippable unit, run or not
 
     @property
     def window_k_hard(self) -> torch.Tensor | None:
@@ -68,7 +69,7 @@ class SkipTraining:
     """
 
     force_skip: torch.Tensor | None = None
-    """bool: pairs skipped whatever the gate says (random layer dropout); they carry no gate gradient."""
+    """bool: pairs skipped whatever the gate says (random layer dropout)."""
     probe: torch.Tensor | None = None
     """zeros with ``requires_grad``, added to each pair's mixture weight g. After ``backward`` its ``.grad`` is
     dL/dg = <dL/dh', h - f(h)>: the first-order change of the loss if the pair were skipped (computed) more."""
@@ -226,6 +227,7 @@ class FBSForCausalLM(nn.Module):
         prev_skip = None  # hard skip of the previous layer (gate input with gate_prev_skip); None = zeros
         probs = x.new_zeros(b, t, spec.num_layers)
         skips = x.new_zeros(b, t, spec.num_layers)
+        updates = x.new_zeros(b, t, spec.num_layers) if mode == "soft" else None
         prev_logits, win_k, win_w, bios, bounds, cstates, tstates = [], [], [], [], [], [], []
         hidden = [x] if output_hidden_states else None
 
@@ -251,6 +253,8 @@ class FBSForCausalLM(nn.Module):
                 raise ValueError(f"skip_plan skips layer {l}, which is a never-skip layer {self.layers_cfg.never_skip}")
 
             out = layer_step(self, ops, l, x, ctx, Mix(cfg.skip_granularity, skip, g), xn=xn, zlow=zlow)
+            if updates is not None and out.update is not None:
+                updates[..., l] = out.update
             if out.paw is not None:
                 prev_logits.append(out.paw.logits), win_k.append(out.paw.k_soft), win_w.append(out.paw.weights)
             if out.ch is not None:
@@ -268,6 +272,7 @@ class FBSForCausalLM(nn.Module):
             preview_logits=stack(prev_logits), window_k=stack(win_k), window_weights=stack(win_w),
             bios_logits=stack(bios), chunk_boundary=stack(bounds), chunk_states=stack(cstates),
             token_chunk_states=stack(tstates), hidden_states=tuple(hidden) if hidden is not None else None,
+            layer_updates=updates,
         )
 
     def _expand_plan(self, plan: torch.Tensor | None, b: int, t: int) -> torch.Tensor:

@@ -145,8 +145,12 @@ class TrainConfig:
     target_skip: float = 0.3
     """Target share of *all* (token, layer) pairs the gates skip (skip_distill); converted to a share of the
     gated pairs, the quantile of the loss-aware gate targets."""
+    gate_targets: str = "update"
+    """Skip targets of the gates (skip_distill): ``update`` — the pairs whose layer changes the token least
+    (relative update ||f(h) - h|| / ||h|| on the student's own pass, below the budget quantile; DESIGN.md §7's
+    oracle); ``harm`` — first-order loss change <dL/dh', h - f(h)> below the budget quantile (HarmTargets)."""
     harm_weight: float = 1.0
-    """Weight of the gates' BCE towards the loss-aware targets (skip_distill)."""
+    """Weight of the gates' BCE towards their targets (skip_distill)."""
     drop_max: float = 0.2
     """Random layer dropout on gated layers (skip_distill): p_l = drop_max * D(l), D rising from 0 at the
     first gated layer to 1 at the last, e^(i ln2/(n-1)) - 1 (LayerSkip). Ramped in over ``drop_ramp``."""
@@ -238,6 +242,7 @@ class TrainConfig:
         check(0 <= self.chat_share < 1, f"chat_share must be in [0, 1), got {self.chat_share}")
         check(self.chat_share == 0 or self.chat_data, "chat_share > 0 needs chat_data (a `fbs data chat` directory)")
         check(0 < self.target_skip < 1, f"target_skip must be in (0, 1), got {self.target_skip}")
+        check(self.gate_targets in ("update", "harm"), f"gate_targets must be update|harm, got {self.gate_targets!r}")
         for name in ("drop_max", "drop_ramp", "gate_start", "budget_ramp"):
             check(0 <= getattr(self, name) <= 1, f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("lambda_kl", "lambda_lm", "harm_weight"):

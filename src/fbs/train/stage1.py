@@ -39,8 +39,8 @@ from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
 from .lora import LoRALinear, add_adapters, save_adapters
-from .losses import (BudgetThreshold, HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, lm_loss, oracle_targets,
-                     relative_updates)
+from .losses import (BudgetThreshold, HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, distill_loss,
+                     lm_loss, oracle_targets, relative_updates)
 
 logger = logging.getLogger(__name__)
 
@@ -404,15 +404,21 @@ class Trainer:
             tau = self.budget.current()
         self.harm.n_pairs = max(1, int(mask.sum())) * self.accum
         model = self.acc.unwrap_model(self.wrapped)
-        hook = model.gates.logit_hook(self.harm) if not cfg.control else contextlib.nullcontext()
+        by_harm = cfg.gate_targets == "harm" and not cfg.control
+        hook = model.gates.logit_hook(self.harm) if by_harm else contextlib.nullcontext()
         with hook:
             out = self.wrapped(ids, gate_mode="soft", gate_from=cfg.gate_from, soft_window=True, generator=self.gate_gen,
                                soft_sample="threshold", tau=tau,
-                               skip_training=SkipTraining(force_skip=force, straight_through=not cfg.control,
+                               skip_training=SkipTraining(force_skip=force, straight_through=by_harm,
                                                           detach_gate_inputs=True))
         if not cfg.control:
             self.budget.update(out.gate_probs.detach()[mask], self.gate_share(frac))
-        return self.loss_fn(out, teacher, ids, model.preview_targets(ids), mask, tau, bios)
+        parts = self.loss_fn(out, teacher, ids, model.preview_targets(ids), mask, tau, bios)
+        if cfg.gate_targets == "update" and not cfg.control:
+            targets = oracle_targets(out.layer_updates, mask, self.gated_share, temperature=1e-3)
+            gate = distill_loss(out.gate_probs, targets.round(), mask)
+            parts = parts._replace(total=parts.total + cfg.harm_weight * gate)
+        return parts
 
     def gate_share(self, frac: float) -> float:
         """Share of the gated pairs the gates skip at training progress ``frac``: 0 before gate_start, then a
@@ -459,7 +465,7 @@ class Trainer:
             with ctx:
                 parts = self.micro_step(m)
                 self.acc.backward(parts.total / self.accum)
-            if self.distill:
+            if self.distill and self.cfg.gate_targets == "harm":
                 self.harm.update()
             soft = is_soft(m, self.cfg)
             n_soft += soft
