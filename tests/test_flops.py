@@ -10,8 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from fbs import FBSConfig, FBSForCausalLM
-from fbs.flops import (FlopCounter, LayerCost, baseline_decode_macs, predicted_saving, skip_trace_macs,
-                       step_bytes)
+from fbs.flops import (FlopCounter, LayerCost, baseline_decode_macs, layer_macs, predicted_saving,
+                       skip_trace_macs, step_bytes)
 
 # d=64, 4 heads of 16 (2 KV heads), FFN 128, vocab 256, 4 layers
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -81,11 +81,11 @@ def test_engine_exact_tflops_equal_the_hand_checked_formulas(policy):
     assert res.trace.tflops_rel_exact == pytest.approx(macs / base_macs)
 
 
-def _trace(executed, kv_written, context_len, valid, gate_p=None):
+def _trace(executed, kv_written, context_len, valid, gate_p=None, granularity="layer"):
     B, N, L = executed.shape
     gate_p = torch.full((B, N, L), float("nan")) if gate_p is None else gate_p
     return types.SimpleNamespace(executed=executed, kv_written=kv_written, context_len=context_len, valid=valid,
-                                 gate_p=gate_p, window_k=torch.full((B, N), -1))
+                                 gate_p=gate_p, window_k=torch.full((B, N), -1), skip_granularity=granularity)
 
 
 def test_bytes_relative_by_hand():
@@ -134,3 +134,40 @@ def test_bytes_relative_counts_gate_parameters():
     params += sum(p.numel() for p in g.resid_proj.parameters())
     base = 4 * 147968 + 65792 + 4 * 6 * 256
     assert counter.bytes_relative(gated) - counter.bytes_relative(plain) == pytest.approx(4 * params / base)
+
+
+def test_engine_ffn_granularity_prices_the_attention_of_skipped_pairs():
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
+    cfg = FBSConfig(k_max=4, preview_vocab_size=48, preview_top_k=8, preview_rank=16, chunk_rank=16,
+                    chunk_cache_size=4, gate_rank=8, gate_width=8, paw_layers=(), ch_layers=(),
+                    never_skip_first=1, never_skip_last=1, skip_granularity="ffn")
+    model = FBSForCausalLM.from_base(hf, config=cfg).eval()
+    plan = torch.tensor([False, True, True, False])
+    res = model.generate(torch.randint(1, 200, (1, 7)), max_new_tokens=5, min_new_tokens=5, ignore_eos=True,
+                         skip_plan=plan)
+    cost = LayerCost.of(model.base.spec)
+    executed = plan.logical_not().expand(1, 4, 4)
+    macs = layer_macs(cost, executed, torch.ones_like(executed), 7, ~executed) + 4 * cost.lm_head
+    _, base_macs = baseline_decode_macs(cost, 7, 5)
+    assert res.trace.tflops_rel_exact == pytest.approx(macs / base_macs)
+    assert res.trace.tflops_rel == pytest.approx((2 + 2 * cost.attn_proj / cost.dense) / 4)
+
+
+def test_ffn_granularity_saves_the_ffn_only():
+    """skip_granularity='ffn': a skipped pair still runs attention over its keys and reads attention weights."""
+    model = _tiny_fbs()
+    counter = FlopCounter(model)
+    c = counter.cost
+    ex = torch.ones(1, 1, 4, dtype=torch.bool)
+    ex[0, 0, 1] = False  # layer 1's FFN skipped for the one decoded token at position 5 (6 keys)
+    tr = _trace(ex, torch.ones_like(ex), torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.bool), granularity="ffn")
+    paper, exact = counter.relative(tr)
+    assert paper == pytest.approx((3 + 12288 / 36864) / 4)
+    base = 4 * (36864 + 6 * 128) + 16384
+    assert exact == pytest.approx((3 * (36864 + 6 * 128) + 12288 + 6 * 128 + 16384) / base)
+    # attention weights: matrices 12,288, channels q 64 + k 32 + v 32 + o 64 = 192, the input norm 64
+    attn = 12288 * 4 + 64 * 4
+    assert c.attn_bytes("fp32") == attn and c.attn_bytes("int8") == 12288 + 192 * 2 + 64 * 2
+    read = 3 * 147968 + attn + 65792 + 4 * 6 * 256
+    assert counter.bytes_relative(tr) == pytest.approx(read / (4 * 147968 + 65792 + 4 * 6 * 256))

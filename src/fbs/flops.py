@@ -1,7 +1,9 @@
 """The one cost model of the engine and the benchmark: multiply-accumulates and bytes read (DESIGN.md §5).
 
 Everything is counted from what actually ran, never from intended decisions, and over the **decode** only
-(tokens at positions >= the prompt length; the prompt's forward is the same for every system).
+(tokens at positions >= the prompt length; the prompt's forward is the same for every system). Under
+``skip_granularity="ffn"`` a skipped pair still runs its attention (projections, keys, K/V write, PAW, CH):
+only the FFN is saved, and the paper's estimate counts such a pair as its attention's share of a layer.
 
 * ``tflops_rel`` — the paper's estimate: executed layer invocations x per-layer FLOPs, normalized by the
   full model (all per-layer FLOPs equal, so it is the share of (token, layer) pairs executed).
@@ -82,8 +84,10 @@ class LayerCost:
     per_key: int     # QK^T and AV per attended key, summed over query heads
     lm_head: int     # hidden -> vocabulary
     layer_rows: int  # output channels of the layer's matrices (one quantization scale each)
+    attn_rows: int   # output channels of q, k, v, o
     kv_rows: int     # output channels of k and v
     layer_vectors: int  # norm weights and biases of one layer
+    attn_vectors: int   # what attention alone reads besides its matrices: input norm, biases, q/k norms
     kv_vectors: int     # what a K/V-only projection reads besides its matrices: input norm, k/v biases, k-norm
     kv_width: int       # K and V values cached per token and layer: 2 * h_kv * d_head
     vocab_size: int
@@ -99,8 +103,10 @@ class LayerCost:
             num_layers=spec.num_layers, hidden_size=d,
             attn_proj=q_o + kv, kv_proj=kv, ffn=3 * d * f, per_key=2 * h * hd, lm_head=d * spec.vocab_size,
             layer_rows=h * hd + 2 * hkv * hd + d + 2 * f + d,  # q, k, v, o, gate, up, down
+            attn_rows=h * hd + 2 * hkv * hd + d,
             kv_rows=2 * hkv * hd,
             layer_vectors=2 * d + bias + qk_norm,
+            attn_vectors=d + bias + qk_norm,
             kv_vectors=d + bias_kv + qk_norm // 2,
             kv_width=2 * hkv * hd, vocab_size=spec.vocab_size,
         )
@@ -132,6 +138,11 @@ class LayerCost:
         w = weight_format(weights)
         return self.dense * w.weight + self.layer_rows * w.scale + self.layer_vectors * w.activation
 
+    def attn_bytes(self, weights: str | WeightFormat = "fp32") -> float:
+        """Weight bytes of a layer whose FFN is skipped (``skip_granularity="ffn"``): its attention only."""
+        w = weight_format(weights)
+        return self.attn_proj * w.weight + self.attn_rows * w.scale + self.attn_vectors * w.activation
+
     def kv_proj_bytes(self, weights: str | WeightFormat = "fp32") -> float:
         """Weight bytes of a layer that only projects K/V (``project`` policy, layer skipped)."""
         w = weight_format(weights)
@@ -159,17 +170,19 @@ def _keys_seen(kv_written: torch.Tensor, start: torch.Tensor | int) -> torch.Ten
 
 
 def layer_macs(cost: LayerCost, executed: torch.Tensor, kv_written: torch.Tensor,
-               start: torch.Tensor | int) -> int:
+               start: torch.Tensor | int, attention_only: torch.Tensor | None = None) -> int:
     """MACs of the decoder layers over consecutive decode steps.
 
     ``executed`` / ``kv_written``: (B, S, L) bool; ``start``: int or (B,), the position of step 0 (the number
     of entries every layer holds before it). An executed layer costs its dense MACs plus ``per_key`` per key
-    in its cache (itself included); a layer that wrote K/V without running costs its K/V projection.
+    in its cache (itself included); ``attention_only`` pairs (FFN skipped) cost the attention projections and
+    the keys; any other layer that wrote K/V costs its K/V projection.
     """
     ex, kw = executed.bool(), kv_written.bool()
+    att = torch.zeros_like(ex) if attention_only is None else attention_only.bool() & ~ex
     keys = _keys_seen(kw, start)
-    dense = int(ex.sum()) * cost.dense + int((keys * ex).sum()) * cost.per_key
-    return dense + int((kw & ~ex).sum()) * cost.kv_proj
+    macs = int(ex.sum()) * cost.dense + int(att.sum()) * cost.attn_proj + int((keys * (ex | att)).sum()) * cost.per_key
+    return macs + int((kw & ~ex & ~att).sum()) * cost.kv_proj
 
 
 def skip_trace_macs(cost: LayerCost, executed: torch.Tensor, prompt_len: int, kv_policy: str = "project",
@@ -232,6 +245,14 @@ def predicted_saving(cost: LayerCost, context: float, skipped_layers: float, kv_
 # --------------------------------------------------------------------------- the engine's counter
 
 
+def _attention_only(trace, executed: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, N, L) pairs whose FFN was skipped while attention (and PAW, CH, K/V) ran: every valid non-executed
+    pair under ``skip_granularity="ffn"``, none otherwise."""
+    if getattr(trace, "skip_granularity", "layer") == "ffn":
+        return valid.expand_as(executed) & ~executed
+    return torch.zeros_like(executed)
+
+
 class FlopCounter:
     """TFLOPs(rel) and bytes(rel) of a :class:`fbs.engine.DecodeTrace` for one FBS model."""
 
@@ -263,9 +284,11 @@ class FlopCounter:
         L, c = self.spec.num_layers, self.cost
         v3 = valid.unsqueeze(-1)
         ex = trace.executed & v3                                   # (B, N, L)
-        paper = ex.sum().item() / (n_tok * L)
+        att = _attention_only(trace, ex, v3)                       # FFN skipped, attention ran
+        paper = (ex.sum().item() + att.sum().item() * c.attn_proj / c.dense) / (n_tok * L)
         start = trace.context_len[:, 0]                            # (B,): position of the first decoded token
-        macs = layer_macs(c, ex, trace.kv_written & v3, start)
+        macs = layer_macs(c, ex, trace.kv_written & v3, start, att)
+        ex = ex | att                                              # PAW and CH run unless the whole layer is skipped
         gates = (~torch.isnan(trace.gate_p) & v3).sum().item() * self.gate_macs
         overhead = gates
         for l in self.paw_layers:
@@ -282,22 +305,27 @@ class FlopCounter:
     def bytes_relative(self, trace, weights: str | WeightFormat = "fp32") -> float:
         """Bytes the decode read over what the base model reads at full depth for the same steps.
 
-        Per step, a layer's weights are read once if any row ran it (K/V projection weights only if rows
-        just projected), the LM head once, each row's K/V cache per executed layer, and the parameters of the
-        FBS modules that ran (gates evaluated, PAW and CH layers executed)."""
+        Per step, a layer's weights are read once if any row ran it (its attention weights only if rows
+        skipped just the FFN, its K/V projection weights only if rows just projected), the LM head once, each
+        row's K/V cache per layer whose attention ran, and the parameters of the FBS modules that ran (gates
+        evaluated, PAW and CH layers run)."""
         valid = trace.valid.bool()                                 # (B, N)
         if not bool(valid.any()):
             return 0.0
         c, fmt = self.cost, weight_format(weights)
         v3 = valid.unsqueeze(-1)
         ex = trace.executed.bool() & v3                            # (B, N, L)
+        att = _attention_only(trace, ex, v3)
         kw = trace.kv_written.bool() & v3
         ran = ex.any(0)                                            # (N, L): some row ran the layer
-        projected = (kw & ~ex).any(0) & ~ran
+        attended = att.any(0) & ~ran                               # some row ran its attention only
+        projected = (kw & ~ex & ~att).any(0) & ~ran & ~attended
         steps = int(valid.any(0).sum())
         keys = _keys_seen(kw, trace.context_len[:, 0])
-        read = (int(ran.sum()) * c.layer_bytes(fmt) + int(projected.sum()) * c.kv_proj_bytes(fmt)
-                + steps * c.lm_head_bytes(fmt) + int((keys * ex).sum()) * c.kv_bytes_per_key(fmt))
+        read = (int(ran.sum()) * c.layer_bytes(fmt) + int(attended.sum()) * c.attn_bytes(fmt)
+                + int(projected.sum()) * c.kv_proj_bytes(fmt) + steps * c.lm_head_bytes(fmt)
+                + int((keys * (ex | att)).sum()) * c.kv_bytes_per_key(fmt))
+        ran = ran | att.any(0)                                     # PAW and CH run unless the whole layer is skipped
         evaluated = (~torch.isnan(trace.gate_p) & v3).any(0)       # (N, L)
         params = sum(int(evaluated[:, l].sum()) * n for l, n in self._gate_params.items())
         params += int(evaluated.any(1).sum()) * self._gate_shared
