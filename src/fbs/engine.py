@@ -370,11 +370,12 @@ class _Decoder:
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
         zterms = ops.preview_terms(zlow)
         x_prev, prev_skip = None, None  # previous layer's input; (b, 1) 1.0 where it was skipped (None: none was)
+        prev_norm = None                # ||x_prev|| when the previous layer's pre computed it
         for i, r in enumerate(rows):
             rec.ctx[r][step], rec.valid[r][step] = pos_list[i], True
         for l in range(self.L):
             gated = self._needs_gate(l)
-            pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True) if gated else None
+            pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True, prev_norm) if gated else None
             skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None)
             run = self._batch_run(skip)
             if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn"):
@@ -388,7 +389,7 @@ class _Decoder:
                 zlow, zterms = zlow_new, ops.preview_terms(zlow_new)
             if m.gates.use_prev_skip:
                 prev_skip = None if all(run) else torch.tensor([[0.0 if r else 1.0] for r in run], device=self.dev)
-            x_prev, x = x, new
+            x_prev, x, prev_norm = x, new, (pre.norm if pre is not None else None)
         return ops.head(x)[:, 0]
 
     def _whole_layer(self, l, x, ctx, pre, run, zlow):

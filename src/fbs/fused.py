@@ -47,6 +47,7 @@ class Pre(NamedTuple):
     xn: torch.Tensor                                   # (b, T, d) RMSNorm_1(x)
     kv: tuple[torch.Tensor, torch.Tensor] | None       # (b, Hkv, T, hd) rotated K and V, when already projected
     logit: torch.Tensor | None                         # (b,) gate logit (skip when > logit(tau)), gated layers
+    norm: torch.Tensor | None = None                   # (b, T) ||x||, from RMSNorm_1's statistic (fused ops)
 
 
 def decode_ops(model, weights: str = "fp32", compile: bool = False):
@@ -86,20 +87,25 @@ class HFDecodeOps(HFOps):
     def preview_terms(self, zlow: torch.Tensor):
         return self.gates.preview_terms(zlow)
 
-    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool, prev_norm=None) -> Pre:
         xn = self.norm1(l, x)
         if not gated:
             return Pre(xn, None, None)
-        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev)
+        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev, prev_norm)
         return Pre(xn, None, self.gates.logits(l, xn, rel, zterms, prev_skip)[:, 0])
 
 
 # --------------------------------------------------------------------------- fused copies
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype."""
+    return _rms_and_norm(x, w, eps)[0]
+
+
+def _rms_and_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x) and ||x|| (..., ) from the same statistic: ||x|| = sqrt(d * mean(x^2))."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    ms = xf.pow(2).mean(-1, keepdim=True)
+    return w * (xf * torch.rsqrt(ms + eps)).to(x.dtype), (ms.squeeze(-1) * x.shape[-1]).sqrt().to(x.dtype)
 
 
 def _linear(x, w, s, b):
@@ -116,27 +122,28 @@ def _heads(y: torch.Tensor, n: int, hd: int, norm, eps: float) -> torch.Tensor:
     return y.transpose(1, 2)
 
 
-def _pre_step(x, x_prev, zterm, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int, hd: int,
-              eps: float):
-    """RMSNorm_1, K/V (rotated) and, with ``gate`` = (w_rel, w_prev, out_w, out_b, bias), the gate logit (b,)."""
-    xn = _rms(x, ln1, eps)
+def _pre_step(x, x_prev, prev_norm, zterm, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int,
+              hd: int, eps: float):
+    """RMSNorm_1, ||x|| (from RMSNorm's statistic), K/V (rotated) and, with ``gate`` = (w_rel, w_prev, out_w,
+    out_b, bias), the gate logit (b,). The relative update divides by ``prev_norm`` = ||x_prev|| when given."""
+    xn, norm = _rms_and_norm(x, ln1, eps)
     y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, T, 2*nkv*hd [+ G])
     width = nkv * hd
     k = apply_rope(_heads(y[..., :width], nkv, hd, kn, eps), cos, sin)
     v = _heads(y[..., width:2 * width], nkv, hd, None, eps)
     if gate is None:
-        return xn, k, v, None
+        return xn, norm, k, v, None
     w_rel, w_prev, out_w, out_b, bias = gate
     g = y[..., 2 * width:] if bias is None else bias.expand(*x.shape[:-1], -1)  # (b, T, G)
     if w_rel is not None:
-        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev)
+        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev, prev_norm)
         g = g + torch.log(rel + 1e-3).unsqueeze(-1) * w_rel
     if zterm is not None:
         g = g + zterm
     if prev_skip is not None:
         g = g + prev_skip.unsqueeze(-1) * w_prev
     logit = F.linear(F.silu(g), out_w, out_b)                        # (b, T, 1)
-    return xn, k, v, logit[:, -1, 0]
+    return xn, norm, k, v, logit[:, -1, 0]
 
 
 def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int):
@@ -286,8 +293,9 @@ class FusedOps:
     def norm1(self, l: int, x: torch.Tensor) -> torch.Tensor:
         return _rms(x, self.layers[l].ln1, self.eps)
 
-    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
-        """One-token steps: RMSNorm_1, K/V and (``gated``) the gate logit in one function, from one matmul."""
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool, prev_norm=None) -> Pre:
+        """One-token steps: RMSNorm_1, K/V and (``gated``) the gate logit in one function, from one matmul.
+        ``prev_norm``: ||x_prev|| from the previous layer's :class:`Pre` (None: computed here)."""
         w = self.layers[l]
         gate = w.gate if gated else None
         zterm = None if zterms is None or gate is None else zterms[..., self.gates.z_slice[l]]
@@ -295,9 +303,10 @@ class FusedOps:
         xp = x_prev if gate is not None and gate[0] is not None else None
         if xp is x:  # every row skipped the previous layer; a distinct tensor keeps one compiled graph (no aliasing)
             xp = x.clone()
-        xn, k, v, logit = self._pre_fn(x, xp, zterm, ps, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b, w.k_norm,
-                                       gate, **self._k_pre)
-        return Pre(xn, (k, v), logit)
+        pn = prev_norm if xp is not None else None
+        xn, norm, k, v, logit = self._pre_fn(x, xp, pn, zterm, ps, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b,
+                                             w.k_norm, gate, **self._k_pre)
+        return Pre(xn, (k, v), logit, norm)
 
     def kv(self, l: int, xn: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         if xn.shape[1] != 1:
@@ -310,8 +319,8 @@ class FusedOps:
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
         if kv is None:
-            xn2, k, v, _ = self._pre_fn(x, None, None, None, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b,
-                                        w.k_norm, None, **self._k_pre)
+            xn2, _, k, v, _ = self._pre_fn(x, None, None, None, None, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors,
+                                           w.kvg_b, w.k_norm, None, **self._k_pre)
             xn = xn2 if xn is None else xn
         else:
             k, v = kv

@@ -95,9 +95,9 @@ class SkipGates(nn.Module):
         return m
 
 
-def relative_update(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """||new - old|| / ||old|| over the last dim."""
-    return (new - old).norm(dim=-1) / old.norm(dim=-1).clamp_min(1e-6)
+def relative_update(new: torch.Tensor, old: torch.Tensor, old_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """||new - old|| / ||old|| over the last dim; ``old_norm`` is ||old|| when the caller already has it."""
+    return (new - old).norm(dim=-1) / (old.norm(dim=-1) if old_norm is None else old_norm).clamp_min(1e-6)
 
 
 def straight_through(p: torch.Tensor, generator: torch.Generator | None = None,
