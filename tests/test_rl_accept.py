@@ -51,3 +51,12 @@ def test_accept_config_needs_a_held_out_set():
     with pytest.raises(ValueError, match="held-out"):
         AcceptConfig(init_from="x")
     assert AcceptConfig(init_from="x", ood=True).steps >= 30
+
+
+def test_verdict_needs_a_ci_above_zero_and_enough_steps_for_a_negative_result():
+    from fbs.rl.accept import _verdict
+
+    win = {"set": "ood", "primary": {"delta_skip": 0.05, "ci": [0.01, 0.09]}}
+    lose = {"set": "ood", "primary": {"delta_skip": 0.01, "ci": [-0.02, 0.04]}}
+    assert _verdict([win], 30).startswith("accepted") and "+5.0 points" in _verdict([win], 2)
+    assert _verdict([lose], 30).startswith("not accepted") and _verdict([lose], 2).startswith("inconclusive")

@@ -237,7 +237,7 @@ def run_acceptance(cfg: AcceptConfig) -> dict:
                             "levels": cmp, "front": _front_rows(rl[set_name])})
     fronts = {s: _front_rows(norl[s]) for s in sets}
     paper_point = [r for r in results if (r["alpha"], r["beta"]) == (0.1, 0.1)]
-    verdict = _verdict(paper_point or results)
+    verdict = _verdict(paper_point or results, cfg.steps)
     report = {"config": {**dataclasses.asdict(cfg)}, "primary_tau": primary, "verdict": verdict,
               "sets": {s: len(d) for s, d in sets.items()}, "norl_front": fronts, "results": results}
     (out_dir / "acceptance.json").write_text(json.dumps(report, indent=1))
@@ -250,12 +250,19 @@ def _front_rows(sw: Sweep) -> list[dict]:
     return [{"tau": t, "ppl": float(p), "skip": float(s)} for t, p, s in zip(sw.nll, ppl, skip)]
 
 
-def _verdict(rows: Sequence[dict]) -> str:
+#: PPO steps per grid point below which a negative result does not count (issue 14)
+MIN_STEPS = 30
+
+
+def _verdict(rows: Sequence[dict], steps: int) -> str:
     wins = [r for r in rows if r["primary"]["ci"] and r["primary"]["ci"][0] > 0]
     if wins:
         return "accepted: " + "; ".join(f"{r['set']}: Delta skip {100 * r['primary']['delta_skip']:+.1f} points, CI "
                                          f"[{100 * r['primary']['ci'][0]:+.1f}, {100 * r['primary']['ci'][1]:+.1f}]"
                                          for r in wins)
+    if steps < MIN_STEPS:
+        return (f"inconclusive: no Delta skip with a CI above 0, and {steps} steps per grid point are below the "
+                f"{MIN_STEPS} a negative result needs")
     return "not accepted: SG+RL does not skip more than SG no-RL at equal PPL with a CI above 0 (negative result)"
 
 
@@ -283,7 +290,7 @@ def markdown(report: dict, run_dirs: Sequence[Path]) -> str:
         lines.append(f"- SG no-RL, {s}: " + ", ".join(_pt(x) for x in rows))
     for r in report["results"]:
         lines.append(f"- {Path(r['run']).name}, {r['set']}: " + ", ".join(_pt(x) for x in r["front"]))
-    lines += ["", "## Reward decomposition of the grid (means over each run's last 5 steps)", "",
+    lines += ["", "## Reward decomposition of the grid", "",
               grid_table(list(run_dirs), last=5), ""]
     return "\n".join(lines)
 

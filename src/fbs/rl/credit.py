@@ -63,26 +63,17 @@ def macs_saved(counter: FlopCounter, trace: DecodeTrace) -> tuple[torch.Tensor, 
     """(B, N, L) MACs each (token, layer) pair saved by not running, and (B,) c0, the MACs of the base model
     computing every layer for the same tokens (``FlopCounter``'s normalizer)."""
     cost, valid = counter.cost, trace.valid                                  # valid (B, N)
-    per_key, head = _per_key_and_head(counter)
     ran = trace.executed & valid.unsqueeze(-1)                               # (B, N, L)
     skipped = ~trace.executed & valid.unsqueeze(-1)
     unwritten = (~trace.kv_written & valid.unsqueeze(-1)).double()
     # a layer attending to every key: the cost of this pair had it run with nothing skipped before it
-    full = cost.attn_proj + cost.ffn + per_key * (trace.context_len.double() + 1)   # (B, N)
+    full = cost.layer_macs(trace.context_len.double() + 1)                   # (B, N)
     # runs of this layer by later tokens, each of which attends to one key fewer when this pair wrote none
     later_runs = ran.double().flip(1).cumsum(1).flip(1) - ran.double()       # (B, N, L)
-    saved = skipped.double() * (full.unsqueeze(-1) - cost.kv_proj * (1 - unwritten) + per_key * unwritten * later_runs)
-    c0 = (valid.double() * (counter.spec.num_layers * full + head)).sum(1)  # (B,)
+    saved = skipped.double() * (full.unsqueeze(-1) - cost.kv_proj * (1 - unwritten)
+                                + cost.per_key * unwritten * later_runs)
+    c0 = (valid.double() * (cost.num_layers * full + cost.lm_head)).sum(1)  # (B,)
     return saved, c0
-
-
-def _per_key_and_head(counter: FlopCounter) -> tuple[int, int]:
-    """Attention MACs per key and LM-head MACs per token of ``counter``'s ``LayerCost`` (``per_key`` /
-    ``lm_head``; ``ctx_per_key`` / ``FlopCounter.head`` in the fbs.flops before its bytes accounting)."""
-    cost = counter.cost
-    per_key = getattr(cost, "per_key", None)
-    head = getattr(cost, "lm_head", None)
-    return (per_key if per_key is not None else cost.ctx_per_key), (head if head is not None else counter.head)
 
 
 def compute_credits(counter: FlopCounter, trace: DecodeTrace, alpha: float, measure: str = "exact"
