@@ -128,3 +128,22 @@ def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
     assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority"}
     with pytest.raises(ValueError, match="weights"):
         RunSpec(weights=("fp16",))
+
+
+@pytest.mark.parametrize("cfg", [dict(gate_prev_skip=True), dict(gate_input="preview"),
+                                 dict(gate_input="residual", gate_prev_skip=True)])
+def test_gate_inputs_fused_equal_hf_and_parallel(cfg):
+    """Every gate input (residual, preview, previous skip) gives the same decisions through the fused gate
+    (folded into the K/V matmul) as through the HF modules, and as the parallel forward recomputed each step."""
+    model = randomize(fbs_tiny(seed=1, **cfg), seed=2)
+    kw = dict(max_new_tokens=10, ignore_eos=True, output_scores=True)
+    ref = model.generate(PROMPT, weights="hf", **kw)
+    out = model.generate(PROMPT, **kw)
+    assert 0 < ref.trace.skip_ratio < 1
+    assert out.new_tokens == ref.new_tokens and torch.equal(out.trace.executed, ref.trace.executed)
+    seq = PROMPT.clone()
+    with torch.no_grad():
+        for _ in range(10):
+            logits = model(seq, gate_from=PROMPT.shape[1]).logits
+            seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.sequences.tolist() == seq.tolist()
