@@ -2,7 +2,8 @@
 
 Per sweep (one colour each): the threshold front (full depth at 0% and every tau, joined in order of skip %,
 each point labelled with its tau), the random / static / oracle plans at the matched taus (markers x, square,
-triangle), and the control's perplexity as a dashed line. The base model's perplexity is the black line.
+triangle), and the control's perplexity as a dashed line. The base model's perplexity is the black line (one
+dotted line per sweep in its colour when the sweeps scored different blocks).
 Perplexity is on a log axis, so equal ratios look equal.
 """
 
@@ -39,7 +40,7 @@ def pareto_plot(sweeps: Sequence[tuple[str, dict]], path: str | Path, title: str
 
     fig, ax = plt.subplots(figsize=(7.5, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    base_ppl = None
+    bases = []  # (colour, label, base PPL) per sweep
     for i, (label, res) in enumerate(sweeps):
         c = colors[i % len(colors)]
         rows = res["rows"]
@@ -61,10 +62,13 @@ def pareto_plot(sweeps: Sequence[tuple[str, dict]], path: str | Path, title: str
         for r in rows:
             if _kind(r) == "control":
                 ax.axhline(r["ppl"], color=c, ls="--", lw=1, label=f"{label}: control, full depth")
-            if _kind(r) == "base" and base_ppl is None:
-                base_ppl = r["ppl"]
-    if base_ppl is not None:
-        ax.axhline(base_ppl, color="black", lw=1, label="base model")
+            if _kind(r) == "base":
+                bases.append((c, label, r["ppl"]))
+    if bases and all(abs(b[2] - bases[0][2]) < 1e-9 for b in bases):
+        ax.axhline(bases[0][2], color="black", lw=1, label="base model")
+    else:  # scored on different blocks: one base line per sweep
+        for c, label, ppl in bases:
+            ax.axhline(ppl, color=c, ls=":", lw=1.2, label=f"{label}: base model")
     ax.set_yscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:.3g}")
     ax.yaxis.set_major_formatter(plain)

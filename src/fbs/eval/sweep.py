@@ -339,7 +339,7 @@ def calibrate_tau(model, docs: Sequence[HeldoutDoc], target: float, gate_from: i
     positions, as :func:`score` counts it) is ``target``, by bisection on tau in [0, 1].
 
     The ratio falls as tau rises (a pair skips when p > tau). Stops when the ratio is within ``tol`` of the
-    target or the bracket is narrower than 1e-7; returns the evaluated tau closest to the target and the
+    target, the bracket is narrower than 1e-7 or after ``max_iter`` passes; returns the evaluated tau closest to the target and the
     history. ``progress(tau, ratio)`` is called after every evaluation."""
     if not 0 <= target < 1:
         raise ValueError(f"target skip ratio must be in [0, 1), got {target}")
@@ -352,15 +352,13 @@ def calibrate_tau(model, docs: Sequence[HeldoutDoc], target: float, gate_from: i
             progress(tau, r)
         return r
 
-    lo, hi = 0.0, 1.0
-    top = ratio(lo)
+    top = len(model.layers_cfg.gated) / model.num_layers  # tau 0 skips every gated pair
     if top < target - tol:
-        raise ValueError(f"even tau 0 skips only {100 * top:.2f}% of pairs (< target {100 * target:.2f}%): "
+        raise ValueError(f"even tau 0 skips at most {100 * top:.2f}% of pairs (< target {100 * target:.2f}%): "
                          "the gated layers cannot reach the target")
-    for _ in range(max_iter):
-        best = min(history, key=lambda h: abs(h["skip_ratio"] - target))
-        if abs(best["skip_ratio"] - target) <= tol or hi - lo < 1e-7:
-            break
+    lo, hi = 0.0, 1.0
+    while len(history) < max_iter and hi - lo >= 1e-7 and not any(abs(h["skip_ratio"] - target) <= tol
+                                                                   for h in history):
         mid = (lo + hi) / 2
         if ratio(mid) > target:
             lo = mid
