@@ -135,6 +135,25 @@ def test_calibrated_tau_hits_the_target_skip_ratio():
         calibrate_tau(model, docs, 0.9, gate_from=4)  # only 4 of 6 layers are gated
 
 
+def test_calibration_command_writes_the_tau_into_the_checkpoint(tmp_path, capsys):
+    from argparse import Namespace
+
+    from fbs.eval.cli import _calibrate
+
+    model = randomize(fbs_tiny(), gate_bias=0.0)
+    model.save_pretrained(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(3)
+    docs = [HeldoutDoc(f"d{i}", "en", torch.randint(0, 200, (40,), generator=g)) for i in range(6)]
+    args = Namespace(target_skip=0.2, gate_from=4, batch_size=3, calib_tol=0.002, checkpoint=None,
+                     out=str(tmp_path / "calib.json"), write_tau=str(tmp_path / "ckpt"))
+    assert _calibrate(args, model, {"ood": docs}) == 0
+    res = json.loads((tmp_path / "calib.json").read_text())
+    cfg = json.loads((tmp_path / "ckpt" / "fbs_config.json").read_text())
+    assert cfg["tau"] == res["tau"] and abs(res["skip_ratio"] - 0.2) <= 0.01
+    assert cfg["extra"]["tau_calibration"]["text"] == "ood" and cfg["extra"]["tau_calibration"]["gate_from"] == 4
+    assert f"tau={res['tau']:.6f}" in capsys.readouterr().out
+
+
 def test_write_tau_into_a_checkpoint(tmp_path):
     from fbs import FBSForCausalLM
 
