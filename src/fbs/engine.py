@@ -33,6 +33,7 @@ from .fused import WEIGHTS, decode_ops
 from .layer import Mix, layer_step, logit_threshold
 from .modules.chunk import ChunkState
 
+CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
 _OPEN, _CLOSE = "([{", ")]}"
 
@@ -247,8 +248,10 @@ class _Decoder:
             )
         self.dev = model.preview_ids.device
         dtype = model.base.embedding_weight.dtype
-        self.cache = KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, longest + opts.max_new_tokens,
-                             self.dev, dtype)
+        capacity = longest + opts.max_new_tokens
+        if opts.compile:  # compiled steps see the cache's full shape: round it so calls share graphs (and the disk cache)
+            capacity = min(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP, max(capacity, spec.max_positions))
+        self.cache = KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev, dtype)
         self.chunks = {l: ChunkState(self.B, cfg.chunk_cache_size, cfg.chunk_rank, self.dev, dtype)
                        for l in model.layers_cfg.ch}
         self.tau = cfg.tau if opts.tau is None else opts.tau
