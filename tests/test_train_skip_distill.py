@@ -16,12 +16,7 @@ from conftest import fbs_tiny, tiny_hf
 from test_train_stage1 import tiny_data, tiny_train_config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's fixture: tiny models run fastest on one thread
 
 
 def test_kl_matches_hand_computation_and_its_gradient_points_to_the_teacher():
