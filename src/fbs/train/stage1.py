@@ -484,9 +484,10 @@ class Trainer:
             denom = n_soft if k.endswith("_soft") else (n_full if k in ("lm", "skip_rate", "distill") else self.accum)
             out[k] = v / max(denom, 1)
         if self.distill:
-            out["harm_threshold"] = self.harm.threshold or 0.0
-            out["target_rate"] = self.harm.last_target_rate
             out["gate_tau"] = self.budget.current()
+            if self.cfg.gate_targets == "harm":  # the harm threshold exists only for harm targets
+                out["harm_threshold"] = self.harm.threshold or 0.0
+                out["target_rate"] = self.harm.last_target_rate
         self.step += 1
         self.tokens_seen += self.accum * self.cfg.micro_batch_size * self.cfg.block_size * self.acc.num_processes
         return out
