@@ -135,23 +135,19 @@ class LayerCost:
     # ---- bytes ---------------------------------------------------------------
     def layer_bytes(self, weights: str | WeightFormat = "fp32") -> float:
         """Weight bytes one executed layer reads per step (matrices, scales, norms, biases)."""
-        w = weight_format(weights)
-        return self.dense * w.weight + self.layer_rows * w.scale + self.layer_vectors * w.activation
+        return _bytes(weights, self.dense, self.layer_rows, self.layer_vectors)
 
     def attn_bytes(self, weights: str | WeightFormat = "fp32") -> float:
         """Weight bytes of a layer whose FFN is skipped (``skip_granularity="ffn"``): its attention only."""
-        w = weight_format(weights)
-        return self.attn_proj * w.weight + self.attn_rows * w.scale + self.attn_vectors * w.activation
+        return _bytes(weights, self.attn_proj, self.attn_rows, self.attn_vectors)
 
     def kv_proj_bytes(self, weights: str | WeightFormat = "fp32") -> float:
         """Weight bytes of a layer that only projects K/V (``project`` policy, layer skipped)."""
-        w = weight_format(weights)
-        return self.kv_proj * w.weight + self.kv_rows * w.scale + self.kv_vectors * w.activation
+        return _bytes(weights, self.kv_proj, self.kv_rows, self.kv_vectors)
 
     def lm_head_bytes(self, weights: str | WeightFormat = "fp32") -> float:
         """Final norm and LM head."""
-        w = weight_format(weights)
-        return self.lm_head * w.weight + self.vocab_size * w.scale + self.hidden_size * w.activation
+        return _bytes(weights, self.lm_head, self.vocab_size, self.hidden_size)
 
     def kv_bytes_per_key(self, weights: str | WeightFormat = "fp32") -> int:
         """Bytes of one cached token's K and V in one layer."""
@@ -336,3 +332,9 @@ class FlopCounter:
         baseline = (steps * (self.spec.num_layers * c.layer_bytes(fmt) + c.lm_head_bytes(fmt))
                     + full_keys * self.spec.num_layers * c.kv_bytes_per_key(fmt))
         return read / baseline
+
+
+def _bytes(weights: str | WeightFormat, matrix: int, rows: int, vectors: int) -> float:
+    """Bytes of ``matrix`` weight entries with one scale per output row, plus ``vectors`` unquantized entries."""
+    w = weight_format(weights)
+    return matrix * w.weight + rows * w.scale + vectors * w.activation
