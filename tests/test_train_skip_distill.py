@@ -10,7 +10,7 @@ import torch
 
 from fbs.model import SkipTraining
 from fbs.train.losses import HarmTargets, kl_loss
-from fbs.train.stage1 import Trainer, adapters_disabled, chat_before, drop_depth_curve, is_chat
+from fbs.train.stage1 import Trainer, adapters_disabled, chat_before, drop_depth_curve, is_chat, is_full_depth
 
 from conftest import fbs_tiny, tiny_hf
 from test_train_stage1 import tiny_data, tiny_train_config
@@ -168,6 +168,17 @@ def test_control_never_skips_and_leaves_the_gates_alone(tmp_path):
     assert all(h["skip_rate"] == 0 for h in hist)
     for n, p in tr.model.gates.named_parameters():
         assert torch.equal(p, gates_before[n]), n
+
+
+def test_full_share_micro_batches_run_every_layer_and_the_others_skip(tmp_path):
+    data = tiny_data(n=8)
+    cfg = _distill_cfg(tmp_path, full_share=0.5, drop_max=1.0, drop_ramp=0.0, gate_start=0.0, budget_ramp=0.0)
+    tr = Trainer(cfg, data, base=tiny_hf())
+    kinds = [is_full_depth(m, cfg) for m in range(8)]
+    assert sum(kinds) == 4, "half of the micro-batches, spread evenly"
+    for m, full in enumerate(kinds):
+        rate = float(tr.micro_step(m).skip_rate)
+        assert (rate == 0.0) if full else (rate > 0.2), (m, full, rate)
 
 
 def test_budget_threshold_skips_the_budget_share():

@@ -99,6 +99,11 @@ def is_chat(micro_index: int, share: float) -> bool:
     return chat_before(micro_index + 1, share) > chat_before(micro_index, share)
 
 
+def is_full_depth(micro_index: int, cfg: TrainConfig) -> bool:
+    """skip_distill micro-batches whose student runs every layer (``full_share`` of them, spread evenly)."""
+    return is_chat(micro_index, cfg.full_share)
+
+
 def drop_depth_curve(model: FBSForCausalLM) -> torch.Tensor:
     """(L,) D(l) of LayerSkip's layer dropout over the gated layers: e^(i ln2 / (n-1)) - 1 for the i-th gated
     layer (0 at the first, 1 at the last), 0 on never-skip layers."""
@@ -484,7 +489,7 @@ class Trainer:
         gen = micro_generator(cfg, micro_index, ids.device)
         frac = self.step / max(1, cfg.max_steps)
         tau, force = 1.0, None  # tau 1.0: p > tau never holds, the gates do not skip
-        if not cfg.control:
+        if not (cfg.control or is_full_depth(micro_index, cfg)):
             rate = cfg.drop_max * (min(1.0, frac / cfg.drop_ramp) if cfg.drop_ramp > 0 else 1.0)
             u = torch.rand(b, t, self.model.num_layers, generator=gen, device=ids.device)
             force = (u < rate * self.drop_depth) & mask
