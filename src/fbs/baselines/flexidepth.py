@@ -207,8 +207,8 @@ class FlexiDepth(nn.Module):
         return FlexiDepthOutput(out.logits, gates, out.skips.index_select(-1, idx).bool(), mixer.routed)
 
     # ---- decoding -----------------------------------------------------------------------------------
-    def policy(self, tau: float | None = None) -> "FlexiDepthPolicy":
-        return FlexiDepthPolicy(self, self.config.tau if tau is None else tau)
+    def policy(self, tau: float | None = None, route_prompt: bool = True) -> "FlexiDepthPolicy":
+        return FlexiDepthPolicy(self, self.config.tau if tau is None else tau, route_prompt)
 
     def generate(self, input_ids, tau: float | None = None, **kwargs):
         """Cached decoding with the routers deciding (``fbs.engine.generate`` options); the prompt is routed too."""
@@ -304,16 +304,19 @@ class _ParallelRun:
 
 @dataclasses.dataclass(frozen=True)
 class FlexiDepthPolicy:
-    """The engine's ``skip_policy``: the routers decide per token and layer, the prompt included (prefill).
-    Rows that skip write their K/V (``project``) and take the adapter path; the trace's ``gate_p`` is 1 - g."""
+    """The engine's ``skip_policy``: the routers decide per token and layer, the prompt included (prefill) unless
+    ``route_prompt=False`` (the prompt then runs every layer in full, as FBS prefills it; the parallel form of that
+    is ``FlexiDepth.forward(route_from=<prompt length>)``). Rows that skip write their K/V (``project``) and take the
+    adapter path; the trace's ``gate_p`` is 1 - g."""
 
     model: FlexiDepth
     tau: float = 0.5
+    route_prompt: bool = True
 
     def start(self, decoder) -> "_DecodeRun":
         if decoder.policy != "project" or decoder.granularity != "layer":
             raise FlexiDepthError("FlexiDepth decodes with kv_policy='project' and whole-layer skipping")
-        return _DecodeRun(self.model, self.tau, decoder.dev)
+        return _DecodeRun(self.model, self.tau, decoder.dev, self.route_prompt)
 
     def overhead(self, trace) -> tuple[int, int]:
         """(MACs, parameters read) of the routers and adapters in a decode trace (:meth:`FlexiDepth.overhead`)."""
@@ -322,19 +325,19 @@ class FlexiDepthPolicy:
     def to_dict(self) -> dict:
         cfg = self.model.config
         return {"method": "flexidepth", "tau": self.tau, "layers": list(self.model.layer_ids),
-                "route_from": cfg.route_from, "router_reduction": cfg.router_reduction,
-                "adapter_reduction": cfg.adapter_reduction}
+                "route_from": cfg.route_from, "route_prompt": self.route_prompt,
+                "router_reduction": cfg.router_reduction, "adapter_reduction": cfg.adapter_reduction}
 
 
 class _DecodeRun:
-    def __init__(self, model: FlexiDepth, tau: float, device):
-        self.m, self.tau, self.dev = model, tau, device
+    def __init__(self, model: FlexiDepth, tau: float, device, route_prompt: bool = True):
+        self.m, self.tau, self.dev, self.route_prompt = model, tau, device, route_prompt
         self.layers = set(model.layer_ids)
         self.g: torch.Tensor | None = None  # (b,) gates of the step's rows at the current layer
 
     def prefill_mix(self, l: int, x: torch.Tensor, positions: torch.Tensor) -> Mix:
-        if l not in self.layers:
-            return COMPUTE
+        if l not in self.layers or not self.route_prompt:
+            return COMPUTE  # an unrouted position runs the full layer, unscaled (layer_mix where routed is False)
         g = self.m.gate(l, self.m.host.base.norm1(l, x))
         return self.m.layer_mix(l, g, positions >= self.m.config.route_from, self.tau)
 

@@ -42,6 +42,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        long_warmup=args.long_warmup, long_runs=args.long_runs, device=args.device,
                        weights=args.weights, compile=args.compile, batch_policies=args.batch_policies,
                        ffn_skip_thresholds=args.ffn_skip_thresholds, flexidepth=args.flexidepth,
+                       flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus)
     except ValueError as e:
@@ -95,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn-skip-thresholds", type=_floats, default=s.ffn_skip_thresholds,
                    help="FFN-SkipLLM cosine-saturation thresholds, comma list: one system each (fbs.baselines)")
     p.add_argument("--flexidepth", help="FlexiDepth checkpoint directory (output of `fbs train flexidepth`)")
+    p.add_argument("--flexidepth-taus", type=_floats, default=s.flexidepth_taus,
+                   help="FlexiDepth router thresholds, comma list: one system each (default: the checkpoint's tau)")
     p.add_argument("--draft-tokens", type=int,
                    help="lossless systems (fbs-lossless, draft-verify, kangaroo): most tokens drafted per verify pass")
     p.add_argument("--draft-layers", help="draft-verify: the skip set JSON of `fbs train draft-search` (or 3,5,7)")

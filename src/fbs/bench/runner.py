@@ -23,9 +23,8 @@ from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_p
                                measure, measure_interleaved, prompts_digest)
 from fbs.fused import WEIGHTS
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
-from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_system, forced_plan, hf_assisted, hf_early_exit,
-                               hf_greedy, hf_prompt_lookup,
-                               llama_cpp_system, lossless_systems)
+from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
+                               hf_early_exit, hf_greedy, hf_prompt_lookup, llama_cpp_system, lossless_systems)
 from fbs.flops import LayerCost
 
 logger = logging.getLogger(__name__)
@@ -84,6 +83,8 @@ class RunSpec:
     they skip about 31% and 17% of the FFN blocks (teacher-forced, :class:`fbs.baselines.FFNSkipLLM`)."""
     flexidepth: str | None = None
     """FlexiDepth checkpoint (``fbs train flexidepth`` output); None = the row says how to make one."""
+    flexidepth_taus: tuple[float, ...] = ()
+    """FlexiDepth's router thresholds, one system each (``flexidepth-tau<t>``); empty = the checkpoint's tau."""
     draft_tokens: int | None = None
     """Most tokens drafted per verification pass of the lossless systems; None = the engine's default."""
     draft_layers: str | None = None
@@ -142,7 +143,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
     if spec.wants("ffn-skipllm"):
         systems += ffn_skip_systems(model, tok, spec.ffn_skip_thresholds)
     if spec.wants("flexidepth"):
-        systems.append(flexidepth_system(model, tok, spec.flexidepth))
+        systems += flexidepth_systems(model, tok, spec.flexidepth, spec.flexidepth_taus)
     if fbs_model is None:
         return _decode_variants(systems, spec)
     tau0 = fbs_model.config.tau

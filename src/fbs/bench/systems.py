@@ -326,14 +326,16 @@ def ffn_skip_systems(model, tokenizer, thresholds) -> list[BaselineSystem]:
             for t in thresholds]
 
 
-def flexidepth_system(model, tokenizer, checkpoint: str | None) -> BaselineSystem:
-    """FlexiDepth from a ``fbs train flexidepth`` checkpoint at its own tau; without one, why it cannot run."""
+def flexidepth_systems(model, tokenizer, checkpoint: str | None, taus=()) -> list[BaselineSystem]:
+    """FlexiDepth from a ``fbs train flexidepth`` checkpoint at each of ``taus`` (default: its own tau), the prompt
+    routed as FlexiDepth decodes; without a checkpoint, one row saying why it cannot run."""
     if checkpoint is None:
-        return BaselineSystem("flexidepth", None, missing=(
+        return [BaselineSystem("flexidepth", None, missing=(
             "no FlexiDepth checkpoint: train one with `fbs train flexidepth --config configs/flexidepth_smollm2.yaml "
-            "--data corpus` and pass --flexidepth runs/flexidepth_smollm2/final"))
+            "--data corpus` and pass --flexidepth runs/flexidepth_smollm2/final"))]
     fd = FlexiDepth.from_pretrained(checkpoint, base=model, tokenizer=tokenizer)
-    return BaselineSystem(f"flexidepth-tau{fd.config.tau:g}", fd.host, {"skip_policy": fd.policy()})
+    return [BaselineSystem(f"flexidepth-tau{t:g}", fd.host, {"skip_policy": fd.policy(t)})
+            for t in (tuple(taus) or (fd.config.tau,))]
 
 
 # ------------------------------------------------------------------------------------------ llama.cpp
