@@ -10,7 +10,11 @@
     fbs eval make-tasks --out-dir ~/.cache/fbs/eval/lm_eval_tasks
     fbs eval sweep --checkpoint CKPT --text in,ood --corpus corpus --control CTRL --out results/sweep.json
     fbs eval sweep --checkpoint CKPT --text in --corpus corpus --target-skip 0.3 --write-tau CKPT
+    fbs eval sweep --baseline ffn-skipllm --ffn-skip-thresholds 0.99,0.988,0.984 --text ood --out results/ffn.json
+    fbs eval sweep --baseline flexidepth --flexidepth RUN/final --taus 0.3,0.5,0.7 --text ood --out results/fd.json
     fbs eval pareto results/old.json results/new.json --labels old,new --out-prefix results/pareto
+    fbs eval run --system flexidepth --flexidepth RUN/final --tau 0.5 --tasks mmlu --out results/fd_mmlu.json
+    fbs eval group-b --bench bench.json --sweeps results/*.json --runs results/*_mmlu.json --out results/group_b.json
     fbs eval chat --checkpoint CKPT --taus 0.3,0.5 --control CTRL --out results/chat.json
     fbs eval safety --checkpoint CKPT --out results/safety.json
     fbs eval list
@@ -28,17 +32,32 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+#: FFN-SkipLLM thresholds `fbs eval sweep --baseline ffn-skipllm` scores by default: on SmolLM2-135M (teacher-forced
+#: pydoc text, fbs.baselines.FFNSkipLLM) about 11%, 17%, 24%, 31% and 48% of the FFN blocks; the bench's default
+#: thresholds (0.984, 0.988) are among them
+DEFAULT_FFN_SKIP_THRESHOLDS = (0.99, 0.988, 0.986, 0.984, 0.98)
+
 
 def build_system(args):
-    """The System named by ``--system``: ``base`` (HF model) or ``fbs`` (FBSForCausalLM)."""
+    """The System named by ``--system``: ``base`` (HF model), ``fbs`` (FBSForCausalLM), or an adaptive-depth
+    baseline, ``ffn-skipllm`` / ``flexidepth`` (:mod:`fbs.eval.adaptive`)."""
     from fbs.eval.systems import FBSSystem, HFSystem
 
     kw = {"max_length": args.max_length, "max_batch_tokens": args.max_batch_tokens}
+    _check_baseline_args(args, args.system)
     if args.system == "base":
         from fbs.models import load_base
 
         model, tok = load_base(args.model)
         return HFSystem(model, tok, name=args.name or f"{args.model} (base)", **kw)
+    if args.system in ("ffn-skipllm", "flexidepth"):
+        from fbs.eval.adaptive import AdaptiveSystem, build_scorer
+        from fbs.models import load_base
+
+        model, tok = load_base(args.model)
+        scorer = build_scorer(args.system, model, tok, threshold=args.ffn_skip_threshold, checkpoint=args.flexidepth,
+                              tau=args.tau, route_prompt=args.flexidepth_prompt == "routed")
+        return AdaptiveSystem(scorer, tok, name=args.name or f"{scorer.label} over {args.model}", **kw)
     from fbs.loading import load_from_args
     from fbs.models import load_tokenizer
 
@@ -47,6 +66,27 @@ def build_system(args):
     name = args.name or f"FBS {args.model} (tau={args.tau if args.tau is not None else model.config.tau}, "\
                         f"kv={args.kv_policy or model.config.kv_policy}, gates={args.gate_mode})"
     return FBSSystem(model, tok, tau=args.tau, kv_policy=args.kv_policy, gate_mode=args.gate_mode, name=name, **kw)
+
+
+def _check_baseline_args(args, method: str | None) -> None:
+    """Refuse options that do not apply to ``method`` (None or ``fbs``/``base``: the FBS and base model options)."""
+    given = lambda name: getattr(args, name, None) not in (None, False)  # noqa: E731
+    if method in ("ffn-skipllm", "flexidepth"):
+        bad = [flag for flag, name in (("--checkpoint", "checkpoint"), ("--fresh", "fresh"),
+                                       ("--kv-policy", "kv_policy")) if given(name)]
+        if getattr(args, "gate_mode", "threshold") != "threshold":
+            bad.append("--gate-mode")
+        if method == "ffn-skipllm" and given("tau"):
+            bad.append("--tau (FFN-SkipLLM's knob is its cosine threshold)")
+        if bad:
+            raise SystemExit(f"{', '.join(bad)}: not an option of the {method} baseline")
+    for flag, name, owner in (("--ffn-skip-threshold", "ffn_skip_threshold", "ffn-skipllm"),
+                              ("--ffn-skip-thresholds", "ffn_skip_thresholds", "ffn-skipllm"),
+                              ("--flexidepth", "flexidepth", "flexidepth")):
+        if given(name) and method != owner:
+            raise SystemExit(f"{flag} goes with the {owner} baseline")
+    if getattr(args, "flexidepth_prompt", "full") != "full" and method != "flexidepth":
+        raise SystemExit("--flexidepth-prompt goes with the flexidepth baseline")
 
 
 def cmd_run(args) -> int:
@@ -263,20 +303,21 @@ def _sweep_texts(args, tok) -> dict:
 
 def cmd_sweep(args) -> int:
     from fbs import FBSForCausalLM
-    from fbs.eval.plots import pareto_plots
-    from fbs.eval.report import runtime_info
-    from fbs.eval.sweep import markdown, run_sweep
+    from fbs.eval.sweep import DEFAULT_TAUS, run_sweep
     from fbs.loading import load_checkpoint, load_from_args
     from fbs.models import load_tokenizer
 
+    _check_baseline_args(args, args.baseline)
+    if args.baseline:
+        return _baseline_sweep(args)
     _setup_runtime(args)
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     texts = _sweep_texts(args, tok)
     if args.target_skip is not None:
         return _calibrate(args, model, texts)
-    taus = _floats(args.taus)
-    spec = args.matched_taus.strip().lower()
+    taus = _floats(args.taus) if args.taus is not None else list(DEFAULT_TAUS)
+    spec = (args.matched_taus or "config").strip().lower()
     matched = ([] if spec == "none" else list(taus) if spec == "all"
                else [float(model.config.tau)] if spec == "config" else _floats(spec))
     taus += [t for t in matched if t not in taus]
@@ -288,13 +329,57 @@ def cmd_sweep(args) -> int:
         print(f"{name}: {len(docs)} blocks", flush=True)
         res["texts"][name] = run_sweep(model, base, docs, taus, args.batch_size, args.seed, not args.no_progress,
                                        args.tolerance, args.gate_from, control=control, matched_taus=matched)
-    first = res["texts"][next(iter(texts))]
+    label = Path(args.checkpoint).name if args.checkpoint else "FBS"
+    return _write_sweep(args, res, start, label, checkpoint=args.checkpoint, control=args.control)
+
+
+def _baseline_sweep(args) -> int:
+    """``fbs eval sweep --baseline``: the decode-faithful PPL front of an adaptive-depth baseline."""
+    from fbs.eval.adaptive import build_scorer, run_baseline_sweep
+    from fbs.models import load_base
+
+    refused = [flag for flag, given in (("--target-skip", args.target_skip is not None),
+                                        ("--write-tau", args.write_tau), ("--control", args.control),
+                                        ("--matched-taus", args.matched_taus),
+                                        ("--tau (use --taus)", args.tau is not None)) if given]
+    if refused:
+        raise SystemExit(f"{', '.join(refused)}: FBS sweep options, not for --baseline")
+    if args.baseline == "ffn-skipllm" and args.taus is not None:
+        raise SystemExit("FFN-SkipLLM sweeps its cosine threshold: use --ffn-skip-thresholds, not --taus")
+    _setup_runtime(args)
+    hf, tok = load_base(args.model)
+    scorer = build_scorer(args.baseline, hf, tok, checkpoint=args.flexidepth,
+                          route_prompt=args.flexidepth_prompt == "routed")
+    if args.baseline == "ffn-skipllm":
+        values = _floats(args.ffn_skip_thresholds) if args.ffn_skip_thresholds else list(DEFAULT_FFN_SKIP_THRESHOLDS)
+    else:
+        values = _floats(args.taus) if args.taus is not None else [scorer.value]
+    texts = _sweep_texts(args, tok)
+    start = time.perf_counter()
+    res: dict = {"texts": {}}
+    for name, docs in texts.items():
+        print(f"{name}: {len(docs)} blocks, {scorer.method} at {', '.join(f'{v:g}' for v in values)}", flush=True)
+        res["texts"][name] = run_baseline_sweep(scorer, docs, values, args.batch_size, args.seed,
+                                                not args.no_progress, args.tolerance, args.gate_from)
+    label = {"ffn-skipllm": "FFN-SkipLLM", "flexidepth": "FlexiDepth"}[args.baseline]
+    return _write_sweep(args, res, start, label, checkpoint=args.flexidepth, baseline=args.baseline,
+                        baseline_config=scorer.describe())
+
+
+def _write_sweep(args, res: dict, start: float, label: str, **meta) -> int:
+    """Top-level keys, the JSON, the markdown and the Pareto plots of a sweep (FBS or a baseline)."""
+    from fbs.eval.plots import pareto_plots
+    from fbs.eval.report import runtime_info
+    from fbs.eval.sweep import markdown
+
+    texts = list(res["texts"])
+    first = res["texts"][texts[0]]
     # top level: the first text's base / full-depth / threshold rows, the shape older readers expect
     res.update(rows=[r for r in first["rows"] if r["kind"] in ("base", "full", "tau")], base_ppl=first["base_ppl"],
-               operating_point=first["operating_point"], gate_from=args.gate_from, text=list(texts),
+               operating_point=first["operating_point"], gate_from=args.gate_from, text=texts,
                corpus=str(args.corpus) if args.corpus else None, split=args.split, per_lang=args.per_lang,
-               max_tokens=args.max_tokens, ood_per_kind=args.ood_per_kind, checkpoint=args.checkpoint,
-               control=args.control, wall_s=time.perf_counter() - start, runtime=runtime_info(args.seed))
+               max_tokens=args.max_tokens, ood_per_kind=args.ood_per_kind, **meta,
+               wall_s=time.perf_counter() - start, runtime=runtime_info(args.seed))
     out = Path(args.out or "results/sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -302,15 +387,16 @@ def cmd_sweep(args) -> int:
     for name, r in res["texts"].items():
         langs = sorted({d["lang"] for d in r["documents"]})
         op = r["operating_point"]
-        note = (f"operating point (most efficient tau with PPL within {100 * args.tolerance:.0f}% of base "
-                f"{r['base_ppl']:.3f}): " + ("none" if op is None else f"tau={op}"))
-        parts.append(f"## {name} held-out text ({len(r['documents'])} blocks, gates from token {args.gate_from})"
+        knob = r.get("knob", "tau")
+        note = (f"operating point (most efficient {knob} with PPL within {100 * args.tolerance:.0f}% of base "
+                f"{r['base_ppl']:.3f}): " + ("none" if op is None else f"{knob}={op}"))
+        what = f", {r['method']} (skip % of {r['skip_unit']})" if r.get("method") else ""
+        parts.append(f"## {name} held-out text ({len(r['documents'])} blocks, gates from token {args.gate_from}{what})"
                      f"\n\n{markdown(r['rows'], langs)}\n\n{note}\n")
     md = "\n".join(parts)
     out.with_suffix(".md").write_text(md)
     print(md)
     if not args.no_plot:
-        label = Path(args.checkpoint).name if args.checkpoint else "FBS"
         for p in pareto_plots([(label, res)], out.with_name(out.stem + "_pareto")):
             print(f"wrote {p}")
     print(f"wrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - start:.0f} s)")
@@ -335,6 +421,40 @@ def _calibrate(args, model, texts: dict) -> int:
         info = {k: res[k] for k in ("target", "skip_ratio", "gate_from", "blocks", "text")}
         print(f"wrote tau={res['tau']:.6f} into {write_tau(args.write_tau, res['tau'], info)}")
     print(f"wrote {out}")
+    return 0
+
+
+def _add_baseline_arguments(p, sweep: bool) -> None:
+    from fbs.baselines import FFNSkipLLM
+
+    if sweep:
+        p.add_argument("--ffn-skip-thresholds",
+                       help="--baseline ffn-skipllm: cosine-saturation thresholds, comma list (default "
+                            + ",".join(f"{t:g}" for t in DEFAULT_FFN_SKIP_THRESHOLDS) + ")")
+    else:
+        p.add_argument("--ffn-skip-threshold", type=float,
+                       help=f"--system ffn-skipllm: cosine-saturation threshold (default {FFNSkipLLM.threshold:g})")
+    p.add_argument("--flexidepth", metavar="DIR", help="FlexiDepth checkpoint (output of `fbs train flexidepth`)")
+    p.add_argument("--flexidepth-prompt", choices=("full", "routed"), default="full",
+                   help="FlexiDepth: 'full' = the prompt (context) runs every layer, as FBS prefills it (the sweep's "
+                        "protocol: nothing before --gate-from skips); 'routed' = the routers decide from position 1, "
+                        "prompt included, as FlexiDepth's own decoding and `fbs bench` do")
+
+
+def cmd_group_b(args) -> int:
+    from fbs.eval.groupb import assemble, load_inputs, markdown
+
+    bench, sweeps, runs = load_inputs(args.bench, args.sweeps, args.runs)
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
+    doc = assemble(bench, sweeps, runs, text=args.text, batch_size=args.batch_size, systems=systems,
+                   tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], bench_path=args.bench)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    md = markdown(doc)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
 
@@ -512,8 +632,11 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="eval_command", required=True)
 
     r = sub.add_parser("run", help="evaluate one system on tasks and write a JSON record + markdown table")
-    r.add_argument("--system", choices=("base", "fbs"), default="base")
+    r.add_argument("--system", choices=("base", "fbs", "ffn-skipllm", "flexidepth"), default="base",
+                   help="base model, FBS, or an adaptive-depth baseline over the base model (decode-faithful "
+                        "scoring as for FBS; FlexiDepth's tau is --tau, default its checkpoint's)")
     add_model_arguments(r)
+    _add_baseline_arguments(r, sweep=False)
     r.add_argument("--gate-mode", choices=("threshold", "off"), default="threshold",
                    help="fbs: 'off' runs every layer (the nothing-skipped reference)")
     r.add_argument("--tasks", help="comma-separated task names (default: the main-table set, or the protocol's "
@@ -566,16 +689,22 @@ def register(subparsers) -> None:
                                      "decode-faithful PPL with bootstrap CIs vs the base model, baselines, "
                                      "Pareto plots; --target-skip calibrates tau")
     add_model_arguments(w)
+    w.add_argument("--baseline", choices=("ffn-skipllm", "flexidepth"),
+                   help="sweep an adaptive-depth baseline over the base model instead of an FBS checkpoint: the base "
+                        "row, nothing skipped, then each --ffn-skip-thresholds / --taus (FlexiDepth), scored "
+                        "decode-faithfully like FBS (fbs.eval.adaptive)")
+    _add_baseline_arguments(w, sweep=True)
     w.add_argument("--text", default="in", help="held-out text: in (corpus test split), ood, or in,ood")
     w.add_argument("--corpus", help="corpus directory from `fbs data build` (for --text in)")
     w.add_argument("--split", default="test")
     w.add_argument("--per-lang", type=int, default=24, help="in-domain documents per language (seeded sample)")
     w.add_argument("--max-tokens", type=int, default=512, help="in-domain tokens per document (its first ones)")
     w.add_argument("--ood-per-kind", type=int, help="OOD blocks per kind (en, zh, code; default all 32)")
-    w.add_argument("--taus", default=",".join(str(t) for t in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)))
-    w.add_argument("--matched-taus", default="config",
+    w.add_argument("--taus", help="comma list (FBS default 0.95,0.9,0.85,0.8,0.75,0.7,0.65; --baseline flexidepth: "
+                                  "the checkpoint's tau)")
+    w.add_argument("--matched-taus",
                    help="taus at which random / static / oracle plans skip as many pairs as the gates: 'config' "
-                        "(the checkpoint's tau), 'all', 'none' or a list; added to --taus")
+                        "(the checkpoint's tau; default), 'all', 'none' or a list; added to --taus")
     w.add_argument("--control", help="control checkpoint (same recipe, never skipping), scored at full depth")
     w.add_argument("--tolerance", type=float, default=0.02,
                    help="operating point: the most efficient tau with PPL <= (1 + tolerance) x base PPL")
@@ -602,6 +731,20 @@ def register(subparsers) -> None:
                     help="x axis: Skip %% of pairs, or fp32 weight bytes saved per decode step (compares whole-layer "
                          "with FFN-only skipping); writes <prefix>_<text>_bytes.png")
     pp.set_defaults(func=cmd_pareto)
+
+    gb = sub.add_parser("group-b", help="the paper's compact Group B table (adaptive-depth baselines against FBS) "
+                                        "from a bench JSON, sweep JSONs and run records; front statements")
+    gb.add_argument("--bench", required=True, help="`fbs bench` JSON (latency, TFLOPs(rel), skip share, acceptance)")
+    gb.add_argument("--sweeps", nargs="*", default=[], help="`fbs eval sweep` JSONs (FBS and --baseline sweeps)")
+    gb.add_argument("--runs", nargs="*", default=[], help="`fbs eval run` records (MMLU subset etc.)")
+    gb.add_argument("--text", default="ood", help="the sweeps' held-out text for the PPL column (in or ood)")
+    gb.add_argument("--tasks", default="mmlu", help="accuracy columns, comma list of run-record tasks")
+    gb.add_argument("--batch-size", type=int, default=1, help="bench rows of this batch size")
+    gb.add_argument("--systems", help="bench systems to show, in order (default: hf-greedy, fbs-full-compute, "
+                                      "fbs-tau*, ffn-skipllm-t*, flexidepth-tau*, fbs-lossless*, draft-verify, "
+                                      "kangaroo-exit*, with their weight-format variants)")
+    gb.add_argument("--out", default="results/group_b.json", help="JSON path (markdown next to it)")
+    gb.set_defaults(func=cmd_group_b)
 
     ch = sub.add_parser("chat", help="free-running answers to held-out chat prompts: EOS rate, loops, length, "
                                      "ROUGE-L and base NLL against the base model's answers")

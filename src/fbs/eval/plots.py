@@ -1,7 +1,7 @@
 """Pareto plots of ``fbs eval sweep`` results: skip % against decode-faithful perplexity, several models per plot.
 
 Per sweep (one colour each): the threshold front (full depth at 0% and every tau, joined in order of skip %,
-each point labelled with its tau), the random / static / oracle plans at the matched taus (markers x, square,
+each point labelled with its tau; for a ``--baseline`` sweep its own knob: FFN-SkipLLM's threshold, FlexiDepth's tau), the random / static / oracle plans at the matched taus (markers x, square,
 triangle), and the control's perplexity as a dashed line. The base model's perplexity is the black line (one
 dotted line per sweep in its colour when the sweeps scored different blocks).
 Perplexity is on a log axis, so equal ratios look equal.
@@ -67,7 +67,7 @@ def pareto_plot(sweeps: Sequence[tuple[str, dict]], path: str | Path, title: str
         rows = res["rows"]
         front = sorted((r for r in rows if _kind(r) in ("full", "tau")), key=lambda r: (xv(r), r["ppl"]))
         ax.plot([xv(r) for r in front], [r["ppl"] for r in front], "o-", color=c, ms=4,
-                label=f"{label}: gates (full depth at 0%)")
+                label=f"{label}: {res.get('front_label', 'gates (full depth at 0%)')}")
         last_x = None
         for r in front:
             at = xv(r)

@@ -128,14 +128,15 @@ def _fmt_value(tr: TaskResult) -> str:
 
 
 def cost_summary(record: dict) -> dict:
-    """Skip % and TFLOPs(rel) of a run, pooled over its tasks' ``details["cost"]`` (FBS systems).
+    """Skip % and TFLOPs(rel) of a run, pooled over its tasks' ``details["cost"]`` (FBS systems and the adaptive-depth
+    baselines of :mod:`fbs.eval.adaptive`, whose skips are FFN blocks for FFN-SkipLLM).
 
     ``decode_skip``: skipped / all (token, layer) pairs of the tokens the engine generated (generation tasks);
     ``tflops_rel``: the engine's TFLOPs(rel), weighted by generated tokens; ``scored_skip``: the same ratio over the
     decoded positions of the log-likelihood tasks (gates from the context's end). A system without gates (the HF
     base) skips nothing and runs every layer: 0, 1.0 and 0. None: the run has no such tokens.
     """
-    if record["system"].get("kind") != "fbs":
+    if record["system"].get("kind") not in ("fbs", "adaptive"):
         return {"decode_skip": 0.0, "tflops_rel": 1.0, "scored_skip": 0.0}
     tot: dict[str, float] = {}
     for tr in record["tasks"].values():

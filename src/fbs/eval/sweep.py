@@ -142,11 +142,14 @@ def _check_lengths(docs: Sequence[HeldoutDoc], gate_from: int) -> None:
 def score(model, docs: Sequence[HeldoutDoc], tau: float | None = None, name: str = "fbs", batch_size: int = 4,
           progress: Callable[[int], None] | None = None, gate_from: int = DEFAULT_GATE_FROM,
           plans: Sequence[torch.Tensor] | None = None, kind: str | None = None,
-          relative_updates: list | None = None) -> SystemScores:
+          relative_updates: list | None = None, method=None) -> SystemScores:
     """Per-block NLL and skips of ``model`` (an FBSForCausalLM): every layer (``tau=None``, no ``plans``),
     threshold gates at ``tau``, or the skip ``plans`` (one (T, L) bool tensor per block). Positions before
     ``gate_from`` are never skipped. ``relative_updates``, a list, receives each block's (T, L) relative
-    updates of the pass (full-depth passes only: the oracle's signal)."""
+    updates of the pass (full-depth passes only: the oracle's signal). ``method``: a skip baseline of
+    :mod:`fbs.eval.adaptive` (``method.parallel(ids, mask, gate_from) -> (logits, (B, T, L) skips)``, the parallel
+    form of its cached decoding with the first ``gate_from`` tokens prefilled) decides instead of the gates;
+    ``model`` is then its host model."""
     _check_lengths(docs, gate_from)
     model.eval()
     dev = next(model.parameters()).device
@@ -158,22 +161,28 @@ def score(model, docs: Sequence[HeldoutDoc], tau: float | None = None, name: str
     for idx in _batches(docs, batch_size):
         ids = torch.stack([docs[i].input_ids for i in idx]).to(dev)  # (B, T)
         t = ids.shape[1]
-        if plans is not None:
-            plan = torch.stack([plans[i] for i in idx]).to(dev)  # (B, T, L)
-            out = model(ids, gate_mode="plan", skip_plan=plan, gate_from=gate_from)
-        elif tau is None:
-            out = model(ids, gate_mode="off", output_hidden_states=want_rel)
+        out = None
+        if method is not None:
+            logits, skips = method.parallel(ids, None, gate_from)
         else:
-            out = model(ids, gate_mode="threshold", tau=tau, gate_from=gate_from)
-        logp = torch.log_softmax(out.logits[:, gate_from - 1:-1].float(), dim=-1)  # (B, T - gate_from, V)
+            if plans is not None:
+                plan = torch.stack([plans[i] for i in idx]).to(dev)  # (B, T, L)
+                out = model(ids, gate_mode="plan", skip_plan=plan, gate_from=gate_from)
+            elif tau is None:
+                out = model(ids, gate_mode="off", output_hidden_states=want_rel)
+            else:
+                out = model(ids, gate_mode="threshold", tau=tau, gate_from=gate_from)
+            logits = out.logits
+            skips = out.skips if (tau is not None or plans is not None) else None
+        logp = torch.log_softmax(logits[:, gate_from - 1:-1].float(), dim=-1)  # (B, T - gate_from, V)
         tok_nll = -logp.gather(-1, ids[:, gate_from:, None]).squeeze(-1)  # (B, T - gate_from)
         if want_rel:
             hs = out.hidden_states
             rel = torch.stack([relative_update(hs[l + 1], hs[l]) for l in range(n_layers)], dim=-1)  # (B, T, L)
         for j, i in enumerate(idx):
             nll[i] = float(tok_nll[j].mean())
-            if out.skips is not None and (tau is not None or plans is not None):
-                skipped[i] = int(out.skips[j, gate_from:t - 1].sum())
+            if skips is not None:
+                skipped[i] = int(skips[j, gate_from:t - 1].sum())
             pairs[i] = (t - 1 - gate_from) * n_layers
             if want_rel:
                 rels[i] = rel[j].float().cpu()
@@ -246,10 +255,13 @@ def static_plans(model, docs: Sequence[HeldoutDoc], total: int, rels: Sequence[t
 # ---------------------------------------------------------------------------- rows and the sweep
 @dataclasses.dataclass(frozen=True)
 class PairSaving:
-    """What one skipped (token, layer) pair saves, as shares of a full-depth decode step (see the module doc)."""
+    """What one skipped (token, layer) pair saves, as shares of a full-depth decode step (see the module doc), and
+    what a method adds per decoded token whether it skips or not (FlexiDepth's routers; :mod:`fbs.eval.adaptive`)."""
 
     macs: float = 1.0    # of one layer's dense MACs
     bytes: float = 0.0   # of a full-depth step's weight bytes, per (layer) pair: summed over L pairs
+    overhead_macs: float = 0.0   # added per decoded token, a share of the L layers' dense MACs
+    overhead_bytes: float = 0.0  # added per decoded token, a share of a full-depth step's weight bytes
 
     @classmethod
     def of(cls, model) -> "PairSaving":
@@ -279,8 +291,9 @@ def summarize(scores: SystemScores, base: SystemScores, docs: Sequence[HeldoutDo
         per_lang[lang] = {"ppl": ppl_metric(nll[m]), "skip_ratio": sk / max(1, pr)}
     return {
         "system": scores.name, "kind": scores.kind, "tau": scores.tau, "skip_ratio": scores.skip_ratio,
-        "tflops_rel": 1.0 - saving.macs * scores.skip_ratio,
-        "bytes_rel": 1.0 - saving.bytes * scores.skip_ratio, "ppl": scores.ppl, "ppl_ci": [lo, hi],
+        "tflops_rel": 1.0 - saving.macs * scores.skip_ratio + saving.overhead_macs,
+        "bytes_rel": 1.0 - saving.bytes * scores.skip_ratio + saving.overhead_bytes, "ppl": scores.ppl,
+        "ppl_ci": [lo, hi],
         "ppl_rel_to_base": scores.ppl / base.ppl - 1.0, "per_lang_ppl": {k: v["ppl"] for k, v in per_lang.items()},
         "per_lang_skip": {k: v["skip_ratio"] for k, v in per_lang.items()}, "vs_base": cmp.to_dict(),
     }
