@@ -108,7 +108,8 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
     model = load_from_args(args).eval()
     train_ids, eval_ids = _blocks(args, model.tokenizer)
     adapter, summary = train_kangaroo_adapter(model, train_ids, args.exit_layer, steps=args.steps, lr=args.lr,
-                                              batch_size=args.batch_size, eval_blocks=eval_ids, seed=args.seed)
+                                              batch_size=args.batch_size, eval_blocks=eval_ids, seed=args.seed,
+                                              progress=not args.no_progress)
     meta = {"training": {k: v for k, v in summary.items() if k != "curve"}, "data": args.data,
             "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped")}
     path = adapter.save(args.out_dir, model.config.base_fingerprint, meta)
@@ -126,7 +127,8 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
     _, eval_ids = _blocks(args, model.tokenizer)
     prompts = [row[: args.prompt_len].tolist() for row in eval_ids[: args.prompts]]
     best, history = search_draft_layers(model, prompts, new_tokens=args.new_tokens, gamma=args.draft_tokens,
-                                        max_layers=args.max_layers, kv_policy=args.kv_policy or "hole")
+                                        max_layers=args.max_layers, kv_policy=args.kv_policy or "hole",
+                                        progress=not args.no_progress)
     meta = {"prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "data": args.data, "evaluated": len(history)}
     path = save_skip_set(best, args.out, meta)
@@ -144,6 +146,7 @@ def _draft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks")
     p.add_argument("--max-train-blocks", type=int, help="corpus: read at most this many training blocks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _recipe_arguments(p: argparse.ArgumentParser, config_help: str, set_help: str) -> None:

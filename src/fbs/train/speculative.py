@@ -75,10 +75,19 @@ def evaluate_adapter(adapter: KangarooAdapter, model, blocks: torch.Tensor, batc
     return AdapterEval(top1 / n, overlap / n, loss / n)
 
 
+def _bar(total_or_items, desc: str, unit: str, enabled: bool):
+    """A progress bar over ``total_or_items`` steps (an int) or items (an iterable to wrap)."""
+    from tqdm.auto import tqdm
+
+    kw = dict(desc=desc, unit=unit, dynamic_ncols=True, disable=not enabled, leave=False)
+    return tqdm(total=total_or_items, **kw) if isinstance(total_or_items, int) else tqdm(total_or_items, **kw)
+
+
 def train_kangaroo_adapter(model, train_blocks: torch.Tensor, exit_layer: int, *, steps: int = 300,
                            lr: float = 1e-3, batch_size: int = 4, eval_blocks: torch.Tensor | None = None,
                            weight_decay: float = 0.0, seed: int = 0, log_every: int = 50,
-                           adapter: KangarooAdapter | None = None) -> tuple[KangarooAdapter, dict]:
+                           adapter: KangarooAdapter | None = None,
+                           progress: bool = False) -> tuple[KangarooAdapter, dict]:
     """Train a Kangaroo adapter for the FBS ``model`` (full depth, gates off) on ``train_blocks`` (N, T).
 
     Each step distils the full model's distribution at every position of ``batch_size`` blocks (cycled in a
@@ -94,6 +103,7 @@ def train_kangaroo_adapter(model, train_blocks: torch.Tensor, exit_layer: int, *
     order = torch.randperm(len(train_blocks), generator=gen)
     before = evaluate_adapter(adapter, model, eval_blocks, batch_size) if eval_blocks is not None else None
     curve = []
+    bar = _bar(steps, "kangaroo", "step", progress)
     for step in range(steps):
         idx = [order[(step * batch_size + j) % len(order)] for j in range(batch_size)]
         ids = train_blocks[torch.stack(idx)]
@@ -104,8 +114,11 @@ def train_kangaroo_adapter(model, train_blocks: torch.Tensor, exit_layer: int, *
         opt.step()
         sched.step()
         curve.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{curve[-1]:.3f}", refresh=False)
         if log_every and (step + 1) % log_every == 0:
             logger.info("kangaroo step %d/%d: loss %.4f", step + 1, steps, sum(curve[-log_every:]) / log_every)
+    bar.close()
     adapter.eval()
     after = evaluate_adapter(adapter, model, eval_blocks, batch_size) if eval_blocks is not None else None
     summary = {"exit_layer": exit_layer, "steps": steps, "lr": lr, "batch_size": batch_size,
@@ -148,7 +161,7 @@ def measure_skip_set(model, prompts: list[list[int]], layers: list[int], *, new_
 
 def search_draft_layers(model, prompts: list[list[int]], *, new_tokens: int = 32, gamma: int = 4,
                         candidates: list[int] | None = None, max_layers: int | None = None,
-                        kv_policy: str = "hole") -> tuple[DraftCandidate, list[DraftCandidate]]:
+                        kv_policy: str = "hole", progress: bool = False) -> tuple[DraftCandidate, list[DraftCandidate]]:
     """Greedy forward selection: start from no skipped layer; each round adds the candidate layer whose skip set
     has the highest expected speed-up; stop when no addition improves it (or at ``max_layers``). Candidates
     default to the model's skippable (gated) layers. Returns the best set and every set measured."""
@@ -157,8 +170,10 @@ def search_draft_layers(model, prompts: list[list[int]], *, new_tokens: int = 32
     best = measure_skip_set(model, prompts, chosen, new_tokens=new_tokens, gamma=gamma, kv_policy=kv_policy)
     history = [best]
     while pool and (max_layers is None or len(chosen) < max_layers):
-        trials = [measure_skip_set(model, prompts, chosen + [l], new_tokens=new_tokens, gamma=gamma,
-                                   kv_policy=kv_policy) for l in pool]
+        trials = []
+        for l in _bar(pool, f"draft search, round {len(chosen) + 1}", "set", progress):
+            trials.append(measure_skip_set(model, prompts, chosen + [l], new_tokens=new_tokens, gamma=gamma,
+                                           kv_policy=kv_policy))
         history += trials
         top = max(trials, key=lambda c: c.speedup)
         logger.info("draft search: %s -> expected speed-up %.3f (alpha %.3f, cost %.3f)", top.layers, top.speedup,
