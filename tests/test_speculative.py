@@ -269,6 +269,16 @@ def test_draft_search_measures_acceptance_and_prices_the_draft(one_thread):
     assert all(0.0 <= c.alpha <= 1.0 and 0 < c.draft_cost <= 1.0 for c in history)
 
 
+def test_draft_search_with_max_layers_runs_every_round_and_keeps_the_best_set(one_thread):
+    from fbs.train.speculative import search_draft_layers
+
+    model = _model("llama")
+    best, history = search_draft_layers(model, _prompts(2), new_tokens=8, gamma=3, max_layers=2)
+    pool = len(model.layers_cfg.gated)
+    assert len(history) == 1 + pool + (pool - 1), "two full rounds, whether or not a round improved"
+    assert best.speedup == max(c.speedup for c in history)
+
+
 def test_bench_runs_the_lossless_systems(one_thread, tmp_path):
     from fbs.bench.harness import BenchConfig, measure
     from fbs.bench.runner import RunSpec, build_systems

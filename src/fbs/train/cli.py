@@ -191,6 +191,6 @@ def register(subparsers: Any) -> None:
     d.add_argument("--prompt-len", type=int, default=128)
     d.add_argument("--new-tokens", type=int, default=32)
     d.add_argument("--draft-tokens", type=int, default=4, help="gamma of the search's decoding")
-    d.add_argument("--max-layers", type=int, help="stop after this many skipped layers")
+    d.add_argument("--max-layers", type=int, help="search this many rounds (skipped layers) even when a round does not improve, keep the best set")
     d.add_argument("--out", required=True, help="JSON file of the chosen set")
     d.set_defaults(func=cmd_draft_search)

@@ -163,7 +163,9 @@ def search_draft_layers(model, prompts: list[list[int]], *, new_tokens: int = 32
                         candidates: list[int] | None = None, max_layers: int | None = None,
                         kv_policy: str = "hole", progress: bool = False) -> tuple[DraftCandidate, list[DraftCandidate]]:
     """Greedy forward selection: start from no skipped layer; each round adds the candidate layer whose skip set
-    has the highest expected speed-up; stop when no addition improves it (or at ``max_layers``). Candidates
+    has the highest expected speed-up; stop when no addition improves it, or, with ``max_layers``, after that many
+    rounds (keeping the best set seen: skipping one layer saves ~1/L of a step, rarely enough to pay for
+    verification, so the first rounds may not improve on no skipping at all). Candidates
     default to the model's skippable (gated) layers. Returns the best set and every set measured."""
     pool = list(candidates if candidates is not None else model.layers_cfg.gated)
     chosen: list[int] = []
@@ -178,9 +180,9 @@ def search_draft_layers(model, prompts: list[list[int]], *, new_tokens: int = 32
         top = max(trials, key=lambda c: c.speedup)
         logger.info("draft search: %s -> expected speed-up %.3f (alpha %.3f, cost %.3f)", top.layers, top.speedup,
                     top.alpha, top.draft_cost)
-        if top.speedup <= best.speedup:
-            break
-        best = top
+        if top.speedup <= best.speedup and max_layers is None:
+            break  # no addition pays; with max_layers the search goes on (one layer rarely pays for the verifier)
+        best = top if top.speedup > best.speedup else best
         added = [l for l in top.layers if l not in chosen][0]
         chosen.append(added)
         pool.remove(added)
