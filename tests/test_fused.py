@@ -82,14 +82,16 @@ def test_bf16_weights_run_and_stay_close():
     assert 0 < (a - b).abs().max() < 0.05 * (a.max() - a.min())
 
 
-def test_compiled_graph_count_does_not_grow_with_skip_patterns():
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_compiled_graph_count_does_not_grow_with_skip_patterns(weights):
     """The compiled step takes weights and cache buffers as arguments and the skip loop stays in Python: new
     per-token skip patterns reuse the captured graphs (counted at dynamo's level; ``eager`` backend for speed)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     model = randomize(fbs_tiny(), gate_bias=0.0)
-    kw = dict(ignore_eos=True, compile="eager")
+    kw = dict(ignore_eos=True, compile="eager", weights=weights)
     model.generate(PROMPT, max_new_tokens=10, **kw)                                     # gates decide
     model.generate(PROMPT, max_new_tokens=10, force_compute=True, **kw)
     first = counters["stats"]["unique_graphs"]
@@ -104,10 +106,11 @@ def test_compiled_graph_count_does_not_grow_with_skip_patterns():
 
 
 @pytest.mark.slow
-def test_compiled_decoding_gives_eager_tokens():
-    """inductor (cpp_wrapper) vs eager fused fp32: identical tokens and skips, logits within rounding."""
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_compiled_decoding_gives_eager_tokens(weights):
+    """inductor (cpp_wrapper) vs eager fused weights: identical tokens and skips, logits within rounding."""
     model = randomize(fbs_tiny(), gate_bias=0.0)
-    kw = dict(max_new_tokens=16, ignore_eos=True, output_scores=True)
+    kw = dict(max_new_tokens=16, ignore_eos=True, output_scores=True, weights=weights)
     eager = model.generate(PROMPT, **kw)
     compiled = model.generate(PROMPT, compile=True, **kw)
     assert compiled.new_tokens == eager.new_tokens

@@ -314,6 +314,7 @@ class _Decoder:
         self.spec = None  # lossless decoding's bookkeeping (fbs.speculative), set by its run
         # a baseline's per-call policy state (fbs.baselines): prefill_mix / decide / mix / bypass / observe
         self.skipper = None if opts.skip_policy is None or opts.force_compute else opts.skip_policy.start(self)
+        self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
 
     def _context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
         return CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
@@ -349,8 +350,9 @@ class _Decoder:
     def _needs_gate(self, l: int) -> bool:
         return self.gated[l] and self.plan is None and not self.opts.force_compute and self.skipper is None
 
-    def _skip_decision(self, l, step, rows, logit) -> tuple[list[bool], list[float] | None]:
-        """Returns (skip per row, gate logits per row or None). ``logit`` (b,) is read once."""
+    def _skip_decision(self, l, step, rows, logit, thresholds=None) -> tuple[list[bool], list[float] | None]:
+        """Returns (skip per row, gate logits per row or None). ``logit`` (b,) is read once; ``thresholds``:
+        the rows' logit thresholds (:meth:`_row_threshold`)."""
         o = self.opts
         if o.force_compute:
             return [False] * len(rows), None
@@ -364,7 +366,9 @@ class _Decoder:
             both = torch.stack([logit.float(), torch.bernoulli(p, generator=self.gen)]).tolist()
             return [d > 0.5 for d in both[1]], both[0]
         values = logit.tolist()  # the layer's one host read
-        return [v > self._row_threshold(r) for v, r in zip(values, rows)], values
+        if thresholds is None:
+            thresholds = [self._row_threshold(r) for r in rows]
+        return [v > t for v, t in zip(values, thresholds)], values
 
     def _row_threshold(self, row: int) -> float:
         """The logit threshold of this row's tau (p > tau <=> logit > log(tau / (1 - tau)))."""
@@ -399,19 +403,26 @@ class _Decoder:
         cos, sin = ops.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
         ctx = self._context(rows, [[p] for p in pos_list], cos, sin)
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
-        zterms = ops.preview_terms(zlow)
+        zero_z, zterms = True, None     # zlow is still zero; the gates' terms of zlow, made when a gate needs them
         x_prev, prev_skip = None, None  # previous layer's input; (b, 1) 1.0 where it was skipped (None: none was)
-        prev_norm = None                # ||x_prev|| when the previous layer's pre computed it
+        thresholds = None               # per row, the logit threshold of its tau (fixed within a step)
         for i, r in enumerate(rows):
             rec.ctx[r][steps[i]], rec.valid[r][steps[i]] = pos_list[i], True
         for l in range(self.L):
             gated = self._needs_gate(l)
-            pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True, prev_norm) if gated else None
+            if gated:
+                if zterms is None:
+                    zterms = ops.preview_terms(None if zero_z else zlow, b)
+                if thresholds is None:
+                    thresholds = [self._row_threshold(r) for r in rows]
+                pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True)
+            else:
+                pre = None
             if self.skipper is not None:  # a baseline's policy decides
                 pre = ops.pre(l, x, ctx, None, None, None, False)
                 skip, logits = self.skipper.decide(l, step, rows, x, pre)
             else:
-                skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None)
+                skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None, thresholds)
             run = self._batch_run(skip)
             if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn"):
                 pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs
@@ -421,11 +432,19 @@ class _Decoder:
                 new, zlow_new, sel, paw, ch = self._whole_layer(l, x, ctx, pre, run, zlow)
             self._record(steps, l, rows, skip, run, logits, sel, paw, ch)
             if paw is not None:
-                zlow, zterms = zlow_new, ops.preview_terms(zlow_new)
+                zlow, zero_z, zterms = zlow_new, False, None
             if m.gates.use_prev_skip:
-                prev_skip = None if all(run) else torch.tensor([[0.0 if r else 1.0] for r in run], device=self.dev)
-            x_prev, x, prev_norm = x, new, (pre.norm if pre is not None else None)
+                prev_skip = None if all(run) else self._skip_indicator(run)
+            x_prev, x = x, new
         return ops.head(x)[:, 0]
+
+    def _skip_indicator(self, run: list[bool]) -> torch.Tensor:
+        """(b, 1) 1.0 for the rows that skipped, one tensor per pattern (made once per call)."""
+        key = tuple(run)
+        t = self._indicators.get(key)
+        if t is None:
+            t = self._indicators[key] = torch.tensor([[0.0 if r else 1.0] for r in run], device=self.dev)
+        return t
 
     def _whole_layer(self, l, x, ctx, pre, run, zlow):
         """Layer granularity: the layer runs for the rows in ``run``; the others keep x (and, under ``project``,

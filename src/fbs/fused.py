@@ -9,6 +9,9 @@ rebuilt when any source parameter changes (the HF modules stay the source of tru
 * per layer, W_kvg = [W_k; W_v; A_l] where A_l is the gate's input projection folded through the shared
   residual projection (the gate reads RMSNorm_1(h), the same input as K/V), so one matmul gives K, V and the
   gate's hidden pre-activation; then W_q, W_o, [W_gate; W_up] and W_down;
+* the gates' terms that do not depend on a layer's input (hidden bias + preview term, all gated layers in one
+  matmul per preview summary) and their constant relative-update terms (first layer, skipped previous layer),
+  so that a gated layer adds few small ops to its ``pre`` (see :func:`_gate_logit`) and one host read;
 * the LM head (tied or not) in the same format;
 * weights in fp32, bf16 or int8 per output channel (:mod:`fbs.quant`); fp32 computes what the HF modules do.
 
@@ -47,7 +50,6 @@ class Pre(NamedTuple):
     xn: torch.Tensor                                   # (b, T, d) RMSNorm_1(x)
     kv: tuple[torch.Tensor, torch.Tensor] | None       # (b, Hkv, T, hd) rotated K and V, when already projected
     logit: torch.Tensor | None                         # (b,) gate logit (skip when > logit(tau)), gated layers
-    norm: torch.Tensor | None = None                   # (b, T) ||x||, from RMSNorm_1's statistic (fused ops)
 
 
 def decode_ops(model, weights: str = "fp32", compile: bool = False):
@@ -84,28 +86,23 @@ class HFDecodeOps(HFOps):
         super().__init__(model.base)
         self.gates = model.gates.fused()
 
-    def preview_terms(self, zlow: torch.Tensor):
-        return self.gates.preview_terms(zlow)
+    def preview_terms(self, zlow: torch.Tensor | None, rows: int):
+        """The gates' preview terms of a step's ``rows`` rows; ``zlow`` None: no PAW layer ran yet (zero terms)."""
+        return None if zlow is None else self.gates.preview_terms(zlow)
 
-    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool, prev_norm=None) -> Pre:
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
         xn = self.norm1(l, x)
         if not gated:
             return Pre(xn, None, None)
-        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev, prev_norm)
+        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev)
         return Pre(xn, None, self.gates.logits(l, xn, rel, zterms, prev_skip)[:, 0])
 
 
 # --------------------------------------------------------------------------- fused copies
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype."""
-    return _rms_and_norm(x, w, eps)[0]
-
-
-def _rms_and_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm(x) and ||x|| (..., ) from the same statistic: ||x|| = sqrt(d * mean(x^2))."""
     xf = x.float()
-    ms = xf.pow(2).mean(-1, keepdim=True)
-    return w * (xf * torch.rsqrt(ms + eps)).to(x.dtype), (ms.squeeze(-1) * x.shape[-1]).sqrt().to(x.dtype)
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _linear(x, w, s, b):
@@ -122,28 +119,43 @@ def _heads(y: torch.Tensor, n: int, hd: int, norm, eps: float) -> torch.Tensor:
     return y.transpose(1, 2)
 
 
-def _pre_step(x, x_prev, prev_norm, zterm, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int,
+def _pre_step(x, x_prev, terms, rel_term, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int,
               hd: int, eps: float):
-    """RMSNorm_1, ||x|| (from RMSNorm's statistic), K/V (rotated) and, with ``gate`` = (w_rel, w_prev, out_w,
-    out_b, bias), the gate logit (b,). The relative update divides by ``prev_norm`` = ||x_prev|| when given."""
-    xn, norm = _rms_and_norm(x, ln1, eps)
-    y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, T, 2*nkv*hd [+ G])
+    """RMSNorm_1, K/V (rotated) and, with ``gate`` (see :func:`_gate_logit`), the gate logit (b,)."""
+    xn = _rms(x, ln1, eps)
+    y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, 1, 2*nkv*hd [+ G])
     width = nkv * hd
-    k = apply_rope(_heads(y[..., :width], nkv, hd, kn, eps), cos, sin)
-    v = _heads(y[..., width:2 * width], nkv, hd, None, eps)
     if gate is None:
-        return xn, norm, k, v, None
-    w_rel, w_prev, out_w, out_b, bias = gate
-    g = y[..., 2 * width:] if bias is None else bias.expand(*x.shape[:-1], -1)  # (b, T, G)
-    if w_rel is not None:
-        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev, prev_norm)
-        g = g + torch.log(rel + 1e-3).unsqueeze(-1) * w_rel
-    if zterm is not None:
-        g = g + zterm
+        k, v, g = y[..., :width], y[..., width:2 * width], None
+    else:  # one op for the three parts; the gate's width G (0 without the residual input) is fixed per layer
+        k, v, g = y.split_with_sizes([width, width, y.shape[-1] - 2 * width], -1)
+    k = apply_rope(_heads(k, nkv, hd, kn, eps), cos, sin)
+    v = _heads(v, nkv, hd, None, eps)
+    if torch.compiler.is_compiling():  # a view of y has y's row stride, which the gate's columns change: the compiled
+        v = v.clone(memory_format=torch.contiguous_format)  # block step would go shape-generic (sizes read per call)
+    if gate is None:
+        return xn, k, v, None
+    return xn, k, v, _gate_logit(g, x, x_prev, terms, rel_term, prev_skip, gate)
+
+
+def _gate_logit(g, x, x_prev, terms, rel_term, prev_skip, gate):
+    """A skip gate's logit (b,) for one token per row: out(silu(hidden)) with hidden = the gate's columns of the
+    fused K/V matmul ``g`` (b, 1, G; width 0 without the residual input) + ``terms`` (its bias and preview term,
+    :meth:`FusedOps.preview_terms`) + w_rel log(||x - x_prev|| / ||x_prev|| + 1e-3) [+ w_prev prev_skip].
+    ``x_prev`` None: the relative-update term is the constant ``rel_term`` (or absent when None).
+    ``gate`` = (w_rel, w_prev, out_w (G,), out_b (1,), 1e-3 as a tensor). Written in few ops, each of which is a
+    dispatch in eager mode (e.g. addmv rather than a linear over (b, 1, G), which dispatches a dozen)."""
+    w_rel, w_prev, out_w, out_b, eps = gate
+    h = terms if g.shape[-1] == 0 else g + terms
+    if x_prev is not None:
+        u = torch.linalg.vector_norm(x - x_prev, dim=-1, keepdim=True)                      # (b, 1, 1)
+        u_prev = torch.linalg.vector_norm(x_prev, dim=-1, keepdim=True).clamp_min_(1e-6)
+        h = torch.addcmul(h, torch.addcdiv(eps, u, u_prev).log_(), w_rel)
+    elif rel_term is not None:
+        h = h + rel_term
     if prev_skip is not None:
-        g = g + prev_skip.unsqueeze(-1) * w_prev
-    logit = F.linear(F.silu(g), out_w, out_b)                        # (b, T, 1)
-    return xn, norm, k, v, logit[:, -1, 0]
+        h = torch.addcmul(h, prev_skip.unsqueeze(-1), w_prev)
+    return torch.addmv(out_b, F.silu(h).view(-1, h.shape[-1]), out_w)
 
 
 def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int):
@@ -185,7 +197,16 @@ class _Layer(NamedTuple):
     ln2: torch.Tensor
     gu: Weight
     down: Weight
-    gate: tuple | None        # (w_rel, w_prev, out_w, out_b, bias-when-no-rows), gated layers
+    gate: "_Gate | None"      # gated layers
+
+
+class _Gate(NamedTuple):
+    """A gated layer's gate as the one-token step reads it (its input projection is in the layer's W_kvg)."""
+
+    index: int                     # position among the gated layers: which of the per-token terms is its
+    step: tuple                    # (w_rel, w_prev, out_w, out_b, eps) for _gate_logit; w_rel / w_prev None if unused
+    rel_first: torch.Tensor | None  # w_rel log(1 + 1e-3): no previous layer (relative update 1)
+    rel_zero: torch.Tensor | None   # w_rel log(0 + 1e-3): every row skipped the previous layer (update 0)
 
 
 def _compile_dir() -> str:
@@ -226,7 +247,14 @@ class FusedOps:
         self.dtype = base.embedding_weight.dtype
         fused_gates = model.gates.fused()
         self.gates = fused_gates
-        self.layers = [self._layer(l, fused_gates, model.layers_cfg.gated) for l in range(spec.num_layers)]
+        self.gated = tuple(model.gates.layer_ids)
+        self.layers = [self._layer(l, fused_gates) for l in range(spec.num_layers)]
+        # all gates' input-independent terms of a token: hidden bias + preview term (one matmul), (b, 1, n * G)
+        biases = [fused_gates.a[l][1] for l in self.gated]
+        self._term_b = torch.cat([b.detach() for b in biases]) if biases else None
+        self._term_w = None if fused_gates.z_all is None else fused_gates.z_all.detach()
+        self._gate_width = biases[0].shape[0] if biases else 0
+        self._zero_terms: dict[int, tuple] = {}  # rows -> the terms of a zero preview summary
         self.norm_w = base.norm.weight.detach()
         self.eps = float(getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", 1e-6)))
         self.head_w = Weight(base.lm_head.weight, fmt)
@@ -240,24 +268,23 @@ class FusedOps:
         if compile:
             wrap = _compiler(compile, self.emb.device)
             fns = tuple(wrap(f) for f in fns)
+            for w in self.layers:  # W_kvg is taller on gated layers (the gate's columns): one static graph per
+                for t in (*w.kvg.tensors, w.kvg_b):  # height, not a shape-generic one that reads sizes every call
+                    if t is not None:
+                        torch._dynamo.mark_static(t)
         self._pre_fn, self._block_fn, self._ffn_fn, self._head_fn = fns
 
-    def _layer(self, l: int, fg, gated: tuple[int, ...]) -> _Layer:
+    def _layer(self, l: int, fg) -> _Layer:
         layer, fmt = self.base.layers[l], self.fmt
         attn, mlp = layer.self_attn, layer.mlp
         rows = [attn.k_proj.weight, attn.v_proj.weight]
         bias = [attn.k_proj.bias, attn.v_proj.bias] if attn.k_proj.bias is not None else None
-        gate = None
-        if l in gated:
-            a, hid_b = fg.a[l]
-            if a is not None:  # fold the gate's input projection into the K/V matmul
-                rows.append(a)
-                if bias is not None:
-                    bias.append(hid_b)
-                elif hid_b is not None:
-                    bias = [torch.zeros(2 * attn.k_proj.weight.shape[0], dtype=a.dtype, device=a.device), hid_b]
-            gate = (fg.w_rel.get(l), fg.w_prev.get(l), fg.out_w[l].detach(), fg.out_b[l].detach(),
-                    None if a is not None else hid_b.detach())
+        gate = self._gate(l, fg) if l in self.gated else None
+        a = fg.a[l][0] if gate is not None else None  # its hidden bias is in the per-token terms (preview_terms)
+        if a is not None:  # fold the gate's input projection into the K/V matmul
+            rows.append(a)
+            if bias is not None:
+                bias.append(torch.zeros(a.shape[0], dtype=a.dtype, device=a.device))
         kvg_b = torch.cat([b.detach() for b in bias]) if bias is not None else None
         norm = lambda m: None if m is None else m.weight.detach()  # noqa: E731
         return _Layer(
@@ -269,6 +296,14 @@ class FusedOps:
             gu=Weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), fmt),
             down=Weight(mlp.down_proj.weight, fmt), gate=gate,
         )
+
+    def _gate(self, l: int, fg) -> _Gate:
+        detach = lambda t: None if t is None else t.detach()  # noqa: E731
+        w_rel, w_prev = detach(fg.w_rel.get(l)), detach(fg.w_prev.get(l))
+        one = torch.ones((), dtype=self.dtype, device=self.base.embedding_weight.device)
+        rel = lambda u: None if w_rel is None else torch.log(u + 1e-3) * w_rel  # noqa: E731  (the step's arithmetic)
+        step = (w_rel, w_prev, fg.out_w[l].detach()[0], fg.out_b[l].detach(), torch.full_like(one, 1e-3))
+        return _Gate(self.gated.index(l), step, rel(one), rel(one * 0))
 
     # ---- whole-model pieces ---------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -283,8 +318,19 @@ class FusedOps:
         x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
         return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
 
-    def preview_terms(self, zlow: torch.Tensor):
-        return self.gates.preview_terms(zlow)
+    def preview_terms(self, zlow: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, ...]:
+        """Per gated layer, the (rows, 1, G) part of its gate's hidden pre-activation that does not depend on the
+        layer's input: hidden bias + preview term of ``zlow`` (rows, 1, R), all layers in one matmul; ``zlow`` None
+        stands for a zero preview summary (no PAW layer ran yet): the biases alone, built once per row count."""
+        if self._term_b is None:
+            return ()
+        if zlow is None or self._term_w is None:
+            terms = self._zero_terms.get(rows)
+            if terms is None:
+                flat = self._term_b.expand(rows, 1, -1).contiguous()
+                terms = self._zero_terms[rows] = flat.split(self._gate_width, -1)
+            return terms
+        return F.linear(zlow, self._term_w, self._term_b).split(self._gate_width, -1)
 
     # ---- one layer ------------------------------------------------------------
     def _one_token(self, x: torch.Tensor, ctx) -> bool:
@@ -293,20 +339,21 @@ class FusedOps:
     def norm1(self, l: int, x: torch.Tensor) -> torch.Tensor:
         return _rms(x, self.layers[l].ln1, self.eps)
 
-    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool, prev_norm=None) -> Pre:
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
         """One-token steps: RMSNorm_1, K/V and (``gated``) the gate logit in one function, from one matmul.
-        ``prev_norm``: ||x_prev|| from the previous layer's :class:`Pre` (None: computed here)."""
+        ``zterms``: :meth:`preview_terms` of the step; ``x_prev``: the previous layer's input (None: none), ``x``
+        itself when every row skipped that layer; ``prev_skip`` (b, 1) 1.0 where it was skipped, or None."""
         w = self.layers[l]
-        gate = w.gate if gated else None
-        zterm = None if zterms is None or gate is None else zterms[..., self.gates.z_slice[l]]
-        ps = prev_skip if gate is not None and gate[1] is not None else None
-        xp = x_prev if gate is not None and gate[0] is not None else None
-        if xp is x:  # every row skipped the previous layer; a distinct tensor keeps one compiled graph (no aliasing)
-            xp = x.clone()
-        pn = prev_norm if xp is not None else None
-        xn, norm, k, v, logit = self._pre_fn(x, xp, pn, zterm, ps, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b,
-                                             w.k_norm, gate, **self._k_pre)
-        return Pre(xn, (k, v), logit, norm)
+        gate, terms, xp, rel, ps = (w.gate if gated else None), None, None, None, None
+        if gate is not None:
+            terms = zterms[gate.index]
+            if gate.rel_first is not None:  # the relative update: computed, or a constant when it is 1 or 0
+                xp, rel = (None, gate.rel_first) if x_prev is None else (None, gate.rel_zero) if x_prev is x else \
+                    (x_prev, None)
+            ps = prev_skip if gate.step[1] is not None else None
+        xn, k, v, logit = self._pre_fn(x, xp, terms, rel, ps, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b,
+                                       w.k_norm, None if gate is None else gate.step, **self._k_pre)
+        return Pre(xn, (k, v), logit)
 
     def kv(self, l: int, xn: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         if xn.shape[1] != 1:
@@ -319,8 +366,8 @@ class FusedOps:
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
         if kv is None:
-            xn2, _, k, v, _ = self._pre_fn(x, None, None, None, None, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors,
-                                           w.kvg_b, w.k_norm, None, **self._k_pre)
+            xn2, k, v, _ = self._pre_fn(x, None, None, None, None, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors,
+                                        w.kvg_b, w.k_norm, None, **self._k_pre)
             xn = xn2 if xn is None else xn
         else:
             k, v = kv
