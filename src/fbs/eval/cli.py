@@ -17,6 +17,7 @@
     fbs eval group-b --bench bench.json --sweeps results/*.json --runs results/*_mmlu.json --out results/group_b.json
     fbs eval chat --checkpoint CKPT --taus 0.3,0.5 --control CTRL --out results/chat.json
     fbs eval safety --checkpoint CKPT --out results/safety.json
+    fbs eval mechanism --checkpoint CKPT --items heldout.jsonl --out results/mechanism
     fbs eval list
 
 Only this module prints; the handlers are plain functions returning an exit code.
@@ -764,6 +765,10 @@ def register(subparsers) -> None:
     ch.add_argument("--out", default="results/chat.json", help="JSON path (markdown next to it)")
     ch.add_argument("--no-progress", action="store_true")
     ch.set_defaults(func=cmd_chat)
+
+    from fbs.eval.mechanism import add_parser as add_mechanism_parser  # `fbs eval mechanism`: appendix G statistics
+
+    add_mechanism_parser(sub)
 
     sf = sub.add_parser("safety", help="appendix E.9 safety knobs on structured-output prompts: validity, Skip %%, "
                                        "latency with and without never-skip, structure protection, fallback rerun")
