@@ -9,7 +9,7 @@ import torch
 from fbs.cli import main
 from fbs.data.chat import ChatItem, write_items
 from fbs.eval import cli as eval_cli
-from fbs.eval.chat import Answer, answer_nll, generate_answers, per_item_metrics
+from fbs.eval.chat import Answer, answer_nll, eos_ids, generate_answers, per_item_metrics
 from fbs.eval.textmetrics import first_repeated_ngram, has_repeated_ngram, lcs_length, rouge_l, tail_period
 
 from conftest import fbs_tiny
@@ -189,3 +189,29 @@ def test_eval_chat_command_end_to_end(tmp_path, monkeypatch):
     res2 = json.loads(out.read_text())
     assert [r["name"] for r in res2["systems"]] == ["base", "fbs tau 0.5"]
     assert res2["systems"][0]["items"][0]["text"] == "FROM THE CACHE"
+
+
+def test_reference_weights_decode_the_base_with_other_engine_weights(tmp_path, monkeypatch):
+    """`--reference-weights fp32,int8`: fp32 reproduces the base answers exactly (ROUGE-L 1); int8 gives the
+    answers of the base model decoded by the engine in int8, every layer run."""
+    base, tok = _lively(fbs_tiny(seed=1)), ChatByteTokenizer()
+    loaders = {"checkpoint": lambda: _gated_only(_lively(fbs_tiny(seed=1)))}
+    monkeypatch.setattr(eval_cli, "_load_chat_models", lambda args: (base, tok, loaders, 0.5))
+    items = _items()
+    write_items(tmp_path / "heldout.jsonl", items)
+    out = tmp_path / "chat.json"
+    argv = ["eval", "chat", "--items", str(tmp_path / "heldout.jsonl"), "--no-full", "--taus", "0.5",
+            "--reference-weights", "fp32,int8", "--max-new-tokens", "10", "--batch-size", "4", "--out", str(out),
+            "--base-cache", str(tmp_path / "cache.json"), "--no-progress"]
+    assert main(argv) == 0
+    recs = {r["name"]: r for r in json.loads(out.read_text())["systems"]}
+    assert list(recs) == ["base", "fbs tau 0.5", "base, fp32 weights", "base, int8 weights"]
+    assert recs["base, fp32 weights"]["metrics"]["rouge_l"]["value"] == 1.0
+    prompts = [tok.apply_chat_template([{"role": "user", "content": it.prompt}], add_generation_prompt=True)
+               for it in items]
+    want, _ = generate_answers(base, tok, items, prompts, None, eos=eos_ids(base, tok), max_new_tokens=10,
+                               batch_size=4, weights="int8")
+    assert [it["tokens"] for it in recs["base, int8 weights"]["items"]] == [a.tokens for a in want]
+    assert recs["base, int8 weights"]["skip_ratio"] == 0.0
+    with pytest.raises(SystemExit, match="unknown format"):
+        main(argv[:8] + ["int4"] + argv[9:])

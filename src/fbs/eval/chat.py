@@ -58,13 +58,16 @@ CACHE_FORMAT = 1
 
 @dataclasses.dataclass(frozen=True)
 class ChatSystem:
-    """One system of the comparison. ``kind``: base | full | tau | control (full depth of a second checkpoint)."""
+    """One system of the comparison. ``kind``: base | full | tau | control (full depth of a second checkpoint) |
+    reference (the base model decoded with other engine weights, e.g. int8: how far answers move when nothing
+    but rounding changes, the floor of the answer-level metrics)."""
 
     name: str
     kind: str
     model_key: str               # systems with the same key share one loaded model
     tau: float | None = None     # None: every layer runs (force_compute)
     checkpoint: str | None = None
+    weights: str | None = None   # engine weights (fp32 | bf16 | int8); None: the engine's default
 
 
 @dataclasses.dataclass
@@ -114,11 +117,14 @@ def eos_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def generate_answers(model, tokenizer, items: Sequence[ChatItem], prompts: Sequence[list[int]], tau: float | None,
                      eos: Sequence[int], max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = BATCH_SIZE,
-                     progress: Callable[[int], None] | None = None) -> tuple[list[Answer], DecodeStats]:
+                     progress: Callable[[int], None] | None = None,
+                     weights: str | None = None) -> tuple[list[Answer], DecodeStats]:
     """Greedy answers of ``model`` to ``prompts`` (token ids), ``batch_size`` prompts per engine call, in order;
-    ``tau=None`` runs every layer (``force_compute``)."""
+    ``tau=None`` runs every layer (``force_compute``); ``weights``: the engine's weight format."""
     model.eval()
     kw = {"force_compute": True} if tau is None else {"tau": float(tau)}
+    if weights is not None:
+        kw["weights"] = weights
     answers, stats, eos_set = [], DecodeStats(), set(eos)
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
@@ -322,11 +328,12 @@ def run_chat_eval(base_model, tokenizer, items: Sequence[ChatItem], systems: Seq
             answers, stats = base, base_stats
         else:
             answers, stats = generate_answers(model, tokenizer, items, prompts, sysm.tau, eos, max_new_tokens,
-                                              batch_size, bar.update)
+                                              batch_size, bar.update, sysm.weights)
             for a, v in zip(answers, answer_nll(base_model, prompts, answers, eos)):
                 a.base_nll = v
         if demo is not None:
-            (d,), _ = generate_answers(model, tokenizer, [demo], [demo_prompt_ids], sysm.tau, eos, max_new_tokens, 1)
+            (d,), _ = generate_answers(model, tokenizer, [demo], [demo_prompt_ids], sysm.tau, eos, max_new_tokens, 1,
+                                       weights=sysm.weights)
             demos[sysm.name] = d.text
         rec = system_record(sysm, answers, base, stats, seed)
         records.append(rec)

@@ -522,6 +522,11 @@ def cmd_chat(args) -> int:
     systems += [ChatSystem(f"fbs tau {t:g}", "tau", "checkpoint", t, ckpt) for t in taus]
     if args.control:
         systems.append(ChatSystem("control full depth", "control", "control", None, args.control))
+    ref = [w for w in (args.reference_weights or "").split(",") if w]
+    bad = [w for w in ref if w not in ("fp32", "bf16", "int8")]
+    if bad:
+        raise SystemExit(f"--reference-weights: unknown format(s) {bad}; use fp32, bf16 or int8")
+    systems += [ChatSystem(f"base, {w} weights", "reference", "base", None, "base", w) for w in ref]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"checkpoint": ckpt, "control": args.control, "items": args.items or "fbs.data.chat.split()",
@@ -753,6 +758,9 @@ def register(subparsers) -> None:
     ch.add_argument("--taus", help="comma-separated taus of the checkpoint (default: --tau or its config tau)")
     ch.add_argument("--control", help="control checkpoint, decoded at full depth")
     ch.add_argument("--no-full", action="store_true", help="skip the checkpoint at full depth")
+    ch.add_argument("--reference-weights", metavar="W[,W]",
+                    help="also decode the base model with these engine weights (bf16, int8): how far the answers "
+                         "move when only rounding changes, the floor of ROUGE-L / EOS / loop differences")
     ch.add_argument("--items", help="held-out items JSONL from `fbs data chat` (default: computed from the archive)")
     ch.add_argument("--limit", type=int, help="the first N held-out prompts of each language")
     ch.add_argument("--max-new-tokens", type=int, default=256)
