@@ -57,7 +57,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..modules.gate import relative_update
+from ..modules.gate import relative_updates
 from .stats import N_RESAMPLES, bh_adjusted, bootstrap_indices
 
 logger = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ def teacher_forced_updates(model, prompt: Sequence[int], answer: Sequence[int]) 
     ids = torch.tensor([list(prompt) + list(answer)], device=model.preview_ids.device)
     hs = model(ids, gate_mode="off", output_hidden_states=True).hidden_states
     p = len(prompt)
-    return torch.stack([relative_update(hs[l + 1][0, p:], hs[l][0, p:]) for l in range(len(hs) - 1)], dim=-1).float()
+    return relative_updates(hs)[0, p:].float()
 
 
 def _step_uncertainty(scores: torch.Tensor, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -53,7 +53,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..modules.gate import relative_update
+from ..modules.gate import relative_updates as layer_updates
 from .stats import bootstrap_ci, paired_bootstrap, ppl_metric
 
 DEFAULT_TAUS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)
@@ -177,8 +177,7 @@ def score(model, docs: Sequence[HeldoutDoc], tau: float | None = None, name: str
         logp = torch.log_softmax(logits[:, gate_from - 1:-1].float(), dim=-1)  # (B, T - gate_from, V)
         tok_nll = -logp.gather(-1, ids[:, gate_from:, None]).squeeze(-1)  # (B, T - gate_from)
         if want_rel:
-            hs = out.hidden_states
-            rel = torch.stack([relative_update(hs[l + 1], hs[l]) for l in range(n_layers)], dim=-1)  # (B, T, L)
+            rel = layer_updates(out.hidden_states)  # (B, T, L)
         for j, i in enumerate(idx):
             nll[i] = float(tok_nll[j].mean())
             if skips is not None:

@@ -20,6 +20,7 @@ h' = g h + (1 - g) f(h). Inference: g = 1[p > tau] (threshold) or g ~ Bernoulli(
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,11 @@ class SkipGates(nn.Module):
 def relative_update(new: torch.Tensor, old: torch.Tensor, old_norm: torch.Tensor | None = None) -> torch.Tensor:
     """||new - old|| / ||old|| over the last dim; ``old_norm`` is ||old|| when the caller already has it."""
     return (new - old).norm(dim=-1) / (old.norm(dim=-1) if old_norm is None else old_norm).clamp_min(1e-6)
+
+
+def relative_updates(hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every layer's :func:`relative_update` from the L + 1 hidden states of a full-compute pass: (..., L)."""
+    return torch.stack([relative_update(b, a) for a, b in zip(hidden_states[:-1], hidden_states[1:])], dim=-1)
 
 
 def straight_through(p: torch.Tensor, generator: torch.Generator | None = None,

@@ -167,12 +167,6 @@ def compute_loss(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (probs * m).sum() / m.sum().clamp_min(1)
 
 
-def relative_updates(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """||h^(l+1) - h^(l)|| / ||h^(l)|| of every layer in a full-compute pass: (B, T, L)."""
-    return torch.stack([(b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)
-                        for a, b in zip(hidden_states[:-1], hidden_states[1:])], dim=-1)
-
-
 def oracle_targets(rel_update: torch.Tensor, mask: torch.Tensor, rate: float = 0.3,
                    temperature: float = 0.25) -> torch.Tensor:
     """Soft skip targets from the relative-update oracle (DESIGN.md §7).

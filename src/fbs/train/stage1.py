@@ -36,12 +36,13 @@ from torch import nn
 from .. import FBSForCausalLM
 from ..loading import load_checkpoint, load_fbs
 from ..model import BACKBONE_NAME, SkipTraining
+from ..modules.gate import relative_updates
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
 from .lora import LoRALinear, add_adapters, save_adapters
 from .losses import (BudgetThreshold, HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, distill_loss,
-                     lm_loss, oracle_targets, relative_updates)
+                     lm_loss, oracle_targets)
 
 logger = logging.getLogger(__name__)
 
