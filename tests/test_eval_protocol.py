@@ -79,6 +79,24 @@ def test_cpu_protocol_sizes_are_those_of_issue_15():
     assert all(e.task in T.TASKS for e in cpu.values() if e.run)
 
 
+def test_cpu_small_subsets_are_drawn_from_the_cpu_subsets():
+    """cpu-small's ids are a subset of cpu's (a later cpu run reruns them), about half of each, same strata."""
+    small = {e.task: e for e in T.PROTOCOLS["cpu-small"]}
+    cpu = {e.task: e for e in T.PROTOCOLS["cpu"]}
+    assert {t for t, e in small.items() if e.run} == {t for t, e in cpu.items() if e.run}
+    items = _items({"algebra": 30, "biology": 40, "chemistry": 25})
+    big = {x.id for x in T.draw_protocol_items(cpu["mmlu"], items, 42)}
+    part = T.draw_protocol_items(small["mmlu"], items, 42)
+    assert {x.id for x in part} < big and len(part) == 3 * small["mmlu"].per_stratum
+    flat = _items({"x": 1500})
+    for task in ("arc_easy", "hellaswag", "gsm8k", "mbpp"):
+        outer = {x.id for x in T.draw_protocol_items(cpu[task], flat, 42)}
+        inner = T.draw_protocol_items(small[task], flat, 42)
+        assert len(inner) == small[task].size < len(outer) and {x.id for x in inner} < outer
+        # not simply the first ones of the larger subset
+        assert [x.id for x in inner] != [x.id for x in flat if x.id in outer][:len(inner)]
+
+
 # ---------------------------------------------------------------------------- decode-faithful scoring
 def _engine_logprob(model, ctx, cont, tau):
     """log p(cont | ctx) decoded by the engine: ctx prefilled, each true continuation token fed back."""

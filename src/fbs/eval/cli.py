@@ -648,7 +648,7 @@ def register(subparsers) -> None:
     r.add_argument("--tasks", help="comma-separated task names (default: the main-table set, or the protocol's "
                                    "tasks; see `fbs eval list`)")
     r.add_argument("--limit", help="seeded subset size: N for every task, or task=N,...,default=N")
-    r.add_argument("--protocol", choices=("cpu", "full"),
+    r.add_argument("--protocol", choices=("cpu", "cpu-small", "full"),
                    help="issue 15's fixed subsets (cpu) or the whole sets (full); subset ids in --ids-dir")
     r.add_argument("--ids-dir", help="protocol subset ids, read when present, else written (default "
                                      "results/protocol_<protocol>)")

@@ -292,6 +292,9 @@ class ProtocolTask:
     """Examples per stratum instead (MMLU: questions per subject)."""
     note: str = ""
     run: bool = True
+    within: "ProtocolTask | None" = None
+    """Draw from this (larger) entry's subset instead of the whole set: the smaller protocol's ids are then a
+    subset of the larger one's, so its examples are rerun, not replaced, when compute allows the larger one."""
 
 
 #: Benchmarks of the paper's main table that ``fbs eval run`` cannot run offline, and why.
@@ -310,22 +313,34 @@ NOT_RUN = (
 
 _CHINESE = "substitute for CMMLU / C-Eval"
 
+_CPU = (
+    ProtocolTask("mmlu", per_stratum=20, note="20 questions per subject, 5-shot"),
+    ProtocolTask("arc_easy", 500, note="OLMES 5-shot"),
+    ProtocolTask("arc_challenge", 500, note="OLMES 5-shot"),
+    ProtocolTask("hellaswag", 500, note="OLMES 5-shot"),
+    ProtocolTask("gsm8k", 250, note="8-shot CoT, generated"),
+    ProtocolTask("humaneval", None, note="all 164, generated"),
+    ProtocolTask("mbpp", 200, note="3-shot, generated"),
+    ProtocolTask("ppl_c4", 100, note="English PPL, first 1024 tokens per document"),
+    ProtocolTask("ppl_zh", 200, note=f"Chinese PPL, {_CHINESE}"),
+    ProtocolTask("idiom_zh", None, note=f"all 1,000 idioms of the probe, {_CHINESE}"),
+)
+_CPU_BY_TASK = {e.task: e for e in _CPU}
+#: ``cpu-small``'s sizes: about half of ``cpu`` (one system in ~1 h on 2 idle cores), each drawn from ``cpu``'s subset.
+_CPU_SMALL = {"mmlu": (None, 5, "5 questions per subject, 5-shot"), "arc_easy": (250, None, "OLMES 5-shot"),
+              "arc_challenge": (250, None, "OLMES 5-shot"), "hellaswag": (200, None, "OLMES 5-shot"),
+              "gsm8k": (100, None, "8-shot CoT, generated"), "humaneval": (82, None, "82 of 164, generated"),
+              "mbpp": (100, None, "3-shot, generated"),
+              "ppl_c4": (50, None, "English PPL, first 1024 tokens per document"),
+              "ppl_zh": (100, None, f"Chinese PPL, {_CHINESE}"), "idiom_zh": (500, None, f"500 idioms, {_CHINESE}")}
+
 #: ``fbs eval run --protocol NAME``. ``cpu``: the subsets of issue 15 (one system's quality run on the 2-core
-#: CPU; see docs/eval.md for the cost estimate); ``full``: the whole sets.
+#: CPU in ~2.2 h; see docs/eval.md for the cost estimate); ``cpu-small``: half of each ``cpu`` subset, drawn from
+#: it (nested ids), for when two systems must fit one session; ``full``: the whole sets.
 PROTOCOLS: dict[str, tuple[ProtocolTask, ...]] = {
-    "cpu": (
-        ProtocolTask("mmlu", per_stratum=20, note="20 questions per subject, 5-shot"),
-        ProtocolTask("arc_easy", 500, note="OLMES 5-shot"),
-        ProtocolTask("arc_challenge", 500, note="OLMES 5-shot"),
-        ProtocolTask("hellaswag", 500, note="OLMES 5-shot"),
-        ProtocolTask("gsm8k", 250, note="8-shot CoT, generated"),
-        ProtocolTask("humaneval", None, note="all 164, generated"),
-        ProtocolTask("mbpp", 200, note="3-shot, generated"),
-        ProtocolTask("ppl_c4", 100, note="English PPL, first 1024 tokens per document"),
-        ProtocolTask("ppl_zh", 200, note=f"Chinese PPL, {_CHINESE}"),
-        ProtocolTask("idiom_zh", None, note=f"all 1,000 idioms of the probe, {_CHINESE}"),
-        *NOT_RUN,
-    ),
+    "cpu": (*_CPU, *NOT_RUN),
+    "cpu-small": (*(ProtocolTask(t, size, per_stratum=k, note=note, within=_CPU_BY_TASK[t])
+                    for t, (size, k, note) in _CPU_SMALL.items()), *NOT_RUN),
     "full": (
         ProtocolTask("mmlu", note="5-shot"), ProtocolTask("arc_easy", note="OLMES 5-shot"),
         ProtocolTask("arc_challenge", note="OLMES 5-shot"), ProtocolTask("hellaswag", note="OLMES 5-shot"),
@@ -341,12 +356,17 @@ IDS_FORMAT = "fbs-protocol-ids/1"
 
 def describe_selection(entry: ProtocolTask) -> str:
     if entry.per_stratum is not None:
-        return f"{entry.per_stratum} per stratum"
-    return "all" if entry.size is None else f"{entry.size} seeded"
+        text = f"{entry.per_stratum} per stratum"
+    else:
+        text = "all" if entry.size is None else f"{entry.size} seeded"
+    return text + (f" from the {describe_selection(entry.within)} subset" if entry.within is not None else "")
 
 
 def draw_protocol_items(entry: ProtocolTask, full: Sequence, seed: int) -> list:
-    """The subset of ``full`` that ``entry`` asks for (deterministic in ``seed``)."""
+    """The subset of ``full`` that ``entry`` asks for (deterministic in ``seed``), drawn from ``entry.within``'s
+    subset when it has one."""
+    if entry.within is not None:
+        full = draw_protocol_items(entry.within, full, seed)
     if entry.per_stratum is not None:
         return select_stratified(full, entry.per_stratum, seed)
     return select(full, entry.size, seed)
