@@ -2,6 +2,8 @@
 
 ``fbs train flexidepth``: the FlexiDepth baseline on the same data and budget (:mod:`fbs.baselines.train_flexidepth`).
 
+``fbs train ablations``: the module ablations of paper §4.3 (:mod:`fbs.train.ablations`).
+
 ``fbs train kangaroo`` / ``fbs train draft-search``: the drafts of lossless speculative decoding (Kangaroo's adapter,
 Draft&Verify's static skip set; :mod:`fbs.train.speculative`).
 """
@@ -175,6 +177,15 @@ def register(subparsers: Any) -> None:
     _recipe_arguments(f, "YAML file of FlexiDepthTrainConfig fields (configs/flexidepth_smollm2.yaml)",
                       "override a field (YAML value; flexidepth.FIELD for FlexiDepthConfig), repeatable")
     f.set_defaults(func=cmd_flexidepth)
+    from .ablations import add_arguments as ablation_arguments, cmd_ablations
+
+    a = sub.add_parser("ablations", help="the paper's module ablations (§4.3): -PAW, -CH, -SG, k_max, gate inputs, "
+                                         "each trained with one recipe and budget into OUT/<variant> (resumes), then "
+                                         "scored by the sweep; writes OUT/ablations.{json,md}")
+    _recipe_arguments(a, "YAML file of TrainConfig fields, the recipe of every variant (configs/stage1_smollm2.yaml)",
+                      "override a recipe field for every variant (YAML value; fbs.FIELD for FBSConfig), repeatable")
+    ablation_arguments(a)
+    a.set_defaults(func=cmd_ablations)
     k = sub.add_parser("kangaroo", help="Kangaroo's draft adapter: distil the full model's next-token distribution "
                                         "into one attention layer after the first N layers (fbs.kangaroo)")
     _draft_arguments(k)
