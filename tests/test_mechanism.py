@@ -249,8 +249,9 @@ def test_eval_mechanism_end_to_end(tmp_path, monkeypatch):
     assert b["boundary_tokens"] == int((tr.chunk_boundary & tr.valid).sum())
     if b["status"] == "ok":
         assert [o["offset"] for o in b["offsets"]] == [-2, -1, 0, 1, 2, 3]
-    # the token file: one line per prompt, the trace's skipped layers and k per token
-    lines = [json.loads(x) for x in (out / "mechanism_tokens.jsonl").read_text().splitlines()]
+    # the token file: a header with the run's config, one line per prompt, the trace's skipped layers and k per token
+    header, *lines = [json.loads(x) for x in (out / "mechanism_tokens.jsonl").read_text().splitlines()]
+    assert header == {"format": mech.TRACE_FORMAT, "version": mech.TRACE_VERSION, "config": res["config"]}
     assert [x["id"] for x in lines] == [it.id for it in items]
     for r, x in enumerate(lines):
         assert x["answer"] == ref.new_tokens[r]

@@ -10,8 +10,9 @@ import sys
 
 from .loading import add_model_arguments, load_from_args
 
-#: Subpackages that add their own subcommands through ``register(subparsers)``.
-SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.bench.cli", "fbs.train.cli", "fbs.rl.cli", "fbs.serve.cli")
+#: Modules that add their own subcommands through ``register(subparsers)`` (fbs.eval.mechanism: ``fbs analyze``).
+SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.eval.mechanism", "fbs.bench.cli", "fbs.train.cli",
+                      "fbs.rl.cli", "fbs.serve.cli")
 
 
 def cmd_info(args) -> int:

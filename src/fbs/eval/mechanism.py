@@ -40,6 +40,16 @@ non-zero p is 2/1000; Benjamini-Hochberg over every test in the report, q = 0.05
 Spearman is computed as Pearson of average ranks; a bootstrap resample weighs each token by its example's
 multiplicity, with ranks from those weights (exactly the statistic of the resampled data, no re-sorting).
 Kendall tau-b uses per-(x level, y value) weight tables, fast when x (here k) has few distinct values.
+
+**The trace** ``mechanism_tokens.jsonl`` holds everything the statistics read: a header line (``format``,
+``version``, the run's ``config``: tau, layers, gated and CH layers, resamples, seed, ...) and one line per
+prompt with its answer and, per analysed token, k, s, H, H_next, class, idiom, CH state, skipped layers, gate
+probabilities and relative updates, written so that they read back to the very arrays the decode analysed.
+:func:`analyze_trace` (``fbs analyze``) recomputes the report from it without a model: the decode run and the
+trace run both go through :func:`summarize`, so with the same resamples and seed they give the same statistics.
+Traces of format 1 (before the header) need the ``mechanism.json`` of their run next to them (for the config
+and for the two gate-probability statistics, which they do not hold) and have s, H, H_next and E rounded to
+5 decimals.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..jsonl import iter_records
 from ..modules.gate import relative_updates
 from .stats import N_RESAMPLES, bh_adjusted, bootstrap_indices
 
@@ -67,10 +78,18 @@ BATCH_SIZE = 8
 #: Benjamini-Hochberg FDR level (appendix G)
 FDR_Q = 0.05
 CLASSES = ("punctuation", "function_word", "digit", "code_keyword", "whitespace", "other")
+#: a token's CH state in the trace by TokenTable.boundary
+CH_STATES = {1: "B", 0: "inside", -1: None}
 OFFSETS = (-2, -1, 0, 1, 2, 3)
 POSITION_BINS = 16
 #: Kendall's weight table is (distinct x values) x (distinct y values); above this, refuse
 KENDALL_MAX_CELLS = 20_000_000
+#: the per-token trace of a run, and what its header line says
+TRACE_NAME = "mechanism_tokens.jsonl"
+TRACE_FORMAT = "fbs-mechanism-trace"
+TRACE_VERSION = 2
+#: config fields the statistics and the report need from a trace's header (or from its run's mechanism.json)
+TRACE_CONFIG = ("tau", "layers", "gated", "ch_layers")
 
 FUNCTION_WORDS_EN = frozenset("""
 a an the and or but nor so yet if then else of in on at to for from by with about as into onto over under than
@@ -593,8 +612,20 @@ def _all_tests(res: dict) -> list[dict]:
     return [t for t in tests if t.get("p_value") is not None]
 
 
-def analyse(t: TokenTable, n_resamples: int = N_RESAMPLES, seed: int = 0, q: float = FDR_Q) -> dict:
-    """Every statistic of the report from the token table (see the module docstring)."""
+def _apply_fdr(res: dict, q: float = FDR_Q) -> None:
+    """Benjamini-Hochberg q-values (and ``significant``) on every test of ``res`` with a p-value."""
+    tests = _all_tests(res)
+    for test, qv in zip(tests, bh_adjusted([tt["p_value"] for tt in tests])):
+        test["q_value"] = qv
+        test["significant"] = qv <= q
+    res["fdr"] = {"method": "Benjamini-Hochberg", "q": q, "tests": len(tests),
+                  "family": "every test with a p-value in this report"}
+
+
+def analyse(t: TokenTable, n_resamples: int = N_RESAMPLES, seed: int = 0, q: float = FDR_Q,
+            progress: Callable[[str], None] | None = None) -> dict:
+    """Every statistic of the report from the token table (see the module docstring); ``progress`` is called
+    with the name of each analysis before it runs."""
     skipped = ~t.executed
     gm = t.gated_mask()
     langs = np.array(t.langs)[t.example] if len(t.example) else np.zeros(0, str)
@@ -606,20 +637,36 @@ def analyse(t: TokenTable, n_resamples: int = N_RESAMPLES, seed: int = 0, q: flo
                    "gated_skip_ratio": float(skipped[gm].mean()) if gm.any() else None,
                    "tokens_per_lang": {lang: int((langs == lang).sum()) for lang in sorted(set(t.langs))},
                    "tokens_per_class": {c: int((t.cls == i).sum()) for i, c in enumerate(CLASSES)},
-                   "idiom_tokens": int(t.idiom.sum())},
-        "k_uncertainty": _k_uncertainty(t, n_resamples, seed),
-        "layers": _layers(t),
-        "heatmaps": _heatmaps(t),
-        "skip_energy": _skip_energy(t, n_resamples, seed),
-        "odds_ratios": _odds_ratios(t, n_resamples, seed),
-        "boundaries": _boundaries(t, n_resamples, seed),
-    }
-    tests = _all_tests(res)
-    for test, qv in zip(tests, bh_adjusted([tt["p_value"] for tt in tests])):
-        test["q_value"] = qv
-        test["significant"] = qv <= q
-    res["fdr"] = {"method": "Benjamini-Hochberg", "q": q, "tests": len(tests),
-                  "family": "every test with a p-value in this report"}
+                   "idiom_tokens": int(t.idiom.sum())}}
+    for name, fn in (("k_uncertainty", lambda: _k_uncertainty(t, n_resamples, seed)), ("layers", lambda: _layers(t)),
+                     ("heatmaps", lambda: _heatmaps(t)), ("skip_energy", lambda: _skip_energy(t, n_resamples, seed)),
+                     ("odds_ratios", lambda: _odds_ratios(t, n_resamples, seed)),
+                     ("boundaries", lambda: _boundaries(t, n_resamples, seed))):
+        if progress is not None:
+            progress(name)
+        res[name] = fn()
+    _apply_fdr(res, q)
+    return res
+
+
+def summarize(table: TokenTable, config: dict, examples: list[dict], n_resamples: int = N_RESAMPLES, seed: int = 0,
+              progress: Callable[[str], None] | None = None) -> dict:
+    """The report of a run: its ``config`` (with the resamples and seed used here), its ``examples`` and every
+    statistic of :func:`analyse`. The decode (:func:`run_mechanism`) and the trace (:func:`analyze_trace`) both
+    come here."""
+    res = {"config": dict(config) | {"n_resamples": n_resamples, "seed": seed}, "examples": examples}
+    return res | analyse(table, n_resamples, seed, progress=progress)
+
+
+def write_report(res: dict, out_dir: str | Path, plots: bool = True) -> dict:
+    """Write ``mechanism.json``, ``mechanism.md`` and (``plots``) the PNGs of ``res`` into ``out_dir``; returns the
+    JSON-safe result (with ``plots``: the PNG names)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    res["plots"] = [p.name for p in write_plots(res, out)] if plots else []
+    res = _clean(res)
+    (out / "mechanism.json").write_text(json.dumps(res, indent=1, ensure_ascii=False))
+    (out / "mechanism.md").write_text(markdown(res))
     return res
 
 
@@ -644,24 +691,21 @@ def run_mechanism(model, tokenizer, items, *, tau: float | None = None, eos: Seq
                              max_new_tokens=max_new_tokens, batch_size=batch_size, lexicon=lexicon,
                              progress=bar.update)
     bar.close()
-    res = {"config": {"tau": tau, "kv_policy": model.config.kv_policy, "max_new_tokens": max_new_tokens,
-                      "batch_size": batch_size, "eos_ids": eos, "n_resamples": n_resamples, "seed": seed,
-                      "layers": model.num_layers, "gated": list(table.gated), "paw_layers": list(model.layers_cfg.paw),
-                      "ch_layers": list(table.ch_layers), "k_max": model.config.k_max,
-                      "skip_granularity": model.config.skip_granularity, "classes": list(CLASSES),
-                      "idiom_lexicon": len(lexicon) if lexicon is not None else None} | (meta or {}),
-           "examples": [{"id": it.id, "lang": it.lang, "tokens": len(a["tokens"]),
-                         "analysed": int((table.example == i).sum())} for i, (it, a) in enumerate(zip(items, answers))]}
-    res |= analyse(table, n_resamples, seed)
+    config = {"tau": tau, "kv_policy": model.config.kv_policy, "max_new_tokens": max_new_tokens,
+              "batch_size": batch_size, "eos_ids": eos, "n_resamples": n_resamples, "seed": seed,
+              "layers": model.num_layers, "gated": list(table.gated), "paw_layers": list(model.layers_cfg.paw),
+              "ch_layers": list(table.ch_layers), "k_max": model.config.k_max,
+              "skip_granularity": model.config.skip_granularity, "classes": list(CLASSES),
+              "idiom_lexicon": len(lexicon) if lexicon is not None else None} | (meta or {})
+    examples = [{"id": it.id, "lang": it.lang, "tokens": len(a["tokens"]), "analysed": int((table.example == i).sum())}
+                for i, (it, a) in enumerate(zip(items, answers))]
+    res = summarize(table, config, examples, n_resamples, seed)
     res["wall_s"] = time.perf_counter() - start
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        res["plots"] = [p.name for p in write_plots(res, out)] if plots else []
-        (out / "mechanism.json").write_text(json.dumps(_clean(res), indent=1, ensure_ascii=False))
-        (out / "mechanism.md").write_text(markdown(res))
-        write_token_file(out / "mechanism_tokens.jsonl", items, answers, table)
-    return _clean(res)
+    if out_dir is None:
+        return _clean(res)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_token_file(Path(out_dir) / TRACE_NAME, res["config"], items, answers, table)
+    return write_report(res, out_dir, plots)
 
 
 def _clean(obj):
@@ -679,20 +723,172 @@ def _clean(obj):
     return obj
 
 
-def write_token_file(path: Path, items, answers: list[dict], t: TokenTable) -> None:
-    """One JSON line per example: its answer and, per analysed token, k, s, H, H_next, class, idiom, CH state,
-    skipped layers and the relative update of every layer."""
+def _f32(values) -> list:
+    """float32 values as the shortest decimals that read back to the same float32; NaN as null."""
+    return [None if math.isnan(v) else float(str(v)) for v in np.asarray(values, dtype=np.float32)]
+
+
+def write_token_file(path: Path, config: dict, items, answers: list[dict], t: TokenTable) -> None:
+    """The trace: a header line (format, version, the run's ``config``), then one JSON line per example: its
+    answer and, per analysed token, k, s, H, H_next, class, idiom, CH state, skipped layers, gate probabilities
+    and the relative update of every layer. Floats are written exactly (s, H, H_next: float64; gate p and E:
+    float32), so :func:`read_trace` gives back the arrays analysed here."""
     with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION, "config": _clean(config)},
+                           ensure_ascii=False) + "\n")
         for i, (it, a) in enumerate(zip(items, answers)):
             rows = np.nonzero(t.example == i)[0]
             toks = [{"i": int(t.position[j]), "id": a["tokens"][int(t.position[j])], "k": int(t.k[j]),
-                     "s": round(float(t.surprisal[j]), 5), "H": round(float(t.entropy[j]), 5),
-                     "H_next": round(float(t.entropy_next[j]), 5), "class": CLASSES[int(t.cls[j])],
-                     "idiom": bool(t.idiom[j]), "ch": {1: "B", 0: "inside", -1: None}[int(t.boundary[j])],
-                     "skipped": np.nonzero(~t.executed[j])[0].tolist(),
-                     "rel_update": [round(float(v), 5) for v in t.rel_update[j]]} for j in rows]
+                     "s": float(t.surprisal[j]), "H": float(t.entropy[j]), "H_next": float(t.entropy_next[j]),
+                     "class": CLASSES[int(t.cls[j])], "idiom": bool(t.idiom[j]), "ch": CH_STATES[int(t.boundary[j])],
+                     "skipped": np.nonzero(~t.executed[j])[0].tolist(), "gate_p": _f32(t.gate_p[j]),
+                     "rel_update": _f32(t.rel_update[j])} for j in rows]
             f.write(json.dumps({"id": it.id, "lang": it.lang, "prompt_tokens": a["prompt_tokens"],
                                 "answer": a["tokens"], "text": a["text"], "tokens": toks}, ensure_ascii=False) + "\n")
+
+
+class TraceError(ValueError):
+    """A file that is not a usable mechanism trace (the message names it and what was expected)."""
+
+
+@dataclasses.dataclass
+class Trace:
+    """A trace read back: the token table, the run's config and examples, and where they came from."""
+
+    path: Path
+    version: int
+    config: dict
+    examples: list[dict]
+    table: TokenTable
+    config_from: str            # "the trace header" or the mechanism.json the config was taken from
+    previous: dict | None       # that mechanism.json (format-1 traces: the gate statistics come from it)
+
+
+def _sidecar(path: Path) -> Path:
+    """The ``mechanism.json`` of the run that wrote the trace ``path`` (``X_tokens.jsonl``: ``X.json``)."""
+    stem = path.name[:-len("_tokens.jsonl")] if path.name.endswith("_tokens.jsonl") else "mechanism"
+    return path.with_name(stem + ".json")
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read a trace of :func:`write_token_file` into the token table the decode analysed. Format 1 (no header
+    line) lacks the config and gate probabilities: the run's ``mechanism.json`` next to it must supply the
+    config (and its examples must be the trace's); without it a :class:`TraceError` names the missing fields."""
+    path = Path(path)
+    what = f"a mechanism trace (the {TRACE_NAME} of `fbs eval mechanism --out`)"
+    header, lines = None, []
+    with open(path, encoding="utf-8") as f:
+        for n, obj in iter_records(f, str(path), TraceError, f"expected {what}"):
+            if n == 1 and obj.get("format") == TRACE_FORMAT:
+                header = obj
+            elif {"id", "lang", "answer", "tokens"} <= set(obj):
+                lines.append(obj)
+            else:
+                raise TraceError(f"{path}:{n}: not a line of {what} (a header, or an object with id, lang, answer "
+                                 "and tokens)")
+    version = int(header.get("version", 0)) if header else 1
+    if version > TRACE_VERSION:
+        raise TraceError(f"{path}: trace format {version} is newer than this fbs reads ({TRACE_VERSION})")
+    examples = [{"id": x["id"], "lang": x["lang"], "tokens": len(x["answer"]), "analysed": len(x["tokens"])}
+                for x in lines]
+    config, config_from, previous = dict(header.get("config") or {}) if header else {}, "the trace header", None
+    side = _sidecar(path)
+    if version < 2 or any(k not in config for k in TRACE_CONFIG):
+        if side.is_file():
+            prev = json.loads(side.read_text(encoding="utf-8"))
+            if prev.get("examples") != examples:
+                raise TraceError(f"{side} is not the report of the run that wrote {path}: its examples differ")
+            previous, config, config_from = prev, dict(prev.get("config") or {}) | config, str(side)
+    missing = [k for k in TRACE_CONFIG if k not in config]
+    if missing:
+        raise TraceError(f"{path} lacks {', '.join(missing)} (" + ("a format-1 trace, written before the header "
+                         "line" if header is None else "not in its header") + f") and there is no {side.name} of "
+                         f"its run next to it to take them from; rerun `fbs eval mechanism` or put that run's "
+                         f"{side.name} next to the trace")
+    n_layers = int(config["layers"])
+    cols: dict[str, list] = {k: [] for k in ("example", "position", "k", "surprisal", "entropy", "entropy_next",
+                                             "cls", "idiom", "boundary", "executed", "gate_p", "rel_update")}
+    states = {v: k for k, v in CH_STATES.items()}
+    for e, x in enumerate(lines):
+        for tok in x["tokens"]:
+            try:
+                if tok["ch"] not in states:
+                    raise ValueError(f"unknown CH state {tok['ch']!r}")
+                row = {"example": e, "position": tok["i"], "k": tok["k"], "surprisal": tok["s"], "entropy": tok["H"],
+                       "entropy_next": tok["H_next"], "cls": CLASSES.index(tok["class"]), "idiom": tok["idiom"],
+                       "boundary": states[tok["ch"]], "rel_update": tok["rel_update"],
+                       "gate_p": tok["gate_p"] if version >= 2 else [None] * n_layers}
+                executed = np.ones(n_layers, dtype=bool)
+                executed[tok["skipped"]] = False
+            except KeyError as err:
+                raise TraceError(f"{path}: token {tok.get('i')} of {x['id']} has no field {err}") from None
+            except (ValueError, IndexError) as err:
+                raise TraceError(f"{path}: token {tok.get('i')} of {x['id']}: {err}") from None
+            if len(row["rel_update"]) != n_layers or len(row["gate_p"]) != n_layers:
+                raise TraceError(f"{path}: token {tok['i']} of {x['id']} has not one value per layer ({n_layers})")
+            row["executed"] = executed
+            for k, v in row.items():
+                cols[k].append(v)
+
+    def floats(rows: list) -> np.ndarray:  # per-layer float32 values, null = NaN
+        return np.array([[np.nan if a is None else a for a in r] for r in rows], np.float32).reshape(-1, n_layers)
+
+    table = TokenTable(example=np.array(cols["example"], dtype=np.int64), position=np.array(cols["position"], np.int64),
+                       k=np.array(cols["k"], np.int64), surprisal=np.array(cols["surprisal"], np.float64),
+                       entropy=np.array(cols["entropy"], np.float64),
+                       entropy_next=np.array(cols["entropy_next"], np.float64), cls=np.array(cols["cls"], np.int64),
+                       idiom=np.array(cols["idiom"], bool), boundary=np.array(cols["boundary"], np.int64),
+                       executed=np.array(cols["executed"], bool).reshape(-1, n_layers),
+                       gate_p=floats(cols["gate_p"]), rel_update=floats(cols["rel_update"]),
+                       langs=[x["lang"] for x in lines], gated=tuple(config["gated"]),
+                       ch_layers=tuple(config["ch_layers"]))
+    return Trace(path, version, config, examples, table, config_from, previous)
+
+
+def _recover_gate_statistics(res: dict, previous: dict) -> str:
+    """A format-1 trace holds no gate probabilities: take the mean gate p per layer and, if the bootstrap is the
+    same, the pooled gate p test from the run's ``mechanism.json``; BH again over the family. Returns a note."""
+    for row, old in zip(res["layers"], previous["layers"]):
+        row["mean_gate_p"] = old.get("mean_gate_p")
+    old_cfg, cfg = previous.get("config", {}), res["config"]
+    same = (old_cfg.get("n_resamples"), old_cfg.get("seed")) == (cfg["n_resamples"], cfg["seed"])
+    if same:
+        res["skip_energy"]["pooled_gate_p"] = {k: v for k, v in previous["skip_energy"]["pooled_gate_p"].items()
+                                               if k not in ("q_value", "significant")}
+    else:
+        res["skip_energy"]["pooled_gate_p"].update(value=None, status="no gate p in the trace")
+    _apply_fdr(res)
+    return ("format-1 trace: s, H, H_next and E were rounded to 5 decimals, so the statistics built on them can "
+            "differ slightly from the decode run's (new ties among the smallest values move rank statistics and "
+            "quantile edges); it has no gate probabilities: the mean gate p per layer "
+            + ("and the pooled gate p test are" if same else "is") + " the decode run's (its mechanism.json)"
+            + ("" if same else ", the pooled gate p test is left out (another bootstrap than that run's)"))
+
+
+def analyze_trace(path: str | Path, out_dir: str | Path | None = None, n_resamples: int | None = None,
+                  seed: int | None = None, plots: bool = True,
+                  progress: Callable[[str], None] | None = None) -> dict:
+    """The report of a saved trace, without a model (``fbs analyze``): every statistic recomputed from it by
+    :func:`summarize`, the decode run's own path. ``n_resamples`` and ``seed`` default to the run's, so the
+    statistics are that run's. With ``out_dir``: ``mechanism.json``, ``mechanism.md`` and the PNGs there."""
+    start = time.perf_counter()
+    trace = read_trace(path)
+    n_resamples = int(trace.config.get("n_resamples", N_RESAMPLES) if n_resamples is None else n_resamples)
+    seed = int(trace.config.get("seed", 0) if seed is None else seed)
+    if progress is not None:
+        progress(f"{trace.path}: {len(trace.examples)} prompts, {len(trace.table.example)} tokens, tau "
+                 f"{trace.config['tau']:g}, config from {trace.config_from}; {n_resamples} resamples, seed {seed}")
+    res = summarize(trace.table, trace.config, trace.examples, n_resamples, seed,
+                    progress=None if progress is None else lambda name: progress(f"analysing: {name}"))
+    notes = [_recover_gate_statistics(res, trace.previous)] if trace.version < 2 else []
+    res["source"] = {"trace": str(trace.path), "format": trace.version, "config_from": trace.config_from,
+                     "notes": notes}
+    res["wall_s"] = time.perf_counter() - start
+    if out_dir is None:
+        return _clean(res)
+    if progress is not None:
+        progress("plots and report" if plots else "report")
+    return write_report(res, out_dir, plots)
 
 
 # ---------------------------------------------------------------------------- reports
@@ -732,10 +928,16 @@ def markdown(res: dict) -> str:
              f"trace entry), {cnt['pairs']} (token, layer) pairs, skip ratio {_f(cnt['skip_ratio'], '.3%')} "
              f"(gated layers {_f(cnt['gated_skip_ratio'], '.3%')}). CIs: {n_res} bootstrap resamples of prompts; "
              f"p two-sided (bootstrap); q: Benjamini-Hochberg over all {res['fdr']['tests']} tests, * q <= "
-             f"{res['fdr']['q']}.", "", "## 1. Lookahead k(i) vs uncertainty", ""]
+             f"{res['fdr']['q']}.", ""]
+    if res.get("source"):
+        src = res["source"]
+        lines += [f"Recomputed by `fbs analyze` from the trace `{src['trace']}` (format {src['format']}, config from "
+                  f"{src['config_from']})." + "".join(f" Note: {n}." for n in src["notes"]), ""]
+    lines += ["## 1. Lookahead k(i) vs uncertainty", ""]
     ku = res["k_uncertainty"]
     lines.append(f"Tokens with k: {ku['tokens_with_k']} (without: {ku['tokens_without_k']}); mean k "
-                 f"{_f(ku['mean_k'], '.2f')}; histogram {ku['k_histogram']}.")
+                 f"{_f(ku['mean_k'], '.2f')}; histogram {{"
+                 + ", ".join(f"{k}: {v}" for k, v in ku["k_histogram"].items()) + "}.")
     if ku["status"] != "ok":
         lines += ["", f"**{ku['note']}**"]
     else:
@@ -810,6 +1012,7 @@ def write_plots(res: dict, out_dir: Path) -> list[Path]:
             y = [p[1][key] for p in pts]
             err = [[p[1][key] - p[1]["ci"][0] for p in pts], [p[1]["ci"][1] - p[1][key] for p in pts]]
             ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3)
+            ax.set_xticks(x)  # whole numbers: deciles, quintiles, offsets
 
     ku = res["k_uncertainty"]
     if ku["k_histogram"]:
@@ -906,6 +1109,26 @@ def cmd_mechanism(args) -> int:
     return 0
 
 
+def _add_run_arguments(p, analyze: bool = False) -> None:
+    """The data, decode and analysis options of ``fbs eval mechanism``; ``fbs analyze`` has them too (the decode
+    ones apply to a checkpoint PATH only: they default to None there, and resamples and seed to the trace's)."""
+    dflt = (lambda v: None) if analyze else (lambda v: v)  # noqa: E731
+    p.add_argument("--items", help="held-out items JSONL from `fbs data chat` (default: computed from the archive)")
+    p.add_argument("--limit", type=int, help="the first N held-out prompts of each language")
+    p.add_argument("--max-new-tokens", type=int, default=dflt(MAX_NEW_TOKENS), help=f"default {MAX_NEW_TOKENS}")
+    p.add_argument("--batch-size", type=int, default=dflt(BATCH_SIZE),
+                   help=f"prompts per engine call (default {BATCH_SIZE})")
+    p.add_argument("--no-idioms", action="store_true", help="do not load the idiom lexicon (no idiom marking)")
+    p.add_argument("--resamples", type=int, default=dflt(N_RESAMPLES),
+                   help="bootstrap resamples of the prompts (default " + ("a trace's own, else " if analyze else "")
+                        + f"{N_RESAMPLES})")
+    p.add_argument("--seed", type=int, default=dflt(0),
+                   help="global and bootstrap seed (default " + ("a trace's own, else " if analyze else "") + "0)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def add_parser(sub) -> None:
     """``fbs eval mechanism`` (registered by :func:`fbs.eval.cli.register`)."""
     from fbs.loading import add_model_arguments
@@ -914,15 +1137,83 @@ def add_parser(sub) -> None:
                                          "entropy, skip rate by layer, position and token class, skip vs residual "
                                          "energy, odds ratios, skips around chunk boundaries")
     add_model_arguments(p)
-    p.add_argument("--items", help="held-out items JSONL from `fbs data chat` (default: computed from the archive)")
-    p.add_argument("--limit", type=int, help="the first N held-out prompts of each language")
-    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="prompts per engine call")
-    p.add_argument("--resamples", type=int, default=N_RESAMPLES, help="bootstrap resamples of the prompts")
-    p.add_argument("--no-idioms", action="store_true", help="do not load the idiom lexicon (no idiom marking)")
-    p.add_argument("--seed", type=int, default=0, help="global and bootstrap seed")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    _add_run_arguments(p)
     p.add_argument("--out", default="results/mechanism", help="output directory")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_mechanism)
+
+
+#: ``fbs analyze`` options that only a decode (a checkpoint PATH) uses
+DECODE_OPTIONS = {"items": "--items", "limit": "--limit", "max_new_tokens": "--max-new-tokens",
+                  "batch_size": "--batch-size", "no_idioms": "--no-idioms", "model": "--model", "tau": "--tau",
+                  "kv_policy": "--kv-policy"}
+
+
+def analyze_input(path: str | Path) -> tuple[str, Path]:
+    """What ``fbs analyze PATH`` reads: ("trace", the trace file) for a trace file or a directory holding one
+    (``fbs eval mechanism --out``), ("checkpoint", PATH) for an FBS checkpoint directory."""
+    from ..model import CONFIG_NAME, WEIGHTS_NAME
+
+    path = Path(path)
+    expected = (f"expected a mechanism trace (*_tokens.jsonl: the {TRACE_NAME} of `fbs eval mechanism --out`), a "
+                f"directory holding one, or an FBS checkpoint directory ({CONFIG_NAME} + {WEIGHTS_NAME})")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; {expected}")
+    if path.is_file():
+        if path.name.endswith(".jsonl"):
+            return "trace", path
+        raise TraceError(f"{path} is not a trace file; {expected}")
+    traces = sorted(path.glob("*_tokens.jsonl"))
+    ckpt = (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file()
+    if ckpt and traces:
+        raise TraceError(f"{path} holds both an FBS checkpoint and a trace ({traces[0].name}): pass the trace file, "
+                         "or decode the checkpoint into another directory")
+    if ckpt:
+        return "checkpoint", path
+    if len(traces) > 1:
+        raise TraceError(f"{path} holds several traces ({', '.join(t.name for t in traces)}): pass one of them")
+    if traces:
+        return "trace", traces[0]
+    raise TraceError(f"{path} holds neither a trace (*_tokens.jsonl) nor an FBS checkpoint; {expected}")
+
+
+def cmd_analyze(args) -> int:
+    kind, path = analyze_input(args.path)
+    if kind == "checkpoint":
+        print(f"{path}: an FBS checkpoint; decoding held-out prompts as `fbs eval mechanism` does", flush=True)
+        defaults = {"max_new_tokens": MAX_NEW_TOKENS, "batch_size": BATCH_SIZE, "resamples": N_RESAMPLES, "seed": 0}
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        args.checkpoint, args.fresh = str(path), False  # --model None: the base the checkpoint names
+        return cmd_mechanism(args)
+    given = [flag for name, flag in DECODE_OPTIONS.items() if getattr(args, name) not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: decode options, for a checkpoint PATH; {args.path} is a trace "
+                         f"({path}), which is analysed as it was decoded")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = analyze_trace(path, args.out, args.resamples, args.seed, plots=not args.no_plots,
+                        progress=None if args.no_progress else lambda msg: print(msg, flush=True))
+    out = Path(args.out)
+    print(markdown(res))
+    print(f"wrote {out / 'mechanism.json'}, {out / 'mechanism.md'} and {len(res['plots'])} plots "
+          f"({res['wall_s']:.0f} s)")
+    return 0
+
+
+def register(subparsers) -> None:
+    """The top-level ``fbs analyze`` (listed in :data:`fbs.cli.SUBCOMMAND_MODULES`)."""
+    p = subparsers.add_parser(
+        "analyze", help="appendix G mechanism statistics, PNGs and markdown report from a saved trace "
+                        "(`fbs eval mechanism`'s), or from an FBS checkpoint by decoding held-out prompts first",
+        description="PATH: a mechanism trace (*_tokens.jsonl), a directory holding one (an `fbs eval mechanism "
+                    "--out` directory), or an FBS checkpoint directory (then the held-out prompts are decoded "
+                    "exactly as `fbs eval mechanism` does, with the decode options below). A trace is analysed "
+                    "without a model, with its run's resamples and seed unless given: the statistics are the run's.")
+    p.add_argument("path", metavar="PATH", help="trace file, directory holding one, or FBS checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (mechanism.json, mechanism.md, PNGs)")
+    p.add_argument("--model", help="checkpoint PATH: base model (default: the one the checkpoint names)")
+    p.add_argument("--tau", type=float, help="checkpoint PATH: skip threshold (default: the checkpoint's)")
+    p.add_argument("--kv-policy", choices=("hole", "project"), help="checkpoint PATH: KV cache policy")
+    _add_run_arguments(p, analyze=True)
+    p.set_defaults(func=cmd_analyze)
