@@ -18,6 +18,7 @@
     fbs eval chat --checkpoint CKPT --taus 0.3,0.5 --control CTRL --out results/chat.json
     fbs eval safety --checkpoint CKPT --out results/safety.json
     fbs eval mechanism --checkpoint CKPT --items heldout.jsonl --out results/mechanism
+    fbs eval ch --corpus corpus --seq-len 512 --eval-seqs 0 --idiom-items 500 --out results/probe/ch.json
     fbs eval list
 
 Only this module prints; the handlers are plain functions returning an exit code.
@@ -777,6 +778,10 @@ def register(subparsers) -> None:
     from fbs.eval.mechanism import add_parser as add_mechanism_parser  # `fbs eval mechanism`: appendix G statistics
 
     add_mechanism_parser(sub)
+
+    from fbs.eval.chunks import add_parser as add_ch_parser  # `fbs eval ch`: the trained CH scored like `fbs probe`
+
+    add_ch_parser(sub)
 
     sf = sub.add_parser("safety", help="appendix E.9 safety knobs on structured-output prompts: validity, Skip %%, "
                                        "latency with and without never-skip, structure protection, fallback rerun")
