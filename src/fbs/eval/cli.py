@@ -283,24 +283,14 @@ def _floats(spec: str | None) -> list[float]:
 
 
 def _sweep_texts(args, tok) -> dict:
-    """{text name: held-out blocks} for ``--text`` (in: the corpus test split; ood: :mod:`fbs.eval.ood`)."""
-    from fbs.eval.ood import ood_blocks
-    from fbs.eval.sweep import heldout_documents
+    """{text name: held-out blocks} for ``--text`` (:func:`fbs.eval.sweep.sweep_texts`)."""
+    from fbs.eval.sweep import sweep_texts
 
-    texts = [t.strip() for t in args.text.split(",") if t.strip()]
-    unknown = set(texts) - {"in", "ood"}
-    if unknown or not texts:
-        raise SystemExit(f"--text takes 'in', 'ood' or 'in,ood', got {args.text!r}")
-    docs = {}
-    for t in texts:
-        if t == "in":
-            if not args.corpus:
-                raise SystemExit("--text in needs --corpus DIR (a corpus from `fbs data build`)")
-            docs[t] = heldout_documents(args.corpus, tok, args.split, args.per_lang, args.max_tokens, args.seed,
-                                        min_tokens=args.gate_from + 2)
-        else:
-            docs[t] = ood_blocks(tok, seed=args.seed, limit=args.ood_per_kind)
-    return docs
+    try:
+        return sweep_texts(tok, args.text.split(","), args.corpus, args.split, args.per_lang, args.max_tokens,
+                           args.seed, args.gate_from, args.ood_per_kind)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def cmd_sweep(args) -> int:

@@ -119,6 +119,31 @@ def heldout_documents(corpus_dir: str | Path, tokenizer, split: str = "test", pe
     return docs
 
 
+def sweep_texts(tokenizer, texts: Sequence[str], corpus: str | Path | None = None, split: str = "test",
+                per_lang: int = 24, max_tokens: int = 512, seed: int = 0, gate_from: int = 128,
+                ood_per_kind: int | None = None) -> dict[str, list[HeldoutDoc]]:
+    """{text name: held-out blocks} for the text names ``in`` (the corpus' ``split``, :func:`heldout_documents`)
+    and ``ood`` (:func:`fbs.eval.ood.ood_blocks`, ``ood_per_kind`` blocks per kind); the held-out text of
+    ``fbs eval sweep --text`` and of ``fbs train ablations``. In-domain documents shorter than ``gate_from + 2``
+    tokens are left out: they would have nothing to score."""
+    from .ood import ood_blocks
+
+    texts = [t.strip() for t in texts if t.strip()]
+    unknown = set(texts) - {"in", "ood"}
+    if unknown or not texts:
+        raise ValueError(f"held-out text must be 'in', 'ood' or 'in,ood', got {','.join(texts)!r}")
+    docs = {}
+    for t in texts:
+        if t == "in":
+            if not corpus:
+                raise ValueError("in-domain held-out text needs a corpus directory (from `fbs data build`): "
+                                 "pass --corpus DIR")
+            docs[t] = heldout_documents(corpus, tokenizer, split, per_lang, max_tokens, seed, min_tokens=gate_from + 2)
+        else:
+            docs[t] = ood_blocks(tokenizer, seed=seed, limit=ood_per_kind)
+    return docs
+
+
 def _batches(docs: Sequence[HeldoutDoc], batch_size: int) -> Iterable[list[int]]:
     """Indices of documents grouped into equal-length batches (no padding needed)."""
     by_len: dict[int, list[int]] = {}

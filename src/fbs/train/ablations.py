@@ -368,12 +368,10 @@ def _tokenizer(model: str):
 
 
 def _texts(settings: EvalSettings, tokenizer) -> dict:
-    from ..eval.cli import _sweep_texts
+    from ..eval.sweep import sweep_texts
 
-    args = argparse.Namespace(text=",".join(settings.texts), corpus=settings.corpus, split=settings.split,
-                              per_lang=settings.per_lang, max_tokens=settings.max_tokens, seed=settings.seed,
-                              gate_from=settings.gate_from, ood_per_kind=settings.ood_per_kind)
-    return _sweep_texts(args, tokenizer)
+    return sweep_texts(tokenizer, settings.texts, settings.corpus, settings.split, settings.per_lang,
+                       settings.max_tokens, settings.seed, settings.gate_from, settings.ood_per_kind)
 
 
 def _base(out: Path, settings: EvalSettings, held: Callable, model_fn: Callable, log) -> dict:
