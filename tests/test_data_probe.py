@@ -113,3 +113,37 @@ def test_hidden_features_stops_early(tiny_lm):
         assert calls == [1]
     finally:
         h.remove()
+
+
+@pytest.mark.parametrize("layer", [1, 3, 6])
+def test_fbs_hidden_features_are_the_full_forwards_states(one_thread, layer):
+    """`fbs probe --checkpoint`: the truncated, padded FBS forward returns hidden_states[layer] of the full
+    gate-off forward of each sequence alone (PAW at layer 1 and CH at layer 3 of the tiny config included)."""
+    from conftest import fbs_tiny, randomize
+
+    from fbs.data.probe import fbs_hidden_features
+
+    model = randomize(fbs_tiny())
+    seqs = [[5, 9, 3, 7, 1, 2, 8, 4, 4], [4, 6, 2]]
+    got = fbs_hidden_features(model, seqs, layer, batch_size=2)
+    for s, g in zip(seqs, got):
+        with torch.no_grad():
+            ref = model(torch.tensor([s]), gate_mode="off", output_hidden_states=True).hidden_states[layer][0]
+        assert g.shape == ref.shape
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_probe_trains_on_an_fbs_model(one_thread):
+    """run_probe with FBS features: the middle layer by default (num_layers // 2), and the probe learns the
+    synthetic chunks through the FBS model's states as it does through an HF model's."""
+    from conftest import fbs_tiny, randomize
+
+    from fbs.data.probe import fbs_hidden_features
+
+    model = randomize(fbs_tiny())
+    res = run_probe(model, synthetic(48, 0), synthetic(16, 1), config=ProbeConfig(epochs=30, batch_size=8, lr=1e-2),
+                    features=fbs_hidden_features)
+    assert res.layer == 3
+    assert res.bios["per_class_f1"]["S"] > 0.9 and res.bios["bios_f1"] > 0.8
+    with pytest.raises(ValueError, match="outside 1..6"):
+        fbs_hidden_features(model, [[1, 2]], 7)

@@ -106,26 +106,37 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_probe(args: argparse.Namespace) -> int:
     import torch
 
-    from fbs.data.probe import ProbeConfig, corpus_sequences, idiom_items, run_probe
+    from fbs.data.probe import ProbeConfig, corpus_sequences, fbs_hidden_features, hidden_features, idiom_items, run_probe
     from fbs.data.sources import SourceError, load_idiom_examples
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        from fbs.models import load_base
+        if args.checkpoint:  # the backbone of a trained FBS model, its modules and adapters included
+            from fbs.loading import load_fbs
 
-        model, tok = load_base(args.model)
+            model = load_fbs(args.model, args.checkpoint)
+            tok, features = model.tokenizer, fbs_hidden_features
+        else:
+            from fbs.models import load_base
+
+            model, tok = load_base(args.model)
+            features = hidden_features
         config = ProbeConfig(layer=args.layer, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                              seed=args.seed)
         train = corpus_sequences(args.corpus, args.train_split, tok, args.seq_len, args.train_seqs or None, args.seed)
         evaluation = corpus_sequences(args.corpus, args.eval_split, tok, args.seq_len, args.eval_seqs or None,
                                       args.seed + 1)
         items = idiom_items(load_idiom_examples(), tok, args.idiom_items, args.seed) if args.idiom_items else []
-        result = run_probe(model, train, evaluation, items, config, progress=_progress)
-    except (SourceError, ValueError, ImportError) as exc:
+        result = run_probe(model, train, evaluation, items, config, progress=_progress, features=features)
+    except (SourceError, ValueError, ImportError, FileNotFoundError) as exc:
         return _error(str(exc))
     out = {"model": args.model, "corpus": str(args.corpus), "train_split": args.train_split,
            "eval_split": args.eval_split, "seq_len": args.seq_len, **result.to_dict()}
+    if args.checkpoint:
+        out |= {"checkpoint": str(args.checkpoint),
+                "features": "hidden_states[layer] of the FBS model's own forward (adapters, PAW and CH included), "
+                            "teacher-forced, nothing skipped"}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -227,6 +238,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
     p.add_argument("--model", default="smollm2-135m", help="fbs.models name or HF directory")
     p.add_argument("--corpus", required=True, type=Path, help="labelled corpus directory")
+    p.add_argument("--checkpoint", default=None,
+                   help="probe a trained FBS checkpoint's hidden states instead of the frozen base's (e.g. a model "
+                        "fine-tuned without CH: the paper's 'w/o CH' row; its base is --model)")
     p.add_argument("--layer", type=int, default=None, help="hidden_states index (default: num_hidden_layers // 2)")
     p.add_argument("--train-split", default="validation")
     p.add_argument("--eval-split", default="test")

@@ -75,7 +75,7 @@ class ProbeResult:
 def resolve_layer(model: torch.nn.Module, layer: int | None) -> int:
     if layer is not None:
         return layer
-    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None) or getattr(model, "num_layers", None)
     if n is None:
         raise ValueError("model has no config.num_hidden_layers; pass the probe layer explicitly")
     return n // 2
@@ -142,6 +142,54 @@ def hidden_features(
     finally:
         if handle is not None:
             handle.remove()
+    return out
+
+
+class _CaptureFBS:
+    """A ``mixer`` for :meth:`fbs.model.FBSForCausalLM.forward` that routes nothing (``gate_mode="off"``: every
+    layer runs) and keeps ``hidden_states[layer]``, the output of decoder layer ``layer - 1``."""
+
+    def __init__(self, layer: int):
+        self.layer, self.state = layer, None
+
+    def route(self, l, x, xn, gated_pos):
+        return None
+
+    def observe(self, l, x, out):
+        if l == self.layer - 1:
+            self.state = out.x  # (B, T, d)
+            raise _StopForward
+
+
+@torch.no_grad()
+def fbs_hidden_features(
+    model: torch.nn.Module, sequences: Sequence[Sequence[int]], layer: int, batch_size: int = 8,
+    progress: Callable[..., Iterable] = lambda it, **_: it,
+) -> list[torch.Tensor]:
+    """:func:`hidden_features` of an FBS model (``fbs probe --checkpoint``): ``hidden_states[layer]`` of its own
+    forward, teacher-forced with nothing skipped, so the state carries what PAW and CH add below ``layer``
+    and the fine-tuned adapters. The forward stops after decoder layer ``layer - 1``. Right-padded batches
+    carry an attention mask (padding takes no part in attention or in the chunk cache)."""
+    n = model.num_layers
+    if not 0 < layer <= n:
+        raise ValueError(f"probe layer {layer} is outside 1..{n} for this FBS model (hidden_states[0] is the embedding)")
+    model.eval()
+    device = next(model.parameters()).device
+    out: list[torch.Tensor] = []
+    for i in progress(range(0, len(sequences), batch_size), desc=f"FBS hidden states (layer {layer})", unit="batch"):
+        batch = sequences[i:i + batch_size]
+        t = max(len(s) for s in batch)
+        ids = torch.zeros(len(batch), t, dtype=torch.long)  # (B, T)
+        mask = torch.zeros(len(batch), t, dtype=torch.long)
+        for b, s in enumerate(batch):
+            ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[b, :len(s)] = 1
+        capture = _CaptureFBS(layer)
+        try:
+            model(ids.to(device), None if bool(mask.all()) else mask.to(device), gate_mode="off", mixer=capture)
+        except _StopForward:
+            pass
+        out.extend(capture.state[b, :len(s)].float().cpu() for b, s in enumerate(batch))
     return out
 
 
@@ -232,19 +280,22 @@ def run_probe(
     idioms: Sequence[IdiomItem] = (),
     config: ProbeConfig = ProbeConfig(),
     progress: Callable[..., Iterable] = lambda it, **_: it,
+    features: Callable[..., list[torch.Tensor]] = hidden_features,
 ) -> ProbeResult:
-    """Train the probe on ``train`` (ids, labels) pairs and report BIOS-F1 etc. on ``evaluation``."""
+    """Train the probe on ``train`` (ids, labels) pairs and report BIOS-F1 etc. on ``evaluation``.
+
+    ``features``: :func:`hidden_features` (an HF causal LM) or :func:`fbs_hidden_features` (an FBS model)."""
     layer = resolve_layer(model, config.layer)
     for p in model.parameters():
         p.requires_grad_(False)
-    tr_x = hidden_features(model, [s for s, _ in train], layer, config.forward_batch_size, progress)
+    tr_x = features(model, [s for s, _ in train], layer, config.forward_batch_size, progress)
     tr_y = [list(y) for _, y in train]
     probe, losses, weight = train_probe(tr_x, tr_y, config)
-    ev_x = hidden_features(model, [s for s, _ in evaluation], layer, config.forward_batch_size, progress)
+    ev_x = features(model, [s for s, _ in evaluation], layer, config.forward_batch_size, progress)
     report = bios_report(predict(probe, ev_x), [list(y) for _, y in evaluation])
     acc = None
     if idioms:
-        id_x = hidden_features(model, [it.ids for it in idioms], layer, config.forward_batch_size, progress)
+        id_x = features(model, [it.ids for it in idioms], layer, config.forward_batch_size, progress)
         acc = idiom_accuracy(predict(probe, id_x), idioms)
     n_tok = sum(int((torch.as_tensor(y) != IGNORE_INDEX).sum()) for y in tr_y)
     logger.info("probe layer %d: BIOS-F1 %.4f, boundary-F1 %.4f, idiom acc %s",
