@@ -206,7 +206,10 @@ def train_grid(cfg: AcceptConfig) -> list[tuple[float, float, Path]]:
     runs = []
     for alpha, beta in cfg.grid:
         run_dir = out_dir / run_name(alpha, beta)
-        run_cfg = dataclasses.replace(base, alpha=alpha, beta=beta, max_steps=cfg.steps, out_dir=str(run_dir))
+        # checkpoint at least 6 times per point: a grid point is short (30 steps), and the config's save_every
+        # (50) would otherwise save only at the end, losing a whole point to an interrupted session
+        run_cfg = dataclasses.replace(base, alpha=alpha, beta=beta, max_steps=cfg.steps, out_dir=str(run_dir),
+                                      save_every=min(base.save_every, max(1, cfg.steps // 6)))
         summary = train_stage2(run_cfg, pool=pool)
         logger.info("grid point alpha=%g beta=%g: %s", alpha, beta, json.dumps(summary.get("last", {})))
         runs.append((alpha, beta, run_dir))
