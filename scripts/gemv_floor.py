@@ -6,6 +6,11 @@ shapes (so they stream from memory as in decoding, not from cache), for fp32 (``
 weight-only (``torch._weight_int8pack_mm`` with bf16 activations, the engine's int8 path). No attention, no
 norms, no Python per layer beyond the calls: a floor for any eager engine built on these kernels.
 
+Two other fp32 kernels a CPU build of torch ships are timed too, to see whether a faster fp32 GEMV exists:
+``fp32-mkl-packed`` (``torch.ops.mkl._mkl_linear`` over weights pre-packed once by
+``_mkl_reorder_linear_weight`` for batch 1, what inductor's freezing pass emits) and ``fp32-onednn``
+(``torch.ops.mkldnn._linear_pointwise`` over oneDNN-layout weights). Neither is bit-identical to ``F.linear``.
+
     python scripts/gemv_floor.py --model smollm2-135m --threads 2 --out results/gemv_floor.json
 
 Compare the floor with a decoder's measured ms/token (``fbs bench``): what lies above it is everything else
@@ -39,24 +44,34 @@ def build(cfg, fmt: str):
         mats = []
         for _, out, inp in shapes(cfg):
             mats.append(_weight(out, inp, fmt))
-            total += out * inp * (4 if fmt == "fp32" else 1)
+            total += out * inp * (1 if fmt == "int8" else 4)
         layers.append(mats)
     head = _weight(cfg.vocab_size, cfg.hidden_size, fmt)
-    total += cfg.vocab_size * cfg.hidden_size * (4 if fmt == "fp32" else 1)
+    total += cfg.vocab_size * cfg.hidden_size * (1 if fmt == "int8" else 4)
     return layers, head, total
+
+
+FORMATS = ("fp32", "fp32-mkl-packed", "fp32-onednn", "int8")
 
 
 def _weight(out: int, inp: int, fmt: str):
     w = torch.randn(out, inp) * inp ** -0.5
     if fmt == "fp32":
         return (w,)
+    if fmt == "fp32-mkl-packed":
+        return (w, torch.ops.mkl._mkl_reorder_linear_weight(w, 1))
+    if fmt == "fp32-onednn":
+        return (w, w.to_mkldnn())
     scale = w.abs().amax(1).clamp_min(1e-8) / 127
     return (torch.round(w / scale[:, None]).to(torch.int8), scale.to(torch.bfloat16))
 
 
 def step(layers, head, xs: dict[int, torch.Tensor], fmt: str) -> torch.Tensor:
     """One decode step's matmuls: every layer's matrices in order, then the LM head (``xs``: input by width)."""
-    mm = (lambda v, w: F.linear(v, w[0])) if fmt == "fp32" else (lambda v, w: torch._weight_int8pack_mm(v, *w))
+    mm = {"fp32": lambda v, w: F.linear(v, w[0]),
+          "fp32-mkl-packed": lambda v, w: torch.ops.mkl._mkl_linear(v, w[1], w[0], None, 1),
+          "fp32-onednn": lambda v, w: torch.ops.mkldnn._linear_pointwise(v, w[1], None, "none", [], ""),
+          "int8": lambda v, w: torch._weight_int8pack_mm(v, *w)}[fmt]
     for mats in layers:
         for w in mats:
             mm(xs[w[0].shape[1]], w)
@@ -66,7 +81,7 @@ def step(layers, head, xs: dict[int, torch.Tensor], fmt: str) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="a model name of fbs.models (shapes only)")
-    ap.add_argument("--formats", default="fp32,int8")
+    ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per format (median reported)")
     ap.add_argument("--out", help="JSON path")
@@ -80,7 +95,9 @@ def main() -> None:
     rows = []
     for fmt in args.formats.split(","):
         layers, head, total = build(cfg, fmt)
-        dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
+        if fmt not in FORMATS:
+            raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        dtype = torch.bfloat16 if fmt == "int8" else torch.float32
         xs = {n: torch.randn(1, n, dtype=dtype) for n in (cfg.hidden_size, cfg.intermediate_size)}
         times = []
         with torch.inference_mode():
@@ -92,7 +109,7 @@ def main() -> None:
         ms = statistics.median(times) * 1e3
         rows.append({"format": fmt, "ms_per_step": ms, "weight_mb": total / 2**20, "gbs": total / (ms / 1e3) / 1e9,
                      "matmuls_per_step": 5 * cfg.num_hidden_layers + 1})
-        print(f"{fmt:5s}  {ms:7.2f} ms/step  {total / 2**20:7.1f} MB  {rows[-1]['gbs']:5.1f} GB/s")
+        print(f"{fmt:15s}  {ms:7.2f} ms/step  {total / 2**20:7.1f} MB  {rows[-1]['gbs']:5.1f} GB/s")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"model": args.model, "threads": args.threads, "rows": rows}, indent=1))
