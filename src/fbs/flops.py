@@ -59,6 +59,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat("fp32", weight=4, scale=0, activation=4),
     "bf16": WeightFormat("bf16", weight=2, scale=0, activation=2),
     "int8": WeightFormat("int8", weight=1, scale=2, activation=2),
+    "fp32-onednn": WeightFormat("fp32-onednn", weight=4, scale=0, activation=4),
 }
 
 
