@@ -81,7 +81,7 @@ def resolve_layer(model: torch.nn.Module, layer: int | None) -> int:
     return n // 2
 
 
-class _StopForward(Exception):
+class StopForward(Exception):
     """Raised by the capture hook once the probed layer has run: the layers above it are not needed."""
 
 
@@ -118,7 +118,7 @@ def hidden_features(
 
     def capture(_module, _args, output):
         captured.append(output[0] if isinstance(output, tuple) else output)
-        raise _StopForward
+        raise StopForward
 
     out: list[torch.Tensor] = []
     handle = blocks[layer - 1].register_forward_hook(capture) if early else None
@@ -133,7 +133,7 @@ def hidden_features(
                 captured.clear()
                 try:
                     model(ids.to(device), **extra)
-                except _StopForward:
+                except StopForward:
                     pass
                 hs = captured[0]  # (B, T, d)
             else:
@@ -158,7 +158,7 @@ class _CaptureFBS:
     def observe(self, l, x, out):
         if l == self.layer - 1:
             self.state = out.x  # (B, T, d)
-            raise _StopForward
+            raise StopForward
 
 
 @torch.no_grad()
@@ -173,10 +173,22 @@ def fbs_hidden_features(
     n = model.num_layers
     if not 0 < layer <= n:
         raise ValueError(f"probe layer {layer} is outside 1..{n} for this FBS model (hidden_states[0] is the embedding)")
+    return fbs_teacher_forced(model, sequences, lambda: _CaptureFBS(layer), lambda c: c.state, batch_size,
+                              progress, f"FBS hidden states (layer {layer})")
+
+
+@torch.no_grad()
+def fbs_teacher_forced(model, sequences: Sequence[Sequence[int]], make_mixer: Callable, read: Callable,
+                       batch_size: int = 8, progress: Callable[..., Iterable] = lambda it, **_: it, desc: str = ""
+                       ) -> list[torch.Tensor]:
+    """Per sequence, ``read(mixer)[b, :len]`` (float32, CPU) of an FBS model's teacher-forced forward with nothing
+    skipped (``gate_mode="off"``), run on right-padded batches with an attention mask and a fresh
+    ``make_mixer()`` each; the mixer may stop the forward by raising :class:`StopForward` once it has what
+    ``read`` takes. Shared by :func:`fbs_hidden_features` and ``fbs eval ch``."""
     model.eval()
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
-    for i in progress(range(0, len(sequences), batch_size), desc=f"FBS hidden states (layer {layer})", unit="batch"):
+    for i in progress(range(0, len(sequences), batch_size), desc=desc, unit="batch"):
         batch = sequences[i:i + batch_size]
         t = max(len(s) for s in batch)
         ids = torch.zeros(len(batch), t, dtype=torch.long)  # (B, T)
@@ -184,12 +196,15 @@ def fbs_hidden_features(
         for b, s in enumerate(batch):
             ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
             mask[b, :len(s)] = 1
-        capture = _CaptureFBS(layer)
+        mixer = make_mixer()
         try:
-            model(ids.to(device), None if bool(mask.all()) else mask.to(device), gate_mode="off", mixer=capture)
-        except _StopForward:
+            model(ids.to(device), None if bool(mask.all()) else mask.to(device), gate_mode="off", mixer=mixer)
+        except StopForward:
             pass
-        out.extend(capture.state[b, :len(s)].float().cpu() for b, s in enumerate(batch))
+        got = read(mixer)
+        if got is None:
+            raise RuntimeError(f"the forward produced nothing to read ({type(mixer).__name__})")
+        out.extend(got[b, :len(s)].float().cpu() for b, s in enumerate(batch))
     return out
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from fbs.data.metrics import bios_report
-from fbs.data.probe import IdiomItem, corpus_sequences, idiom_accuracy, idiom_items
+from fbs.data.probe import IdiomItem, StopForward, corpus_sequences, fbs_teacher_forced, idiom_accuracy, idiom_items
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,6 @@ def resolve_ch_layer(model, layer: int | None = None) -> int:
     return absolute
 
 
-class _StopForward(Exception):
-    """Raised once the CH layer has run: the layers above it cannot change its BIOS logits."""
-
-
 class _CaptureCH:
     """A ``mixer`` for :meth:`FBSForCausalLM.forward` that routes nothing and keeps the BIOS logits of ``layer``."""
 
@@ -87,7 +83,7 @@ class _CaptureCH:
     def observe(self, l, x, out):
         if l == self.layer:
             self.logits = out.ch.bios_logits  # (B, T, 4)
-            raise _StopForward
+            raise StopForward  # the layers above cannot change the CH's BIOS logits
 
 
 @torch.no_grad()
@@ -99,26 +95,11 @@ def ch_bios_logits(
 
     Teacher-forced, nothing skipped; right-padded batches carry an attention mask (padding takes no part in
     attention or in the chunk cache)."""
-    model.eval()
-    device = next(model.parameters()).device
-    out: list[torch.Tensor] = []
-    for i in progress(range(0, len(sequences), batch_size), desc=f"CH BIOS logits (layer {layer})", unit="batch"):
-        batch = sequences[i:i + batch_size]
-        t = max(len(s) for s in batch)
-        ids = torch.zeros(len(batch), t, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(len(batch), t, dtype=torch.long)
-        for b, s in enumerate(batch):
-            ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[b, :len(s)] = 1
-        capture = _CaptureCH(layer)
-        try:
-            model(ids.to(device), None if bool(mask.all()) else mask.to(device), gate_mode="off", mixer=capture)
-        except _StopForward:
-            pass
-        if capture.logits is None:
-            raise RuntimeError(f"layer {layer} produced no BIOS logits: it carries no CH")
-        out.extend(capture.logits[b, :len(s)].float().cpu() for b, s in enumerate(batch))
-    return out
+    try:
+        return fbs_teacher_forced(model, sequences, lambda: _CaptureCH(layer), lambda c: c.logits, batch_size, progress,
+                                  f"CH BIOS logits (layer {layer})")
+    except RuntimeError as exc:
+        raise RuntimeError(f"layer {layer} produced no BIOS logits: it carries no CH") from exc
 
 
 def ch_predictions(model, sequences: Sequence[Sequence[int]], layer: int, batch_size: int = 8,
