@@ -11,14 +11,21 @@ from fbs.quant import dequantize, quantize_int8
 PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
 
 
+@pytest.mark.parametrize("weights", ["fp32", "fp32-onednn"])
 @pytest.mark.parametrize("family, policy", [("llama", "project"), ("qwen2", "hole"), ("qwen3", "project")])
-def test_fused_fp32_equals_hf_modules(family, policy):
-    """Fused K/V + folded gate, fused gate/up, static-cache attention: the same tokens, logits and skips."""
+def test_fused_fp32_equals_hf_modules(family, policy, weights):
+    """Fused K/V + folded gate, fused gate/up, static-cache attention: the same tokens, logits and skips.
+    ``fp32-onednn`` (every matrix, LM head included, a packed oneDNN tensor) equals them up to float rounding."""
+    if weights == "fp32-onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("needs torch built with oneDNN")
     model = randomize(fbs_tiny(family, seed=1), seed=2)
+    if weights == "fp32-onednn":
+        ops = decode_ops(model, weights)
+        assert ops.head_w.w.is_mkldnn and all(w.kvg.w.is_mkldnn and w.down.w.is_mkldnn for w in ops.layers)
     prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist()]
     kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy)
     ref = model.generate(prompts, weights="hf", **kw)
-    out = model.generate(prompts, weights="fp32", **kw)
+    out = model.generate(prompts, weights=weights, **kw)
     assert 0 < ref.trace.skip_ratio < 1
     assert out.new_tokens == ref.new_tokens
     assert torch.equal(out.trace.executed, ref.trace.executed)
@@ -151,21 +158,3 @@ def test_gate_inputs_fused_equal_hf_and_parallel(cfg):
             seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert out.sequences.tolist() == seq.tolist()
 
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs torch built with oneDNN")
-@pytest.mark.parametrize("family, policy", [("llama", "project"), ("qwen2", "hole")])
-def test_fp32_onednn_matches_hf_modules_within_rounding(family, policy):
-    """``weights="fp32-onednn"``: every matrix (LM head included) is a packed oneDNN tensor, and decoding gives the
-    HF modules' tokens, skips and logits up to float rounding (not bit for bit: another summation order)."""
-    model = randomize(fbs_tiny(family, seed=1), seed=2)
-    ops = decode_ops(model, "fp32-onednn")
-    assert ops.head_w.w.is_mkldnn and all(w.kvg.w.is_mkldnn and w.down.w.is_mkldnn for w in ops.layers)
-    prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist()]
-    kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy)
-    ref = model.generate(prompts, weights="hf", **kw)
-    out = model.generate(prompts, weights="fp32-onednn", **kw)
-    assert 0 < ref.trace.skip_ratio < 1
-    assert out.new_tokens == ref.new_tokens
-    assert torch.equal(out.trace.executed, ref.trace.executed)
-    for a, b in zip(out.scores, ref.scores):
-        assert (a - b).abs().max() < 1e-4

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 
+from .fused import WEIGHTS
 from .loading import add_model_arguments, load_from_args
 
 #: Modules that add their own subcommands through ``register(subparsers)`` (fbs.eval.mechanism: ``fbs analyze``).
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protect-structure", action="store_true", help="no skipping on structure tokens / open brackets")
     p.add_argument("--validator", choices=("json", "brackets", "python"), help="fallback rerun at tau 0.9 if invalid")
     p.add_argument("--force-compute", action="store_true", help="run every layer (no skipping)")
-    p.add_argument("--weights", choices=("fp32", "bf16", "int8", "fp32-onednn", "hf"),
+    p.add_argument("--weights", choices=WEIGHTS,
                    help="decode weights: fused fp32 (default), bf16, int8 weight-only, fp32 packed for oneDNN (CPU; not "
                         "bit-identical to fp32), or the HF modules as they are")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
