@@ -106,7 +106,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_probe(args: argparse.Namespace) -> int:
     import torch
 
-    from fbs.data.probe import ProbeConfig, corpus_sequences, fbs_hidden_features, hidden_features, idiom_items, run_probe
+    from fbs.data.probe import (ProbeConfig, corpus_sequences, dumps_record, fbs_hidden_features, hidden_features,
+                                idiom_items, run_probe)
     from fbs.data.sources import SourceError, load_idiom_examples
 
     if args.threads:
@@ -139,7 +140,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
                             "teacher-forced, nothing skipped"}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        Path(args.out).write_text(dumps_record(out))
     b = result.bios
     print(f"layer {result.layer}: BIOS-F1 {b['bios_f1']:.4f}  boundary-F1 {b['boundary_f1']:.4f}  "
           f"idiom acc {result.idiom_accuracy if result.idiom_accuracy is None else round(result.idiom_accuracy, 4)}"

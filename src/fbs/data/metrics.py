@@ -81,6 +81,79 @@ def _f1(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
     return p, r, 2 * p * r / (p + r + EPS)
 
 
+#: Column order of the per-sequence counts of :func:`sequence_counts` (and of the ``block_counts`` of
+#: ``fbs probe`` / ``fbs eval ch`` records): tp/fp/fn of each BIOS class, the boundary tp/fp/fn, and the
+#: number of labelled (not ignored) tokens. Every metric of :class:`F1Report` is a function of their sums.
+COUNT_COLUMNS: tuple[str, ...] = (
+    *(f"{c}_{k}" for c in LABELS for k in ("tp", "fp", "fn")), "boundary_tp", "boundary_fp", "boundary_fn", "n_tokens")
+
+
+def _counts(pred: Sequence[int], gold: Sequence[int], repair: bool = True) -> list[int]:
+    """The :data:`COUNT_COLUMNS` of one sequence; the single place where predictions meet gold labels.
+
+    Class counts (D.1.3) see the predictions after the fallback rule when ``repair`` (an invalid ``I`` counts as
+    the ``O`` chunk parsing makes of it); a prediction outside the label space is a miss but no false positive.
+    Boundary counts (positions labelled ``B`` or ``S``) always see repaired predictions. Positions whose gold is
+    ``IGNORE_INDEX`` count nowhere.
+    """
+    if len(pred) != len(gold):
+        raise ValueError(f"prediction length {len(pred)} != gold length {len(gold)}")
+    fixed = repair_labels(pred)
+    scored = fixed if repair else [int(p) for p in pred]
+    tp = [0] * len(LABELS)
+    fp = [0] * len(LABELS)
+    fn = [0] * len(LABELS)
+    btp = bfp = bfn = n = 0
+    for p, q, g in zip(scored, fixed, gold):
+        g = int(g)
+        if g == IGNORE_INDEX:
+            continue
+        n += 1
+        if p == g:
+            tp[g] += 1
+        else:
+            fn[g] += 1
+            if 0 <= p < len(LABELS):
+                fp[p] += 1
+        pb, gb = q in (B, S), g in (B, S)
+        btp += pb and gb
+        bfp += pb and not gb
+        bfn += gb and not pb
+    return [x for k in range(len(LABELS)) for x in (tp[k], fp[k], fn[k])] + [btp, bfp, bfn, n]
+
+
+def sequence_counts(preds: Sequence[Sequence[int]], golds: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Per sequence, the integer counts of :data:`COUNT_COLUMNS` (BIOS classes scored after the fallback rule).
+
+    The metrics of a set of sequences are :func:`report_from_counts` of the column sums, so a bootstrap over
+    sequences needs only these rows, not the predictions.
+    """
+    return [_counts(pred, gold) for pred, gold in zip(preds, golds, strict=True)]
+
+
+def sum_counts(rows: Sequence[Sequence[int]]) -> list[int]:
+    """Column sums of :func:`sequence_counts` rows (all zeros for no rows): the pooled counts."""
+    total = [0] * len(COUNT_COLUMNS)
+    for row in rows:
+        if len(row) != len(COUNT_COLUMNS):
+            raise ValueError(f"a count row has {len(row)} columns, expected {len(COUNT_COLUMNS)} ({COUNT_COLUMNS})")
+        total = [a + int(b) for a, b in zip(total, row)]
+    return total
+
+
+def _per_class(counts: Sequence[int]) -> dict[str, float]:
+    return {c: _f1(counts[3 * k], counts[3 * k + 1], counts[3 * k + 2])[2] for k, c in enumerate(LABELS)}
+
+
+def report_from_counts(counts: Sequence[int]) -> F1Report:
+    """The :class:`F1Report` of pooled :data:`COUNT_COLUMNS` counts (e.g. :func:`sum_counts` of a resample)."""
+    if len(counts) != len(COUNT_COLUMNS):
+        raise ValueError(f"{len(counts)} counts, expected {len(COUNT_COLUMNS)} ({COUNT_COLUMNS})")
+    per_class = _per_class(counts)
+    bp, br, bf = _f1(*counts[12:15])
+    return F1Report(sum(per_class.values()) / len(LABELS), per_class, bp, br, bf, int(counts[15]))
+
+
 def macro_f1(
     preds: Sequence[Sequence[int]], golds: Sequence[Sequence[int]], repair: bool = True
 ) -> tuple[float, dict[str, float]]:
@@ -90,24 +163,7 @@ def macro_f1(
     ``I`` counts as the ``O`` that chunk parsing turns it into. A class that occurs in neither
     predictions nor gold gets F1 = 0, exactly as the formula with epsilon gives.
     """
-    tp = [0] * len(LABELS)
-    fp = [0] * len(LABELS)
-    fn = [0] * len(LABELS)
-    for pred, gold in zip(preds, golds, strict=True):
-        if len(pred) != len(gold):
-            raise ValueError(f"prediction length {len(pred)} != gold length {len(gold)}")
-        pred = repair_labels(pred) if repair else [int(p) for p in pred]
-        for p, g in zip(pred, gold):
-            g = int(g)
-            if g == IGNORE_INDEX:
-                continue
-            if p == g:
-                tp[g] += 1
-            else:
-                fn[g] += 1
-                if 0 <= p < len(LABELS):
-                    fp[p] += 1
-    per_class = {c: _f1(tp[k], fp[k], fn[k])[2] for k, c in enumerate(LABELS)}
+    per_class = _per_class(sum_counts([_counts(p, g, repair) for p, g in zip(preds, golds, strict=True)]))
     return sum(per_class.values()) / len(LABELS), per_class
 
 
@@ -115,21 +171,9 @@ def boundary_f1(
     preds: Sequence[Sequence[int]], golds: Sequence[Sequence[int]]
 ) -> tuple[float, float, float]:
     """Set-level precision/recall/F1 of boundary positions (labels B or S), pooled over sequences."""
-    tp = fp = fn = 0
-    for pred, gold in zip(preds, golds, strict=True):
-        pred = repair_labels(pred)
-        valid = [int(g) != IGNORE_INDEX for g in gold]
-        pset = {i for i, p in enumerate(pred) if valid[i] and p in (B, S)}
-        gset = {i for i, g in enumerate(gold) if int(g) in (B, S)}
-        tp += len(pset & gset)
-        fp += len(pset - gset)
-        fn += len(gset - pset)
-    return _f1(tp, fp, fn)
+    return _f1(*sum_counts(sequence_counts(preds, golds))[12:15])
 
 
 def bios_report(preds: Sequence[Sequence[int]], golds: Sequence[Sequence[int]]) -> F1Report:
-    """BIOS-F1 and boundary-F1 of predicted against pseudo-labelled sequences."""
-    f1, per_class = macro_f1(preds, golds)
-    bp, br, bf = boundary_f1(preds, golds)
-    n = sum(1 for gold in golds for g in gold if int(g) != IGNORE_INDEX)
-    return F1Report(f1, per_class, bp, br, bf, n)
+    """BIOS-F1 and boundary-F1 of predicted against pseudo-labelled sequences (pooled per-sequence counts)."""
+    return report_from_counts(sum_counts(sequence_counts(preds, golds)))

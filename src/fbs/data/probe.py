@@ -9,22 +9,29 @@ Idiom recognition task: sentences from the idiom database's usage examples, each
 at a known character span. The idiom's gold chunk is its aligned token span (fully contained tokens).
 An item counts as recognised when the chunks parsed from the probe's predictions on the sentence
 include exactly that token span as one chunk (``B I ... I``, or ``S`` for one token).
+
+Besides the pooled scores, a result keeps what a bootstrap over evaluation blocks and idiom items needs
+(``fbs eval ch-table``): the per-block counts of :data:`fbs.data.metrics.COUNT_COLUMNS`, the 0/1 hit of each
+idiom item, and a fingerprint of the evaluation data (:func:`eval_fingerprint`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from fbs.data.bios import Span, align_chunks
-from fbs.data.metrics import IGNORE_INDEX, LABELS, bios_report, parse_chunks
+from fbs.data.metrics import (COUNT_COLUMNS, IGNORE_INDEX, LABELS, F1Report, parse_chunks, report_from_counts,
+                              sequence_counts, sum_counts)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,16 @@ class IdiomItem:
 
 @dataclass
 class ProbeResult:
+    """Scores of the probe, and what a bootstrap over evaluation blocks and idiom items needs.
+
+    ``block_counts``: one row per evaluation block, in the order of the evaluation data, of the integer counts
+    named by ``block_count_columns`` (:data:`fbs.data.metrics.COUNT_COLUMNS`: tp/fp/fn of B, I, O, S, boundary
+    tp/fp/fn, labelled tokens); ``bios`` is :func:`fbs.data.metrics.report_from_counts` of their column sums.
+    ``idiom_hits``: 1 if idiom item i was recognised, else 0; ``idiom_accuracy`` is their mean.
+    ``eval_fingerprint``: :func:`eval_fingerprint` of the evaluation blocks and idiom items, equal for two
+    records exactly when they were scored on the same data (so they can be paired).
+    """
+
     layer: int
     n_train_sequences: int
     n_train_tokens: int
@@ -67,6 +84,10 @@ class ProbeResult:
     n_idiom_items: int
     train_loss: list[float] = field(default_factory=list)  # mean loss per epoch
     class_weights: list[float] = field(default_factory=list)
+    block_counts: list[list[int]] = field(default_factory=list)
+    block_count_columns: list[str] = field(default_factory=lambda: list(COUNT_COLUMNS))
+    idiom_hits: list[int] = field(default_factory=list)
+    eval_fingerprint: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -280,12 +301,59 @@ def idiom_items(sentences: Iterable[tuple[str, str]], tokenizer: Any, n: int | N
     return items
 
 
+def idiom_hits(preds: Sequence[Sequence[int]], items: Sequence[IdiomItem]) -> list[int]:
+    """Per item, 1 if its parsed chunks contain the gold idiom span as one chunk, else 0."""
+    return [int((it.span[0], it.span[1], "chunk") in set(parse_chunks(p))) for p, it in zip(preds, items, strict=True)]
+
+
 def idiom_accuracy(preds: Sequence[Sequence[int]], items: Sequence[IdiomItem]) -> float:
     """Share of items whose parsed chunks contain the gold idiom span as one chunk."""
     if not items:
         return float("nan")
-    hits = sum((it.span[0], it.span[1], "chunk") in set(parse_chunks(p)) for p, it in zip(preds, items, strict=True))
-    return hits / len(items)
+    return sum(idiom_hits(preds, items)) / len(items)
+
+
+def eval_fingerprint(evaluation: Sequence[tuple[Sequence[int], Sequence[int]]], idioms: Sequence[IdiomItem]) -> str:
+    """sha256 over the evaluation blocks (token ids and gold labels, in order) and the idiom items (token ids and
+    gold span, in order): two records with the same fingerprint were scored on the same blocks and items, so their
+    per-block counts and per-item hits can be paired row by row."""
+    h = hashlib.sha256(b"fbs-eval-data-v1\n")
+    for ids, labels in evaluation:
+        h.update(json.dumps([[int(t) for t in ids], [int(y) for y in labels]]).encode() + b"\n")
+    h.update(b"idioms\n")
+    for it in idioms:
+        h.update(json.dumps([[int(t) for t in it.ids], [int(it.span[0]), int(it.span[1])]]).encode() + b"\n")
+    return h.hexdigest()
+
+
+class Scores(NamedTuple):
+    """Pooled scores of predictions on evaluation blocks and idiom items, with their per-block/per-item parts."""
+
+    report: F1Report
+    idiom_accuracy: float | None  # None without idiom items
+    block_counts: list[list[int]]
+    idiom_hits: list[int]
+    eval_fingerprint: str
+
+
+def score(preds: Sequence[Sequence[int]], evaluation: Sequence[tuple[Sequence[int], Sequence[int]]],
+          idiom_preds: Sequence[Sequence[int]] = (), idioms: Sequence[IdiomItem] = ()) -> Scores:
+    """BIOS-F1/boundary-F1 of ``preds`` against the labels of ``evaluation`` and idiom accuracy of ``idiom_preds``
+    on ``idioms``, pooled from per-block counts and per-item hits (shared by ``fbs probe`` and ``fbs eval ch``)."""
+    counts = sequence_counts(preds, [list(y) for _, y in evaluation])
+    hits = idiom_hits(idiom_preds, idioms) if idioms else []
+    acc = sum(hits) / len(hits) if idioms else None
+    return Scores(report_from_counts(sum_counts(counts)), acc, counts, hits, eval_fingerprint(evaluation, idioms))
+
+
+_NUMBER_LIST = re.compile(r"\[\n\s*([-+0-9.eE,\s]*?)\n\s*\]")
+
+
+def dumps_record(record: dict) -> str:
+    """JSON text of a result record (indent 2, sorted keys), with every list of plain numbers on one line, so the
+    per-block counts take one line per block."""
+    text = json.dumps(record, indent=2, sort_keys=True)
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
 
 
 def run_probe(
@@ -307,16 +375,17 @@ def run_probe(
     tr_y = [list(y) for _, y in train]
     probe, losses, weight = train_probe(tr_x, tr_y, config)
     ev_x = features(model, [s for s, _ in evaluation], layer, config.forward_batch_size, progress)
-    report = bios_report(predict(probe, ev_x), [list(y) for _, y in evaluation])
-    acc = None
+    id_preds: list[list[int]] = []
     if idioms:
         id_x = features(model, [it.ids for it in idioms], layer, config.forward_batch_size, progress)
-        acc = idiom_accuracy(predict(probe, id_x), idioms)
+        id_preds = predict(probe, id_x)
+    sc = score(predict(probe, ev_x), evaluation, id_preds, idioms)
     n_tok = sum(int((torch.as_tensor(y) != IGNORE_INDEX).sum()) for y in tr_y)
     logger.info("probe layer %d: BIOS-F1 %.4f, boundary-F1 %.4f, idiom acc %s",
-                layer, report.bios_f1, report.boundary_f1, acc)
-    return ProbeResult(layer, len(train), n_tok, len(evaluation), report.to_dict(), acc, len(idioms),
-                       losses, weight.tolist())
+                layer, sc.report.bios_f1, sc.report.boundary_f1, sc.idiom_accuracy)
+    return ProbeResult(layer, len(train), n_tok, len(evaluation), sc.report.to_dict(), sc.idiom_accuracy, len(idioms),
+                       losses, weight.tolist(), block_counts=sc.block_counts, idiom_hits=sc.idiom_hits,
+                       eval_fingerprint=sc.eval_fingerprint)
 
 
 def corpus_sequences(corpus_dir, split: str, tokenizer: Any, seq_len: int, n: int | None, seed: int = 0

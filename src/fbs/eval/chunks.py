@@ -20,23 +20,26 @@ so the two compare row for row:
   boundary-F1 over B/S positions) and :func:`fbs.data.probe.idiom_accuracy` (an item counts when the chunks
   parsed from the predictions on the idiom's sentence include its gold token span as one chunk). The idiom
   test applies to the CH as it is: it needs nothing but a BIOS label per token, which the CH's head gives.
+  Both commands score through :func:`fbs.data.probe.score` (per-block counts, pooled: the same numbers).
 
 Nothing is trained here: the probe's ``train_split``/``train_loss``/``class_weights`` have no counterpart.
+The record keeps the probe's per-block counts, per-item idiom hits and evaluation fingerprint, so
+``fbs eval ch-table`` (:mod:`fbs.eval.ch_table`) can put bootstrap CIs on both and pair them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from fbs.data.metrics import bios_report
-from fbs.data.probe import IdiomItem, StopForward, corpus_sequences, fbs_teacher_forced, idiom_accuracy, idiom_items
+from fbs.data.metrics import COUNT_COLUMNS
+from fbs.data.probe import (IdiomItem, StopForward, corpus_sequences, dumps_record, fbs_teacher_forced, idiom_items,
+                            score)
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +48,21 @@ PREDICTOR = "trained CH"
 
 @dataclass
 class CHResult:
-    """The probe's scores (:class:`fbs.data.probe.ProbeResult`'s evaluation fields) for the trained CH."""
+    """The probe's scores (:class:`fbs.data.probe.ProbeResult`'s evaluation fields) for the trained CH.
+
+    ``block_counts`` (one row of ``block_count_columns`` = :data:`fbs.data.metrics.COUNT_COLUMNS` per evaluation
+    block), ``idiom_hits`` (0/1 per idiom item) and ``eval_fingerprint`` mean what they mean in ``ProbeResult``.
+    """
 
     layer: int  # decoder layer carrying the CH; it reads RMSNorm_1(hidden_states[layer])
     n_eval_sequences: int
     bios: dict  # F1Report.to_dict()
     idiom_accuracy: float | None
     n_idiom_items: int
+    block_counts: list[list[int]] = field(default_factory=list)
+    block_count_columns: list[str] = field(default_factory=lambda: list(COUNT_COLUMNS))
+    idiom_hits: list[int] = field(default_factory=list)
+    eval_fingerprint: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,13 +126,12 @@ def run_ch(
     """BIOS-F1, boundary-F1 (on ``evaluation`` (ids, labels) pairs) and idiom accuracy of the trained CH."""
     layer = resolve_ch_layer(model, layer)
     preds = ch_predictions(model, [s for s, _ in evaluation], layer, batch_size, progress)
-    report = bios_report(preds, [list(y) for _, y in evaluation])
-    acc = None
-    if idioms:
-        acc = idiom_accuracy(ch_predictions(model, [it.ids for it in idioms], layer, batch_size, progress), idioms)
+    id_preds = ch_predictions(model, [it.ids for it in idioms], layer, batch_size, progress) if idioms else []
+    sc = score(preds, evaluation, id_preds, idioms)
     logger.info("CH layer %d: BIOS-F1 %.4f, boundary-F1 %.4f, idiom acc %s",
-                layer, report.bios_f1, report.boundary_f1, acc)
-    return CHResult(layer, len(evaluation), report.to_dict(), acc, len(idioms))
+                layer, sc.report.bios_f1, sc.report.boundary_f1, sc.idiom_accuracy)
+    return CHResult(layer, len(evaluation), sc.report.to_dict(), sc.idiom_accuracy, len(idioms), sc.block_counts,
+                    list(COUNT_COLUMNS), sc.idiom_hits, sc.eval_fingerprint)
 
 
 def probe_eval_data(corpus_dir, split: str, tokenizer, seq_len: int, n: int | None, n_idioms: int, seed: int = 0):
@@ -169,7 +179,7 @@ def cmd_ch(args) -> int:
         out["note"] = args.note
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        Path(args.out).write_text(dumps_record(out))
     b = result.bios
     acc = result.idiom_accuracy
     print(f"trained CH, layer {result.layer}: BIOS-F1 {b['bios_f1']:.4f}  boundary-F1 {b['boundary_f1']:.4f}  "
