@@ -16,6 +16,9 @@ Public entry points:
     BenchConfig                       the protocol's knobs (defaults = the paper's, except warm-up/runs on CPU)
     build_prompts(tokenizer, n, len)  deterministic prompts from text shipped with Python (pydoc_data)
     measure(system, prompts, cfg)     -> SystemResult with timings, memory and probe statistics
+    measure_interleaved(systems, ...) -> the same for several systems, round by round (pairable runs)
+    paired_ratio(a_runs, b_runs)      per-round ratio of two interleaved systems' times, with a bootstrap CI
+    paired_decode(a, b)               the same for two SystemResults' decode times, or None if not pairable
     environment()                     CPU/GPU, threads, library versions, load average
 """
 
@@ -24,14 +27,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import platform
 import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from fbs.bench.accounting import speculative_ratios_from_counts
@@ -126,11 +131,16 @@ class GenOutput:
 
 @dataclasses.dataclass
 class Summary:
+    """One timing over the measured runs. ``runs`` keeps every run's value in run order: in an interleaved
+    measurement run r of every system is round r, so two systems' runs pair up and the machine's drift cancels
+    (``paired_ratio``). Empty for results loaded from documents written before it existed."""
+
     median: float
     mean: float
     std: float
     min: float
     max: float
+    runs: list[float] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, xs: list[float]) -> "Summary":
@@ -140,6 +150,7 @@ class Summary:
             std=statistics.stdev(xs) if len(xs) > 1 else 0.0,
             min=min(xs),
             max=max(xs),
+            runs=list(xs),
         )
 
 
@@ -161,6 +172,7 @@ class SystemResult:
     probe: dict[str, Any] = dataclasses.field(default_factory=dict)
     outputs: torch.Tensor | None = None  # generated ids of the probe runs, (P, N); not serialized
     budget: dict[str, int] = dataclasses.field(default_factory=dict)  # warmup, runs, probe_prompts used
+    interleaved: bool = False  # measured by measure_interleaved: runs[r] of the timings is round r
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -361,6 +373,8 @@ def measure_interleaved(systems, prompts: torch.Tensor, cfg: BenchConfig, on_rou
     thermal state) hits all systems alike instead of the ones measured last. ``on_round(kind, i, n)`` is
     called before each system's probe and before each round. Each system keeps its own budget; one that fails drops out of later rounds."""
     sessions = [_Session(system, prompts, cfg) for system in systems]
+    for s in sessions:
+        s.res.interleaved = True
     for i, s in enumerate(sessions):
         if on_round:
             on_round(f"probe {s.system.name}", i, len(sessions))
@@ -374,6 +388,75 @@ def measure_interleaved(systems, prompts: torch.Tensor, cfg: BenchConfig, on_rou
                 if i < getattr(s.cfg, count):
                     s.guarded(getattr(s, step), i)
     return [s.finish() for s in sessions]
+
+
+# ----------------------------------------------------------------------------------------------- paired comparison
+
+#: Bootstrap resamples of the paired estimates (fixed seed: the same runs always give the same CI).
+PAIRED_RESAMPLES = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRatio:
+    """Per-round ratio q[r] = a[r] / b[r] of two systems' times measured in the same interleaved rounds.
+
+    The two runs of a round ran back to back, so slow drift of the machine (±15 % over half an hour on a
+    shared VM) cancels in q[r]; only the round-to-round noise of the ratio is left, and the CI measures it.
+    Unpaired medians keep the drift and cannot resolve differences of a few percent."""
+
+    ratio_median: float
+    ratio_mean: float
+    ci_low: float
+    """95 % percentile-bootstrap CI of ``ratio_mean``: rounds resampled with replacement, statistic = mean."""
+    ci_high: float
+    p_below_one: float
+    """One-sided exact sign test of "a is faster than b": P(X >= #rounds with q < 1), X ~ Bin(#rounds with
+    q != 1, 1/2). At least 2^-n, so n rounds bound how small it can get; 1.0 when every round ties."""
+    n: int
+    n_resamples: int
+
+
+def sign_test_p(wins: int, n: int) -> float:
+    """One-sided exact binomial tail P(X >= wins) for X ~ Bin(n, 1/2); 1.0 when n = 0 (no evidence)."""
+    if not 0 <= wins <= n:
+        raise ValueError(f"sign test needs 0 <= wins <= n, got wins={wins}, n={n}")
+    if n == 0:
+        return 1.0
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2**n
+
+
+def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float], seed: int = 0,
+                 n_resamples: int = PAIRED_RESAMPLES) -> PairedRatio:
+    """Paired ratio a / b over rounds (see ``PairedRatio``). ``a_runs[r]`` and ``b_runs[r]`` must come from the
+    same interleaved round. The resampled indices are those of ``fbs.eval.stats.bootstrap_indices`` with the same
+    seed (drawn here: the benchmark does not depend on the evaluation package)."""
+    a = np.asarray(a_runs, dtype=np.float64)
+    b = np.asarray(b_runs, dtype=np.float64)
+    if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
+        raise ValueError(f"paired ratio needs two equal-length, non-empty run lists, got {a.shape} and {b.shape}")
+    if not np.all(b > 0):
+        raise ValueError("paired ratio needs positive times in the denominator's runs")
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    q = a / b
+    idx = np.random.default_rng(seed).integers(0, len(q), size=(n_resamples, len(q)))
+    lo, hi = np.percentile(q[idx].mean(axis=1), [2.5, 97.5])
+    return PairedRatio(ratio_median=float(np.median(q)), ratio_mean=float(q.mean()), ci_low=float(lo),
+                       ci_high=float(hi), p_below_one=sign_test_p(int(np.sum(q < 1)), int(np.sum(q != 1))),
+                       n=len(q), n_resamples=n_resamples)
+
+
+def paired_decode(a: SystemResult, b: SystemResult, seed: int = 0) -> PairedRatio | None:
+    """``paired_ratio`` of a's decode times over b's, or None when they do not pair: both must be ok, measured
+    by the same ``measure_interleaved`` call (the caller's responsibility; results of one batch size of one run
+    are) with the same number of runs (a reduced budget, ``--draft-runs``, is not paired), and b's decode
+    times positive."""
+    if a.status != "ok" or b.status != "ok" or not (a.interleaved and b.interleaved):
+        return None
+    ra, rb = a.decode_s.runs, b.decode_s.runs
+    if not ra or len(ra) != len(rb) or min(rb) <= 0:
+        return None
+    return paired_ratio(ra, rb, seed)
 
 
 # ----------------------------------------------------------------------------------------------- matching

@@ -7,6 +7,7 @@ Public entry points:
     result_record(res, ...)        one system x batch size as a JSON-ready dict
     long_context_record(res, ...)  one long-context measurement
     validate(doc)                  raise ValueError if a document lacks a documented key
+    results_from_doc(doc)          the records back as SystemResults (older documents too: no runs, not paired)
     markdown(doc)                  the efficiency table (paper main-table columns + consistency + memory)
     plot(doc, path)                decode latency vs layer-skip ratio (PNG; needs matplotlib)
 """
@@ -47,7 +48,8 @@ RESULT_KEYS: dict[str, str] = {
     "status": "ok | unavailable | failed",
     "note": "why a system is unavailable or failed; empty otherwise",
     "params": "the system's knobs",
-    "latency_ms": "{prefill, decode, total}: each {median, mean, std, min, max} in ms over the measured runs",
+    "latency_ms": "{prefill, decode, total}: each {median, mean, std, min, max} in ms over the measured runs, and "
+                  "runs: every measured run's value in ms, in run order (round order when interleaved)",
     "decode_tok_s": "batch x (N-1) / median decode time: tokens after the first, per second",
     "throughput_tok_s": "batch x N / median total time",
     "speedup": "baseline median total latency / this system's, same batch size (ratio measured in one run)",
@@ -57,7 +59,13 @@ RESULT_KEYS: dict[str, str] = {
     "bytes_rel": "bytes read while decoding / plain decoding's (weights of the layers that ran, once per step; "
                  "K/V cache; LM head; FBS modules), by the system's weight format; FBS and the baseline only",
     "skip_saving": "FBS systems that skip: {reference, predicted, measured, captured}: decode-time saving over "
-                   "fbs-full-compute predicted from the skipped bytes, measured, and measured / predicted",
+                   "fbs-full-compute predicted from the skipped bytes, measured (medians), and measured / predicted; "
+                   "interleaved runs add the paired estimate over rounds: paired_saving_mean, paired_saving_median, "
+                   "paired_ci_low, paired_ci_high (95% bootstrap CI of the mean), paired_p_value (one-sided sign "
+                   "test of saving > 0), paired_n, captured_paired (null when not paired)",
+    "decode_vs_ref_paired": "{reference, ratio_mean, ratio_median, ci_low, ci_high, n}: decode time / the first "
+                            "measured system's, per interleaved round, with a 95% bootstrap CI of the mean; null "
+                            "when not interleaved or the run counts differ",
     "layer_skip_ratio": "fraction of (token, layer) decode invocations skipped (FBS); 0 for the baseline",
     "method_ratio": "the paper's method-specific ratio in [0, 1]: layer-skip (FBS, FlexiDepth), FFN blocks skipped "
                     "(FFN-SkipLLM), acceptance rate (draft models, early exit), verified/advance ratio (prompt "
@@ -91,13 +99,26 @@ LONG_KEYS: dict[str, str] = {
 }
 
 
-def _summary_ms(s: Summary | None) -> dict[str, float] | None:
-    return None if s is None else {k: 1e3 * v for k, v in dataclasses.asdict(s).items()}
+_STATS = ("median", "mean", "std", "min", "max")
+
+
+def _summary_ms(s: Summary | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {**{k: 1e3 * getattr(s, k) for k in _STATS}, "runs": [1e3 * x for x in s.runs]}
+
+
+def summary_from_ms(d: dict[str, Any] | None) -> Summary | None:
+    """A ``latency_ms`` entry back in seconds; documents written before per-run values were kept give no runs."""
+    if d is None:
+        return None
+    return Summary(**{k: d[k] / 1e3 for k in _STATS}, runs=[x / 1e3 for x in d.get("runs") or []])
 
 
 def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | None,
                   match: tuple[float, float] | None, roofline: dict[str, Any] | None,
-                  skip_saving: dict[str, Any] | None = None) -> dict[str, Any]:
+                  skip_saving: dict[str, Any] | None = None,
+                  decode_vs_ref_paired: dict[str, Any] | None = None) -> dict[str, Any]:
     ok = res.status == "ok"
     B = res.batch_size
     probe = res.probe or {}
@@ -118,6 +139,7 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "tflops_rel_exact": probe.get("tflops_rel_exact"),
         "bytes_rel": probe.get("bytes_rel"),
         "skip_saving": skip_saving,
+        "decode_vs_ref_paired": decode_vs_ref_paired,
         "layer_skip_ratio": probe.get("layer_skip_ratio"),
         "method_ratio": probe.get("method_ratio"),
         "method_ratio_kind": kind,
@@ -167,6 +189,27 @@ def validate(doc: dict[str, Any]) -> None:
         raise ValueError("invalid benchmark document: " + "; ".join(problems))
 
 
+def results_from_doc(doc: dict[str, Any]) -> list[SystemResult]:
+    """The ``results`` records of a document as SystemResults (timings in seconds, probe, budget; no outputs), to
+    recompute comparisons such as ``runner.skip_saving`` from a saved file (pass it the results of one batch size:
+    only those were measured together). ``interleaved`` is the document's ``protocol.interleave``. Documents from
+    before per-run values were kept load with empty ``runs``, so nothing pairs."""
+    interleaved = bool((doc.get("protocol") or {}).get("interleave"))
+    out = []
+    for r in doc["results"]:
+        lat = r.get("latency_ms") or {}
+        kind = r.get("method_ratio_kind")
+        out.append(SystemResult(
+            name=r["system"], family=r["family"], batch_size=r["batch_size"], params=r.get("params") or {},
+            ratio_kind=None if kind in (None, "none") else kind, status=r.get("status", "ok"),
+            note=r.get("note", ""), prefill_s=summary_from_ms(lat.get("prefill")),
+            decode_s=summary_from_ms(lat.get("decode")), total_s=summary_from_ms(lat.get("total")),
+            peak_rss_mb=r.get("peak_rss_mb"), rss_before_mb=r.get("rss_before_mb"),
+            peak_device_mb=r.get("peak_device_mb"), probe=r.get("probe") or {}, budget=r.get("budget") or {},
+            interleaved=interleaved))
+    return out
+
+
 def save_json(doc: dict[str, Any], path: Path) -> None:
     validate(doc)
     path.write_text(json.dumps(doc, indent=2, sort_keys=False, default=_jsonable) + "\n")
@@ -185,6 +228,18 @@ def _jsonable(x):
 
 def _f(x, fmt: str, scale: float = 1.0) -> str:
     return "–" if x is None else format(x * scale, fmt)
+
+
+def _paired_cell(sv: dict[str, Any]) -> str:
+    """``mean [low, high]`` of the paired saving in % (its rounds are the header's measured runs: only equal run
+    counts pair); – for documents without it or runs that were not interleaved."""
+    if sv.get("paired_saving_mean") is None:
+        return "–"
+    return f"{100 * sv['paired_saving_mean']:.1f} [{100 * sv['paired_ci_low']:.1f}, {100 * sv['paired_ci_high']:.1f}]"
+
+
+def _p(p: float | None) -> str:
+    return "–" if p is None else "<0.001" if p < 1e-3 else f"{p:.3f}"
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -222,14 +277,19 @@ def markdown(doc: dict[str, Any]) -> str:
     savings = [r for r in doc["results"] if r.get("skip_saving")]
     if savings:
         lines += ["", "Skipping vs the same engine at full depth (`fbs-full-compute`): decode-time saving predicted "
-                      "from the skipped bytes, measured, and the share of the prediction captured.", "",
-                  "| System | B | Skip (%) | Predicted saving (%) | Measured saving (%) | Captured (%) |",
-                  "|---|---|---|---|---|---|"]
+                      "from the skipped bytes, measured (medians), and the share of the prediction captured. Paired "
+                      "(interleaved runs only): mean over rounds of 1 − decode / decode(full) of the same round, "
+                      "[95% bootstrap CI], one-sided sign-test p of saving > 0, and mean / predicted; quote these "
+                      "for small savings.", "",
+                  "| System | B | Skip (%) | Predicted saving (%) | Measured saving (%) | Captured (%) | "
+                  "Paired saving (%) [95% CI] | p | Captured, paired (%) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in savings:
             sv = r["skip_saving"]
             lines.append(f"| {r['system']} | {r['batch_size']} | {_f(r['layer_skip_ratio'], '.1f', 100)} | "
                          f"{_f(sv['predicted'], '.1f', 100)} | {_f(sv['measured'], '.1f', 100)} | "
-                         f"{_f(sv['captured'], '.0f', 100)} |")
+                         f"{_f(sv['captured'], '.0f', 100)} | {_paired_cell(sv)} | {_p(sv.get('paired_p_value'))} | "
+                         f"{_f(sv.get('captured_paired'), '.0f', 100)} |")
     m = doc.get("machine") or {}
     if m:
         lines += ["", f"Machine: read {m['read_gbs']:.1f} GB/s, GEMV {m['gemv_gbs']:.1f} GB/s, fp32 matmul "

@@ -20,7 +20,7 @@ import torch
 
 from fbs.bench import report
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
-                               measure, measure_interleaved, prompts_digest)
+                               measure, measure_interleaved, paired_decode, prompts_digest)
 from fbs.fused import WEIGHTS
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
@@ -217,10 +217,22 @@ def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: Be
     return out
 
 
+#: Keys ``skip_saving`` adds for the paired estimate (null when the two systems' runs do not pair).
+PAIRED_SAVING_KEYS = ("paired_saving_mean", "paired_saving_median", "paired_ci_low", "paired_ci_high",
+                      "paired_p_value", "paired_n", "captured_paired")
+
+
 def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any] | None:
     """Decode-time saving of a layer-skipping FBS system over the same engine at full depth (``fbs-full-compute``
     with the same weights, batch policy and compilation), against the saving its skipped bytes predict
-    (decoding is bandwidth-bound): ``captured`` = measured / predicted."""
+    (decoding is bandwidth-bound): ``captured`` = measured / predicted, from the two medians.
+
+    When both ran in the same interleaved rounds, the paired estimate too: per round r, saving_r =
+    1 - decode[r] / decode_full[r]; ``paired_saving_mean`` / ``_median`` over the rounds, ``paired_ci_low`` /
+    ``_high`` the 95 % bootstrap CI of the mean (rounds resampled), ``paired_p_value`` the one-sided sign test of
+    saving > 0, ``paired_n`` the rounds and ``captured_paired`` = mean saving / predicted. The two medians come
+    from runs spread over the whole measurement and keep the machine's drift; a round's pair does not, which
+    is what resolves a saving of a few percent. The paired keys are null otherwise."""
     if res.status != "ok" or res.family != "fbs" or not (res.probe or {}).get("layer_skip_ratio"):
         return None
     same = ("weights", "batch_policy", "compile")
@@ -231,8 +243,28 @@ def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any
         return None
     predicted = 1.0 - mine / ref
     measured = 1.0 - res.decode_s.median / full.decode_s.median
-    return {"reference": full.name, "predicted": predicted, "measured": measured,
-            "captured": measured / predicted if predicted > 0 else None}
+    out: dict[str, Any] = {"reference": full.name, "predicted": predicted, "measured": measured,
+                           "captured": measured / predicted if predicted > 0 else None,
+                           **dict.fromkeys(PAIRED_SAVING_KEYS)}
+    pr = paired_decode(res, full)
+    if pr is not None:  # saving_r = 1 - q_r: the mean, median and CI map through 1 - x (the CI's ends swap)
+        mean = 1.0 - pr.ratio_mean
+        out.update(paired_saving_mean=mean, paired_saving_median=1.0 - pr.ratio_median,
+                   paired_ci_low=1.0 - pr.ci_high, paired_ci_high=1.0 - pr.ci_low, paired_p_value=pr.p_below_one,
+                   paired_n=pr.n, captured_paired=mean / predicted if predicted > 0 else None)
+    return out
+
+
+def decode_vs_ref(res: SystemResult, ref: SystemResult | None) -> dict[str, Any] | None:
+    """This system's decode time over the reference row's (the first measured system of the batch size),
+    paired by interleaved round: ``{reference, ratio_mean, ratio_median, ci_low, ci_high, n}``, the CI being the
+    95 % bootstrap CI of ``ratio_mean`` over rounds; None when the two do not pair (not interleaved, a
+    different number of runs, not ok)."""
+    pr = paired_decode(res, ref) if ref is not None else None
+    if pr is None:
+        return None
+    return {"reference": ref.name, "ratio_mean": pr.ratio_mean, "ratio_median": pr.ratio_median,
+            "ci_low": pr.ci_low, "ci_high": pr.ci_high, "n": pr.n}
 
 
 def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> None:
@@ -325,13 +357,15 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
         prompts = prompts.to(device)
         results = _measure_all(systems, prompts, cfg, progress)
         base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
+        ref = next((r for r in results if r.status == "ok"), None)  # the reference row of the paired ratios
         for r in results:
             match = None
             if base is not None and r.outputs is not None:  # a reduced budget probes the first prompts only
                 match = match_rates(r.outputs, base.outputs[: r.outputs.shape[0]])
             _full_compute_match(r, results)
             rec = report.result_record(r, cfg.new_tokens, base.total_s.median if base else None, match,
-                                       _roofline(r, cost, peaks, cfg, extra_bytes), skip_saving(r, results))
+                                       _roofline(r, cost, peaks, cfg, extra_bytes), skip_saving(r, results),
+                                       decode_vs_ref(r, ref))
             records.append(rec)
 
     long_records = _long_context(spec, bench, model, tok, systems, progress)
@@ -354,7 +388,8 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
                      "eos_ignored": True, "prompt_source": PROMPT_SOURCE,
                      "prompts_sha256": {str(b): d for b, d in digests.items()},
                      "timing": "perf_counter around each generate call; HF prefill = start to first streamed "
-                               "token, FBS prefill/decode timed by the engine; median over measured runs"},
+                               "token, FBS prefill/decode timed by the engine; median over measured runs, every "
+                               "run kept (latency_ms.*.runs)"},
         "environment": env,
         "machine": dataclasses.asdict(peaks),
         "results": records,
