@@ -4,6 +4,7 @@
     fbs eval run --system fbs --tau 0.7 --kv-policy project --out results/fbs.json
     fbs eval run --protocol cpu --system base --out results/protocol_cpu/base.json     # issue 15's CPU protocol
     fbs eval run --protocol cpu --dry-run                                              # sizes + subset ids only
+    fbs eval merge results/ctrl_a.json results/ctrl_b.json --out results/ctrl.json      # pieces run side by side
     fbs eval compare results/fbs.json results/base.json [--bh]
     fbs eval table results/base.json results/fbs.json --base results/base.json --bench bench.json \
         --bench-rows hf-greedy,fbs-tau0.3
@@ -93,7 +94,7 @@ def _check_baseline_args(args, method: str | None) -> None:
 
 
 def cmd_run(args) -> int:
-    from fbs.eval.report import (load_record, make_record, markdown_table, runtime_info, save_record,
+    from fbs.eval.report import (load_record, make_record, markdown_table, merge_records, runtime_info, save_record,
                                  seed_everything)
     from fbs.eval.tasks import DEFAULT_TASKS, TASKS, run_task
 
@@ -122,18 +123,13 @@ def cmd_run(args) -> int:
     start = time.perf_counter()
     results = {}
     out = Path(args.out)
+    previous = None
     if args.append and out.is_file():
-        previous = load_record(out)
-        if previous["system"].get("name") != system.name:
-            raise ValueError(f"--append: {out} holds results of {previous['system'].get('name')!r}, not {system.name!r}")
-        results = {k: v for k, v in previous["tasks"].items() if k not in tasks}
-        before = previous.get("protocol")
-        if protocol is not None and before is not None:  # the pieces of one protocol run: keep what they said
-            if before.get("name") != protocol["name"] or before.get("seed") != protocol["seed"]:
-                raise ValueError(f"--append: {out} was run with protocol {before.get('name')!r} seed "
-                                 f"{before.get('seed')}, not {protocol['name']!r} seed {protocol['seed']}")
-            for key in ("tasks", "not_run"):
-                protocol[key] = {**before.get(key, {}), **protocol[key]}
+        loaded = load_record(out)
+        previous = {**loaded, "tasks": {k: v.to_dict() for k, v in loaded["tasks"].items() if k not in tasks}}
+        # same system and protocol, or stop before any task runs
+        merge_records(previous, make_record(system.describe(), {}, args.seed, args.limit, 0.0, {}, protocol),
+                      f"--append: {out}")
     for k, name in enumerate(tasks, 1):
         items, n_total = plan.get(name, (None, None))
         if items is not None:
@@ -150,6 +146,8 @@ def cmd_run(args) -> int:
               f"n={res.n}/{res.n_total}  {res.seconds:.0f}s{skip}", flush=True)
         record = make_record(system.describe(), results, args.seed, args.limit, time.perf_counter() - start,
                              runtime_info(args.seed), protocol=protocol)
+        if previous is not None:
+            record = merge_records(previous, record, f"--append: {out}")
         save_record(record, out)  # after every task, so a long run keeps what it has
     md = out.with_suffix(".md")
     md.write_text(f"# {system.name}\n\n" + markdown_table([load_record(out)], [system.name]))
@@ -253,6 +251,27 @@ def cmd_table(args) -> int:
     if labels is not None and len(labels) != len(records):
         raise SystemExit(f"{len(labels)} labels for {len(records)} records")
     print(markdown_table(records, labels, base=base, latency_ms=latency, seed=args.seed))
+    return 0
+
+
+
+def cmd_merge(args) -> int:
+    from fbs.eval.report import FORMAT, load_record, markdown_table, merge_records, save_record
+
+    merged = None
+    for path in args.records:
+        rec = json.loads(Path(path).read_text())
+        if rec.get("format") != FORMAT:
+            raise SystemExit(f"{path} is not an fbs eval record (format {rec.get('format')!r})")
+        overlap = sorted(set(merged["tasks"]) & set(rec["tasks"])) if merged is not None else []
+        if overlap:
+            raise SystemExit(f"{path} repeats task(s) {overlap} of an earlier record: merge pieces with disjoint tasks")
+        merged = rec if merged is None else merge_records(merged, rec, f"the records before {path}")
+    out = Path(args.out)
+    save_record(merged, out)
+    name = merged["system"].get("name")
+    out.with_suffix(".md").write_text(f"# {name}\n\n" + markdown_table([load_record(out)], [name]))
+    print(f"wrote {out} ({len(merged['tasks'])} tasks: {', '.join(merged['tasks'])}) and {out.with_suffix('.md')}")
     return 0
 
 
@@ -675,6 +694,12 @@ def register(subparsers) -> None:
     t.add_argument("--labels", help="comma-separated row labels (default: the records' system names)")
     t.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     t.set_defaults(func=cmd_table)
+
+    mg = sub.add_parser("merge", help="one record from the pieces of one system's run (disjoint --tasks run as "
+                                      "separate processes, e.g. one per core)")
+    mg.add_argument("records", nargs="+", help="`fbs eval run` records of the same system (and protocol)")
+    mg.add_argument("--out", required=True, help="merged JSON record (markdown next to it)")
+    mg.set_defaults(func=cmd_merge)
 
     m = sub.add_parser("make-tasks", help="write offline lm-eval task YAMLs + JSONL data for the local datasets")
     m.add_argument("--out-dir", default="~/.cache/fbs/eval/lm_eval_tasks")

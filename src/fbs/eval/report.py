@@ -104,6 +104,31 @@ def load_record(path: str | os.PathLike) -> dict:
     return rec
 
 
+def merge_records(previous: dict, new: dict, source: str = "previous record") -> dict:
+    """``new`` with the tasks of ``previous`` it does not have: the pieces of one system's evaluation run as
+    separate processes (``fbs eval run --append``, ``fbs eval merge``). Both must be the same system (name) and,
+    when both ran a protocol, the same protocol and seed; the merged protocol entry keeps both pieces' task plans.
+    Wall seconds add up (the pieces' compute, not the elapsed time when they ran side by side)."""
+    name, before_name = new["system"].get("name"), previous["system"].get("name")
+    if before_name != name:
+        raise ValueError(f"{source} holds results of {before_name!r}, not {name!r}")
+    merged = dict(new)
+    merged["tasks"] = {**{k: v for k, v in previous["tasks"].items() if k not in new["tasks"]}, **new["tasks"]}
+    before, protocol = previous.get("protocol"), new.get("protocol")
+    if before is not None and protocol is not None:
+        if before.get("name") != protocol.get("name") or before.get("seed") != protocol.get("seed"):
+            raise ValueError(f"{source} was run with protocol {before.get('name')!r} seed {before.get('seed')}, "
+                             f"not {protocol.get('name')!r} seed {protocol.get('seed')}")
+        protocol = dict(protocol)
+        for key in ("tasks", "not_run"):
+            protocol[key] = {**before.get(key, {}), **protocol.get(key, {})}
+        merged["protocol"] = protocol
+    elif protocol is None:
+        merged["protocol"] = before
+    merged["wall_seconds"] = float(previous.get("wall_seconds") or 0) + float(new.get("wall_seconds") or 0)
+    return merged
+
+
 # --------------------------------------------------------------------------- markdown
 
 #: Quality columns of the paper's main table, and the task measuring each here (None: not available offline).
