@@ -11,6 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from fbs.fused import WEIGHTS
+
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
@@ -86,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taus", type=_floats, default=s.taus, help="FBS tau sweep, comma list")
     p.add_argument("--plans", type=_floats, default=s.plans, help="forced static plans: skipped-layer fractions")
     p.add_argument("--weights", type=_strs, default=s.weights,
-                   help="decode weight formats of the FBS systems, comma list from fp32, bf16, int8, hf (the HF "
-                        "modules); each FBS system runs once per format (default: fp32)")
+                   help=f"decode weight formats of the FBS systems, comma list from {', '.join(WEIGHTS)} (hf: the "
+                        "HF modules); each FBS system runs once per format (default: fp32)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s.compile,
                    help="torch.compile the engine's one-token layer step (default: off)")
     p.add_argument("--batch-policies", type=_strs, default=s.batch_policies,
