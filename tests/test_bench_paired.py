@@ -127,6 +127,17 @@ def test_paired_saving_ci_is_the_mirrored_ratio_ci():
     assert sv["paired_p_value"] == pytest.approx(sign_test_p(3, 4))  # one round ties; 3 of the other 4 saved
 
 
+def test_gates_that_skip_nothing_report_their_cost_as_a_negative_saving():
+    # tau 1: every gate evaluated, none fires; the gates' columns make its bytes a little larger than full depth's
+    full = result("fbs-full-compute", FULL, bytes_rel=1.0)
+    gates = result("fbs-tau1.0", [1.04 * x for x in FULL], bytes_rel=1.001, skip=0.0)
+    sv = skip_saving(gates, [full, gates])
+    assert sv["predicted"] == pytest.approx(-0.001) and sv["captured"] is None and sv["captured_paired"] is None
+    assert sv["paired_saving_mean"] == pytest.approx(-0.04) and sv["paired_p_value"] == 1.0
+    assert skip_saving(full, [full, gates]) is None  # the reference itself
+    assert skip_saving(result("hf-greedy", FULL, family="baseline"), [full]) is None
+
+
 def test_unpaired_runs_keep_the_median_estimate_and_null_paired_keys():
     full = result("fbs-full-compute", FULL, bytes_rel=1.0, interleaved=False)
     skipping = result("fbs-tau0.5", [0.9 * x for x in FULL], bytes_rel=0.8, skip=0.2, interleaved=False)

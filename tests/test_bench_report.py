@@ -87,6 +87,7 @@ def test_document_contents(document):
     assert full["skip_saving"] is None and base["skip_saving"] is None
     assert by[("llama-cpp", 1)]["status"] == "unavailable" and "GGUF" in by[("llama-cpp", 1)]["note"]
     assert {r["prompt_len"] for r in doc["long_context"]} == {64, 90}  # 128 clipped to 96 - 6 positions
+    assert {r["system"] for r in doc["long_context"]} == {"hf-greedy", "fbs-full-compute", "fbs-tau0.5"}
     assert "| hf-greedy | 1 |" in paths["markdown"].read_text()
     assert paths["plot"] is None or paths["plot"].stat().st_size > 0
 

@@ -133,11 +133,27 @@ def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
                    batch_policies=("gather", "majority"), compile=True)
     systems = build_systems(model.base.hf, None, model, spec)
     assert [s.name for s in systems] == [
-        "fbs-full-compute", "fbs-full-compute-majority", "fbs-full-compute-int8", "fbs-full-compute-int8-majority",
-        "fbs-tau1", "fbs-tau1-majority", "fbs-tau1-int8", "fbs-tau1-int8-majority"]
+        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", "fbs-full-compute-int8-compiled",
+        "fbs-full-compute-int8-compiled-majority", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
+        "fbs-tau1-int8-compiled", "fbs-tau1-int8-compiled-majority"]
     assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority"}
     with pytest.raises(ValueError, match="weights"):
         RunSpec(weights=("fp16",))
+
+
+def test_bench_runs_each_fbs_system_eager_and_compiled_side_by_side():
+    from fbs.bench.cli import COMPILE_MODES
+    from fbs.bench.runner import RunSpec, build_systems
+
+    model = fbs_tiny()
+    spec = RunSpec(systems=("hf-greedy", "fbs-full"), weights=("fp32", "hf"), compile=COMPILE_MODES["both"])
+    systems = build_systems(model.base.hf, None, model, spec)
+    assert [s.name for s in systems] == ["hf-greedy", "fbs-full-compute", "fbs-full-compute-compiled",
+                                         "fbs-full-compute-hf"]  # the HF modules are never compiled
+    assert [s.knobs.get("compile") for s in systems[1:]] == [False, True, False]
+    for bad in ((), (True, True), ("yes",)):
+        with pytest.raises(ValueError, match="compile"):
+            RunSpec(compile=bad)
 
 
 @pytest.mark.parametrize("cfg", [dict(gate_prev_skip=True), dict(gate_input="preview"),

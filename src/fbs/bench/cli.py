@@ -13,6 +13,9 @@ from pathlib import Path
 
 from fbs.fused import WEIGHTS
 
+#: ``--compile`` values -> RunSpec.compile
+COMPILE_MODES = {"off": False, "on": True, "both": (False, True)}
+
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
@@ -42,7 +45,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        draft=args.draft, draft_runs=args.draft_runs, batch_sizes=args.batch_sizes,
                        long_context=args.long_lengths if args.long_context else (),
                        long_warmup=args.long_warmup, long_runs=args.long_runs, device=args.device,
-                       weights=args.weights, compile=args.compile, batch_policies=args.batch_policies,
+                       weights=args.weights, compile=COMPILE_MODES[args.compile], batch_policies=args.batch_policies,
                        ffn_skip_thresholds=args.ffn_skip_thresholds, flexidepth=args.flexidepth,
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
@@ -90,8 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=_strs, default=s.weights,
                    help=f"decode weight formats of the FBS systems, comma list from {', '.join(WEIGHTS)} (hf: the "
                         "HF modules); each FBS system runs once per format (default: fp32)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s.compile,
-                   help="torch.compile the engine's one-token layer step (default: off)")
+    p.add_argument("--compile", nargs="?", const="on", default="on" if s.compile is True else "off",
+                   choices=("off", "on", "both"),
+                   help="torch.compile the engine's one-token layer step: on (also plain --compile), off, or both "
+                        "(every FBS system eager and compiled, side by side; compiled rows end in -compiled) "
+                        "(default: off)")
+    p.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="same as --compile off")
     p.add_argument("--batch-policies", type=_strs, default=s.batch_policies,
                    help="engine batch policies of the FBS systems, comma list from gather, all, majority; each "
                         "FBS system runs once per policy (default: gather)")

@@ -74,8 +74,10 @@ class RunSpec:
     weights: tuple[str, ...] = ("fp32",)
     """Decode weight formats of the FBS systems (``fp32``, ``bf16``, ``int8``, ``hf`` = the HF modules): each FBS
     system runs once per format; formats other than fp32 add ``-<format>`` to its name."""
-    compile: bool = False
-    """``torch.compile`` the engine's one-token layer step (the probe run absorbs the first compile)."""
+    compile: bool | tuple[bool, ...] = False
+    """``torch.compile`` the engine's one-token layer step (the probe run absorbs the first compile); a tuple runs
+    every FBS system once per mode (``(False, True)``: eager and compiled side by side, interleaved like the
+    rest). Compiled variants add ``-compiled`` to their names."""
     batch_policies: tuple[str, ...] = ("gather",)
     """Engine batch policies of the FBS systems (gather, all, majority); others than gather add ``-<policy>``."""
     ffn_skip_thresholds: tuple[float, ...] = (0.984, 0.988)
@@ -104,6 +106,9 @@ class RunSpec:
             raise ValueError(f"weights must be a non-empty list from {', '.join(WEIGHTS)}, got {self.weights}")
         if set(self.batch_policies) - {"gather", "all", "majority"} or not self.batch_policies:
             raise ValueError(f"batch policies must be from gather, all, majority, got {self.batch_policies}")
+        modes = self.compile if isinstance(self.compile, tuple) else (self.compile,)
+        if not modes or any(not isinstance(m, bool) for m in modes) or len(set(modes)) != len(modes):
+            raise ValueError(f"compile must be a bool or a tuple of distinct bools, got {self.compile!r}")
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -176,19 +181,27 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
     return _decode_variants(systems, spec)
 
 
+#: knobs :func:`_decode_variants` adds to every FBS system
+ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy"})
+
+
 def _decode_variants(systems: list, spec: RunSpec) -> list:
-    """Every FBS system once per decode weight format (``spec.weights``) and batch policy (``spec.batch_policies``),
-    with ``spec.compile``; the defaults (fp32, gather) keep the system's name, others add a suffix."""
+    """Every FBS system once per decode weight format (``spec.weights``), compile mode (``spec.compile``) and batch
+    policy (``spec.batch_policies``); the defaults (fp32, eager, gather) keep the system's name, others add a
+    suffix. ``hf`` weights are never compiled (one eager variant)."""
+    modes = spec.compile if isinstance(spec.compile, tuple) else (spec.compile,)
     out = []
     for s in systems:
         if not isinstance(s, FBSSystem):
             out.append(s)
             continue
         for w in spec.weights:
-            for policy in spec.batch_policies:
-                name = s.name + ("" if w == "fp32" else f"-{w}") + ("" if policy == "gather" else f"-{policy}")
-                knobs = {**s.knobs, "weights": w, "compile": spec.compile and w != "hf", "batch_policy": policy}
-                out.append(dataclasses.replace(s, name=name, knobs=knobs))
+            for comp in (False,) if w == "hf" else modes:
+                for policy in spec.batch_policies:
+                    name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
+                            + ("" if policy == "gather" else f"-{policy}"))
+                    knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
+                    out.append(dataclasses.replace(s, name=name, knobs=knobs))
     return out
 
 
@@ -232,8 +245,12 @@ def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any
     ``_high`` the 95 % bootstrap CI of the mean (rounds resampled), ``paired_p_value`` the one-sided sign test of
     saving > 0, ``paired_n`` the rounds and ``captured_paired`` = mean saving / predicted. The two medians come
     from runs spread over the whole measurement and keep the machine's drift; a round's pair does not, which
-    is what resolves a saving of a few percent. The paired keys are null otherwise."""
-    if res.status != "ok" or res.family != "fbs" or not (res.probe or {}).get("layer_skip_ratio"):
+    is what resolves a saving of a few percent. The paired keys are null otherwise.
+
+    A gated system that skips nothing (``--taus 1.0``: every gate evaluated, none fires) is included too: its
+    "saving" is minus the gates' cost over the engine without gates (predicted ~0, ``captured`` null)."""
+    if (res.status != "ok" or res.family != "fbs" or res.name.startswith("fbs-full-compute")
+            or (res.probe or {}).get("layer_skip_ratio") is None):
         return None
     same = ("weights", "batch_policy", "compile")
     full = next((r for r in results if r.name.startswith("fbs-full-compute") and r.status == "ok"
@@ -244,14 +261,14 @@ def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any
     predicted = 1.0 - mine / ref
     measured = 1.0 - res.decode_s.median / full.decode_s.median
     out: dict[str, Any] = {"reference": full.name, "predicted": predicted, "measured": measured,
-                           "captured": measured / predicted if predicted > 0 else None,
+                           "captured": measured / predicted if predicted > 1e-9 else None,
                            **dict.fromkeys(PAIRED_SAVING_KEYS)}
     pr = paired_decode(res, full)
     if pr is not None:  # saving_r = 1 - q_r: the mean, median and CI map through 1 - x (the CI's ends swap)
         mean = 1.0 - pr.ratio_mean
         out.update(paired_saving_mean=mean, paired_saving_median=1.0 - pr.ratio_median,
                    paired_ci_low=1.0 - pr.ci_high, paired_ci_high=1.0 - pr.ci_low, paired_p_value=pr.p_below_one,
-                   paired_n=pr.n, captured_paired=mean / predicted if predicted > 0 else None)
+                   paired_n=pr.n, captured_paired=mean / predicted if predicted > 1e-9 else None)
     return out
 
 
@@ -403,7 +420,8 @@ def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems,
     if not spec.long_context:
         return []
     limit = model.config.max_position_embeddings - bench.new_tokens
-    wanted = {"hf-greedy", "fbs-full-compute", first_tau_system(systems)}
+    full = next((s.name for s in systems if s.name.startswith("fbs-full-compute")), None)
+    wanted = {"hf-greedy", full, first_tau_system(systems)}
     chosen = [s for s in systems if s.name in wanted]
     records = []
     done: set[int] = set()
@@ -428,9 +446,10 @@ def _long_context(spec: RunSpec, bench: BenchConfig, model, tok, systems,
 
 
 def first_tau_system(systems) -> str | None:
-    """Name of the first tau-sweep system: the FBS representative of the long-context pass."""
+    """Name of the first tau-sweep system (of its first engine variant): the FBS representative of the
+    long-context pass."""
     for s in systems:
-        if s.family == "fbs" and set(getattr(s, "knobs", {})) == {"tau", "kv_policy"}:
+        if s.family == "fbs" and set(getattr(s, "knobs", {})) - ENGINE_VARIANT_KNOBS == {"tau", "kv_policy"}:
             return s.name
     return None
 
