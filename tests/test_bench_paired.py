@@ -5,6 +5,7 @@ No model and no timing: SystemResults are built from run lists whose per-round r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -280,3 +281,32 @@ def test_interleaved_measurement_keeps_pairable_runs_and_sequential_does_not_pai
     assert paired_decode(rslow, ra) is None  # its reduced budget ran 2 of the 4 rounds
     alone = measure(a, prompts, cfg)
     assert not alone.interleaved and alone.decode_s.runs == [0.004] * 4 and paired_decode(alone, rb) is None
+
+
+def test_recompute_fills_comparisons_a_saved_document_lacks(tmp_path):
+    """`fbs bench recompute`: a document saved without the gate row's comparison (as before gated rows that skip
+    nothing got one) gets it from its saved runs; rows of another batch size are not compared across sizes."""
+    from fbs.bench.runner import recompute_comparisons
+    from fbs.cli import main
+
+    full = result("fbs-full-compute", FULL, bytes_rel=1.0)
+    gates = result("fbs-tau1", [1.04 * x for x in FULL], bytes_rel=1.001, skip=0.0)
+    b2 = [dataclasses.replace(r, batch_size=2) for r in (full, gates)][1:]  # a B = 2 gate row without its reference
+    doc = document([full, gates, *b2])
+    for r in doc["results"]:
+        r["skip_saving"] = r["decode_vs_ref_paired"] = None
+    new = recompute_comparisons(doc)
+    assert doc["results"][1]["skip_saving"] is None  # the input is not modified
+    sv = new["results"][1]["skip_saving"]
+    assert sv["reference"] == "fbs-full-compute" and sv["paired_saving_mean"] == pytest.approx(-0.04)
+    assert new["results"][1]["decode_vs_ref_paired"]["ratio_mean"] == pytest.approx(1.04)
+    assert new["results"][2]["skip_saving"] is None  # B = 2 has no full-depth row
+    assert new["results"][2]["decode_vs_ref_paired"]["reference"] == "fbs-tau1"  # its own batch's first row
+    assert new["results"][0]["latency_ms"] == doc["results"][0]["latency_ms"]
+
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps({**doc, "model": {"name": "tiny"}}))
+    assert main(["bench", "recompute", str(src), "--out-dir", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["results"][1]["skip_saving"] == sv
+    assert "| fbs-tau1 | 1 | 0.0 |" in (tmp_path / "out" / "bench.md").read_text()
+    assert main(["bench", "recompute", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 2

@@ -137,5 +137,34 @@ def register(subparsers) -> None:
     # `fbs bench serve ...`: the load test of `fbs serve` (docs/serve.md); plain `fbs bench` stays the engine benchmark
     from fbs.serve.loadtest import register as register_serve_load
 
-    register_serve_load(p.add_subparsers(dest="bench_command", metavar="{serve}",
-                                         help="serve: load test of fbs serve (its own options follow it)"))
+    sub = p.add_subparsers(dest="bench_command", metavar="{serve,recompute}",
+                           help="serve: load test of fbs serve; recompute: a saved bench.json's comparisons again "
+                                "(their own options follow them)")
+    register_serve_load(sub)
+    r = sub.add_parser("recompute", help="recompute a saved bench.json's comparisons (paired savings, ratios)",
+                       description="Read a bench.json, compute the comparisons between its rows again from the saved "
+                                   "runs with this version's code (skip_saving incl. paired CIs, decode_vs_ref_paired), "
+                                   "and write bench.{json,md,png} to --out-dir. Timings are never re-measured.")
+    r.add_argument("bench_json", help="a bench.json written by `fbs bench`")
+    r.add_argument("--out-dir", required=True, help="where the recomputed bench.{json,md,png} go")
+    r.set_defaults(func=cmd_bench_recompute)
+
+
+def cmd_bench_recompute(args: argparse.Namespace) -> int:
+    import json
+
+    from fbs.bench.runner import recompute_comparisons, write_outputs
+
+    path = Path(args.bench_json)
+    try:
+        doc = recompute_comparisons(json.loads(path.read_text()))
+    except FileNotFoundError:
+        print(f"error: {path} does not exist; pass the bench.json of an `fbs bench --out-dir` directory", file=sys.stderr)
+        return 2
+    except (json.JSONDecodeError, ValueError, KeyError) as e:
+        print(f"error: {path} is not a benchmark document of this version: {e}", file=sys.stderr)
+        return 2
+    paths = write_outputs(doc, Path(args.out_dir))
+    print(Path(paths["markdown"]).read_text())
+    print(f"json: {paths['json']}")
+    return 0

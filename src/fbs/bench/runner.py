@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import logging
 import sys
 from pathlib import Path
@@ -282,6 +283,24 @@ def decode_vs_ref(res: SystemResult, ref: SystemResult | None) -> dict[str, Any]
         return None
     return {"reference": ref.name, "ratio_mean": pr.ratio_mean, "ratio_median": pr.ratio_median,
             "ci_low": pr.ci_low, "ci_high": pr.ci_high, "n": pr.n}
+
+
+def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a saved benchmark document whose comparisons between rows (``skip_saving``,
+    ``decode_vs_ref_paired``) are computed again from the saved runs, by this version's code: rows measured
+    together (one batch size) are compared with each other, as :func:`run` does. Timings, probes and everything
+    else stay as measured. Documents from before per-run times were kept get the median estimates only."""
+    doc = json.loads(json.dumps(doc))
+    report.validate(doc)
+    results = report.results_from_doc(doc)
+    for B in dict.fromkeys(r.batch_size for r in results):
+        idx = [i for i, r in enumerate(results) if r.batch_size == B]
+        same = [results[i] for i in idx]
+        ref = next((r for r in same if r.status == "ok"), None)
+        for i, r in zip(idx, same):
+            doc["results"][i]["skip_saving"] = skip_saving(r, same)
+            doc["results"][i]["decode_vs_ref_paired"] = decode_vs_ref(r, ref)
+    return doc
 
 
 def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> None:
