@@ -174,3 +174,19 @@ def test_gate_inputs_fused_equal_hf_and_parallel(cfg):
             seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert out.sequences.tolist() == seq.tolist()
 
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+def test_one_token_rope_equals_transformers_bit_for_bit(hd):
+    """The decode step's rotary embedding (tables once per step, roll instead of rotate_half's slices) is HF's
+    ``apply_rotary_pos_emb`` exactly, on random tables (not only valid cos/sin pairs)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from fbs.fused import _rope, _rope_tables
+
+    g = torch.Generator().manual_seed(hd)
+    q, k = torch.randn(3, 9, 1, hd, generator=g) * 5, torch.randn(3, 2, 1, hd, generator=g)
+    cos, sin = torch.randn(3, 1, hd, generator=g), torch.randn(3, 1, hd, generator=g)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    tables = _rope_tables(cos, sin)
+    assert torch.equal(_rope(q, *tables), q_ref) and torch.equal(_rope(k, *tables), k_ref)

@@ -120,6 +120,7 @@ class CacheContext:
         self.preview_emb, self.preview_keys = preview_emb, preview_keys or {}
         self.all_rows = rows == list(range(cache.batch))
         self._rows_t = None
+        self._slots: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def rows_t(self) -> torch.Tensor:
@@ -160,8 +161,10 @@ class CacheContext:
         """For a one-token step of fixed shapes: the layer's full K/V buffers, each row's slot (b,) for its new
         entry, and the row indices (None when the step covers every row of the cache, in order). Books the
         entries; the caller writes them (see :func:`fbs.fused.attend_static`)."""
-        starts = self.cache.advance(l, self.rows, self.positions)
-        slots = torch.tensor(starts, device=self.cos.device)
+        starts = tuple(self.cache.advance(l, self.rows, self.positions))
+        slots = self._slots.get(starts)
+        if slots is None:  # one tensor per distinct slot list of the step (every layer's, unless layers skip under hole)
+            slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
         return self.cache.k[l], self.cache.v[l], slots, None if self.all_rows else self.rows_t
 
     # ---- chunk head -------------------------------------------------------

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from .cache import CacheContext
-from .hf_adapter import apply_rope
 from .layer import HFOps
 from .modules.gate import relative_update
 from .quant import FORMATS, Weight, matmul
@@ -119,9 +118,23 @@ def _heads(y: torch.Tensor, n: int, hd: int, norm, eps: float) -> torch.Tensor:
     return y.transpose(1, 2)
 
 
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's rotary tables (b, 1, hd) of a one-token step as :func:`_rope` reads them: (b, 1, 1, hd) cos and sin
+    with its first half negated, made once per step instead of once per layer and projection."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` in fewer ops and bit for bit: rotate_half(x) = cat(-x2, x1) and
+    roll(x) = cat(x2, x1), so rotate_half(x) * sin = roll(x) * cat(-sin1, sin2) exactly (a sign flip is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
 def _pre_step(x, x_prev, terms, rel_term, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int,
               hd: int, eps: float):
-    """RMSNorm_1, K/V (rotated) and, with ``gate`` (see :func:`_gate_logit`), the gate logit (b,)."""
+    """RMSNorm_1, K/V (rotated) and, with ``gate`` (see :func:`_gate_logit`), the gate logit (b,). ``cos`` /
+    ``sin``: :func:`_rope_tables`."""
     xn = _rms(x, ln1, eps)
     y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, 1, 2*nkv*hd [+ G])
     width = nkv * hd
@@ -129,7 +142,7 @@ def _pre_step(x, x_prev, terms, rel_term, prev_skip, cos, sin, ln1, kvg, kvg_s, 
         k, v, g = y[..., :width], y[..., width:2 * width], None
     else:  # one op for the three parts; the gate's width G (0 without the residual input) is fixed per layer
         k, v, g = y.split_with_sizes([width, width, y.shape[-1] - 2 * width], -1)
-    k = apply_rope(_heads(k, nkv, hd, kn, eps), cos, sin)
+    k = _rope(_heads(k, nkv, hd, kn, eps), cos, sin)
     v = _heads(v, nkv, hd, None, eps)
     if torch.compiler.is_compiling():  # a view of y has y's row stride, which the gate's columns change: the compiled
         v = v.clone(memory_format=torch.contiguous_format)  # block step would go shape-generic (sizes read per call)
@@ -164,18 +177,18 @@ def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int):
     return h + matmul(F.silu(y[..., :inter]) * y[..., inter:], dn, dn_s)
 
 
-def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s, dn, dn_s,
-                *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool):
+def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s,
+                dn, dn_s, *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool):
     """One new token per row: Q, write K/V at each row's slot of the static cache, attend over the slots
-    filled so far, O and (with ``ffn``) the FFN. ``rows`` None: the step's rows are the cache's rows."""
+    filled so far, O and (with ``ffn``) the FFN. ``idx`` (b,): the rows' cache rows; ``valid`` (b, 1, 1, C): the
+    slots each row attends to (both from :meth:`FusedOps._slots`); ``rows`` None: the step's rows are the cache's
+    rows (attend over the whole buffers), else ``idx`` (gather them)."""
     b = x.shape[0]
-    q = apply_rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
-    idx = torch.arange(b, device=x.device) if rows is None else rows
+    q = _rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
     kc[idx, :, slots] = k[:, :, 0]
     vc[idx, :, slots] = v[:, :, 0]
     keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
-    valid = torch.arange(kc.shape[2], device=x.device).unsqueeze(0) <= slots.unsqueeze(1)  # (b, C)
-    o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid[:, None, None, :], scale=scale,
+    o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
                                        enable_gqa=keys.shape[1] != heads)
     h = x + matmul(o.transpose(1, 2).reshape(b, 1, heads * hd), wo, wo_s)
     return _ffn_step(h, ln2, gu, gu_s, dn, dn_s, eps=eps, inter=inter) if ffn else h
@@ -263,6 +276,8 @@ class FusedOps:
         self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps)
         self._k_block = dict(heads=spec.num_heads, hd=hd, eps=eps, scale=base.scaling, inter=inter)
         self._k_ffn, self._k_head = dict(eps=eps, inter=inter), dict(eps=eps)
+        self._rope_memo: tuple = (None, None)      # (the step's cos, its _rope_tables)
+        self._slot_memo: tuple = (None, None, -1)  # (slots, rows, capacity, idx, valid)
         self.compiled = compile
         fns = (_pre_step, _block_step, _ffn_step, _head_step)
         if compile:
@@ -351,7 +366,7 @@ class FusedOps:
                 xp, rel = (None, gate.rel_first) if x_prev is None else (None, gate.rel_zero) if x_prev is x else \
                     (x_prev, None)
             ps = prev_skip if gate.step[1] is not None else None
-        xn, k, v, logit = self._pre_fn(x, xp, terms, rel, ps, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors, w.kvg_b,
+        xn, k, v, logit = self._pre_fn(x, xp, terms, rel, ps, *self._rope_of(ctx), w.ln1, *w.kvg.tensors, w.kvg_b,
                                        w.k_norm, None if gate is None else gate.step, **self._k_pre)
         return Pre(xn, (k, v), logit)
 
@@ -360,20 +375,40 @@ class FusedOps:
             return self.hf.kv(l, xn, ctx)
         w, n, hd = self.layers[l], self.spec.num_kv_heads, self.spec.head_dim
         y = _linear(xn, *w.kvg.tensors, w.kvg_b)
-        k = apply_rope(_heads(y[..., :n * hd], n, hd, w.k_norm, self.eps), ctx.cos, ctx.sin)
+        k = _rope(_heads(y[..., :n * hd], n, hd, w.k_norm, self.eps), *self._rope_of(ctx))
         return k, _heads(y[..., n * hd:2 * n * hd], n, hd, None, self.eps)
 
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
+        rope = self._rope_of(ctx)
         if kv is None:
-            xn2, k, v, _ = self._pre_fn(x, None, None, None, None, ctx.cos, ctx.sin, w.ln1, *w.kvg.tensors,
+            xn2, k, v, _ = self._pre_fn(x, None, None, None, None, *rope, w.ln1, *w.kvg.tensors,
                                         w.kvg_b, w.k_norm, None, **self._k_pre)
             xn = xn2 if xn is None else xn
         else:
             k, v = kv
         kc, vc, slots, rows = ctx.decode_slots(l)
-        return self._block_fn(x, xn, k, v, ctx.cos, ctx.sin, kc, vc, slots, rows, *w.q.tensors, w.q_b, w.q_norm,
+        idx, valid = self._slots(slots, rows, kc.shape[2])
+        return self._block_fn(x, xn, k, v, *rope, kc, vc, slots, idx, valid, rows, *w.q.tensors, w.q_b, w.q_norm,
                               *w.o.tensors, w.ln2, *w.gu.tensors, *w.down.tensors, ffn=ffn, **self._k_block)
+
+    def _rope_of(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`_rope_tables` of the step's ``ctx.cos`` / ``ctx.sin``, made on its first layer (memo by identity:
+        a step's context keeps its tables)."""
+        if self._rope_memo[0] is not ctx.cos:
+            self._rope_memo = (ctx.cos, _rope_tables(ctx.cos, ctx.sin))
+        return self._rope_memo[1]
+
+    def _slots(self, slots: torch.Tensor, rows: torch.Tensor | None, capacity: int):
+        """The cache rows (b,) and the attention mask (b, 1, 1, C) of the slots ``slots`` (b,), made once per
+        distinct slot tensor (:meth:`fbs.cache.CacheContext.decode_slots` returns one per step and slot list)."""
+        key = (slots, rows, capacity)
+        memo = self._slot_memo
+        if memo[0] is not slots or memo[1] is not rows or memo[2] != capacity:
+            idx = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
+            valid = torch.arange(capacity, device=slots.device).unsqueeze(0) <= slots.unsqueeze(1)  # (b, C)
+            memo = self._slot_memo = (*key, idx, valid[:, None, None, :])
+        return memo[3], memo[4]
 
     def attention(self, l: int, x, xn, ctx, hole=None, kv=None) -> torch.Tensor:
         if self._one_token(x, ctx):
