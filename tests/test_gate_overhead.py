@@ -32,7 +32,9 @@ def _counts(model, weights, compile=False, new_tokens=4):
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
-def test_gates_add_few_ops_and_one_host_read_per_gated_layer(weights):
+def test_gates_add_few_ops_and_one_host_read_per_gated_layer(weights, monkeypatch):
+    """PyTorch ops (``FBS_NATIVE=0``): the dozen ATen calls and the host read of each gated layer."""
+    monkeypatch.setenv("FBS_NATIVE", "0")
     model = randomize(fbs_tiny(layers=8), gate_bias=-3.0)
     fc, gated, res = _counts(model, weights)
     n = len(model.layers_cfg.gated)
@@ -43,6 +45,22 @@ def test_gates_add_few_ops_and_one_host_read_per_gated_layer(weights):
     assert gated.ops - fc.ops <= EAGER_OPS_PER_GATE * n + OPS_PER_STEP
     assert gated.all_ops - fc.all_ops <= EAGER_ALL_OPS_PER_GATE * n + ALL_OPS_PER_STEP
     assert gated.compiled == fc.compiled == 0
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_native_gates_add_no_aten_call_per_gated_layer(weights):
+    """The native kernel (fbs.native): a gated layer adds no ATen call and no tensor host read (its logits come
+    back as Python floats); what is left per step is the preview terms' matmul and split."""
+    from fbs import native
+
+    if native.gate_module() is None:
+        pytest.skip("no C++ toolchain: the engine uses the PyTorch ops (tested above)")
+    model = randomize(fbs_tiny(layers=8), gate_bias=-3.0)
+    fc, gated, res = _counts(model, weights)
+    assert res.trace.skip_ratio == 0.0
+    assert not torch.isnan(res.trace.gate_p[0, :-1, list(model.layers_cfg.gated)]).any()
+    assert gated.host_reads == fc.host_reads
+    assert gated.ops - fc.ops <= OPS_PER_STEP
 
 
 def test_compiled_gate_is_inside_the_pre_step_graph():

@@ -362,10 +362,12 @@ class _Decoder:
         if logit is None:
             return [False] * len(rows), None
         if o.gate_sampling:
+            if isinstance(logit, list):  # from the native kernel (fbs.native): already on the host
+                logit = torch.tensor(logit, device=self.dev)
             p = torch.sigmoid(logit.float())
             both = torch.stack([logit.float(), torch.bernoulli(p, generator=self.gen)]).tolist()
             return [d > 0.5 for d in both[1]], both[0]
-        values = logit.tolist()  # the layer's one host read
+        values = logit if isinstance(logit, list) else logit.tolist()  # the layer's one host read
         if thresholds is None:
             thresholds = [self._row_threshold(r) for r in rows]
         return [v > t for v, t in zip(values, thresholds)], values

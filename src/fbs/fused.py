@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .cache import CacheContext
 from .layer import HFOps
 from .modules.gate import relative_update
@@ -48,7 +49,8 @@ class Pre(NamedTuple):
 
     xn: torch.Tensor                                   # (b, T, d) RMSNorm_1(x)
     kv: tuple[torch.Tensor, torch.Tensor] | None       # (b, Hkv, T, hd) rotated K and V, when already projected
-    logit: torch.Tensor | None                         # (b,) gate logit (skip when > logit(tau)), gated layers
+    logit: torch.Tensor | list[float] | None           # (b,) gate logits (skip when > logit(tau)), gated layers;
+                                                       # Python floats when the native kernel computed them
 
 
 def decode_ops(model, weights: str = "fp32", compile: bool = False):
@@ -99,9 +101,11 @@ class HFDecodeOps(HFOps):
 
 # --------------------------------------------------------------------------- fused copies
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype."""
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype (the casts are skipped when
+    they would be no-ops: each is a dispatch of its own in a one-token step)."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * (y if y.dtype == x.dtype else y.to(x.dtype))
 
 
 def _linear(x, w, s, b):
@@ -146,8 +150,8 @@ def _pre_step(x, x_prev, terms, rel_term, prev_skip, cos, sin, ln1, kvg, kvg_s, 
     v = _heads(v, nkv, hd, None, eps)
     if torch.compiler.is_compiling():  # a view of y has y's row stride, which the gate's columns change: the compiled
         v = v.clone(memory_format=torch.contiguous_format)  # block step would go shape-generic (sizes read per call)
-    if gate is None:
-        return xn, k, v, None
+    if gate is None:  # y too: the gate's columns for the native kernel (fbs.native) when the layer has a gate
+        return xn, k, v, y
     return xn, k, v, _gate_logit(g, x, x_prev, terms, rel_term, prev_skip, gate)
 
 
@@ -218,6 +222,8 @@ class _Gate(NamedTuple):
 
     index: int                     # position among the gated layers: which of the per-token terms is its
     step: tuple                    # (w_rel, w_prev, out_w, out_b, eps) for _gate_logit; w_rel / w_prev None if unused
+    native: tuple                  # the same for fbs.native.gate_logits (fbs.native.gate_args)
+    cols: tuple[int, int]          # (offset, width) of its columns in the layer's W_kvg output (width 0: none)
     rel_first: torch.Tensor | None  # w_rel log(1 + 1e-3): no previous layer (relative update 1)
     rel_zero: torch.Tensor | None   # w_rel log(0 + 1e-3): every row skipped the previous layer (update 0)
 
@@ -288,6 +294,9 @@ class FusedOps:
                     if t is not None:
                         torch._dynamo.mark_static(t)
         self._pre_fn, self._block_fn, self._ffn_fn, self._head_fn = fns
+        #: gate logits from the native kernel (eager fp32 CPU steps; a compiled step fuses the gate's ops itself)
+        self.native_gates = (not compile and bool(self.gated) and self.dtype == torch.float32
+                             and self.emb.device.type == "cpu" and native.gate_module() is not None)
 
     def _layer(self, l: int, fg) -> _Layer:
         layer, fmt = self.base.layers[l], self.fmt
@@ -318,7 +327,9 @@ class FusedOps:
         one = torch.ones((), dtype=self.dtype, device=self.base.embedding_weight.device)
         rel = lambda u: None if w_rel is None else torch.log(u + 1e-3) * w_rel  # noqa: E731  (the step's arithmetic)
         step = (w_rel, w_prev, fg.out_w[l].detach()[0], fg.out_b[l].detach(), torch.full_like(one, 1e-3))
-        return _Gate(self.gated.index(l), step, rel(one), rel(one * 0))
+        a = fg.a[l][0]
+        cols = (2 * self.spec.num_kv_heads * self.spec.head_dim, 0 if a is None else a.shape[0])
+        return _Gate(self.gated.index(l), step, native.gate_args(step), cols, rel(one), rel(one * 0))
 
     # ---- whole-model pieces ---------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -366,9 +377,12 @@ class FusedOps:
                 xp, rel = (None, gate.rel_first) if x_prev is None else (None, gate.rel_zero) if x_prev is x else \
                     (x_prev, None)
             ps = prev_skip if gate.step[1] is not None else None
-        xn, k, v, logit = self._pre_fn(x, xp, terms, rel, ps, *self._rope_of(ctx), w.ln1, *w.kvg.tensors, w.kvg_b,
-                                       w.k_norm, None if gate is None else gate.step, **self._k_pre)
-        return Pre(xn, (k, v), logit)
+        fast = gate is not None and self.native_gates  # the gate's ops in one native call (fbs.native)
+        xn, k, v, out = self._pre_fn(x, xp, terms, rel, ps, *self._rope_of(ctx), w.ln1, *w.kvg.tensors, w.kvg_b,
+                                     w.k_norm, None if gate is None or fast else gate.step, **self._k_pre)
+        if fast:
+            return Pre(xn, (k, v), native.gate_logits(out, *gate.cols, terms, x, xp, rel, ps, gate.native))
+        return Pre(xn, (k, v), None if gate is None else out)
 
     def kv(self, l: int, xn: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         if xn.shape[1] != 1:
