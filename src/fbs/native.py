@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def gate_module():
 
                 path = _build_dir()
                 path.mkdir(parents=True, exist_ok=True)
-                logger.info("building the native gate kernel in %s (once per machine, ~30 s)", path)
+                if not (path / "fbs_native_gate.so").exists():  # a pause the user should see explained
+                    print(f"fbs: building the native gate kernel in {path} (once per machine, ~30 s)", file=sys.stderr)
                 _module = load_inline("fbs_native_gate", cpp_sources=_SOURCE, functions=["gate_logits"],
                                       extra_cflags=["-O3"], build_directory=str(path), verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only cache ...: the PyTorch ops stay in use
