@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -229,8 +228,9 @@ class _Gate(NamedTuple):
 
 
 def _compile_dir() -> str:
-    root = Path(os.environ.get("FBS_CACHE_DIR", Path.home() / ".cache" / "fbs"))
-    return str(root / "inductor")
+    from .models import cache_root
+
+    return str(cache_root() / "inductor")
 
 
 #: inductor options of the compiled step on CPU (cpp_wrapper: the step's kernels are called from C++, which

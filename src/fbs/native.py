@@ -106,9 +106,10 @@ def enabled() -> bool:
 
 
 def _build_dir() -> Path:
-    root = Path(os.environ.get("FBS_CACHE_DIR", Path.home() / ".cache" / "fbs"))
+    from .models import cache_root
+
     digest = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
-    return root / "native" / f"gate-{digest}"
+    return cache_root() / "native" / f"gate-{digest}"
 
 
 def gate_module():
@@ -135,12 +136,6 @@ def gate_module():
     return _module
 
 
-def usable(*tensors: torch.Tensor | None) -> bool:
-    """The kernel computes these inputs: fp32 CPU tensors with a unit stride in their last dimension."""
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
-                             and not t.requires_grad) for t in tensors)
-
-
 def gate_args(gate: tuple) -> tuple:
     """The fused gate tuple (w_rel, w_prev, out_w (G,), out_b (1,), eps) as :func:`gate_logits` takes it (the
     scalars as Python floats, read once)."""
@@ -156,6 +151,7 @@ def gate_logits(y: torch.Tensor, off: int, gy: int, terms: torch.Tensor, x: torc
 
     ``y`` (b, 1, W): the fused K/V(+gate) matmul's output, whose columns ``off:off + gy`` are the gate's input
     projection (``gy`` 0: the gate has none); ``terms`` (b, 1, G): its bias and preview term; ``args``:
-    :func:`gate_args`. The caller checks :func:`usable` and that :func:`gate_module` is not None."""
+    :func:`gate_args`. Every tensor fp32 on the CPU with a unit last stride (the kernel checks; the engine's
+    residual stream and fused outputs are); the caller checks that :func:`gate_module` is not None."""
     w_rel, w_prev, out_w, out_b, eps = args
     return _module.gate_logits(y, off, gy, terms, x, x_prev, rel_term, prev_skip, w_rel, w_prev, out_w, out_b, eps)
