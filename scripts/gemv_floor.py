@@ -3,10 +3,12 @@
 A decode step of a dense decoder at batch 1 is, to first order, one matrix-vector product per weight matrix.
 This script times exactly those products, in a decoder's order, over distinct weight tensors of a model's
 shapes (so they stream from memory as in decoding, not from cache), for fp32 (``F.linear``) and int8
-weight-only (``torch._weight_int8pack_mm`` with bf16 activations, the engine's int8 path). No attention, no
+weight-only (``torch._weight_int8pack_mm`` with bf16 activations, torch's int8 op). No attention, no
 norms, no Python per layer beyond the calls: a floor for any eager engine built on these kernels.
 
-Two other fp32 kernels a CPU build of torch ships are timed too, to see whether a faster fp32 GEMV exists:
+``int8-native`` is the engine's int8 path where :mod:`fbs.native` is available: the same int8 weights repacked
+for the native kernel (:func:`fbs.native.int8_linear`, fp32 activations). Two other fp32 kernels a CPU build of
+torch ships are timed too, to see whether a faster fp32 GEMV exists:
 ``fp32-mkl-packed`` (``torch.ops.mkl._mkl_linear`` over weights pre-packed once by
 ``_mkl_reorder_linear_weight`` for batch 1, what inductor's freezing pass emits) and ``fp32-onednn``
 (``torch.ops.mkldnn._linear_pointwise`` over oneDNN-layout weights). Neither is bit-identical to ``F.linear``.
@@ -44,14 +46,14 @@ def build(cfg, fmt: str):
         mats = []
         for _, out, inp in shapes(cfg):
             mats.append(_weight(out, inp, fmt))
-            total += out * inp * (1 if fmt == "int8" else 4)
+            total += out * inp * (1 if fmt.startswith("int8") else 4)
         layers.append(mats)
     head = _weight(cfg.vocab_size, cfg.hidden_size, fmt)
-    total += cfg.vocab_size * cfg.hidden_size * (1 if fmt == "int8" else 4)
+    total += cfg.vocab_size * cfg.hidden_size * (1 if fmt.startswith("int8") else 4)
     return layers, head, total
 
 
-FORMATS = ("fp32", "fp32-mkl-packed", "fp32-onednn", "int8")
+FORMATS = ("fp32", "fp32-mkl-packed", "fp32-onednn", "int8", "int8-native")
 
 
 def _weight(out: int, inp: int, fmt: str):
@@ -63,7 +65,12 @@ def _weight(out: int, inp: int, fmt: str):
     if fmt == "fp32-onednn":
         return (w, w.to_mkldnn())
     scale = w.abs().amax(1).clamp_min(1e-8) / 127
-    return (torch.round(w / scale[:, None]).to(torch.int8), scale.to(torch.bfloat16))
+    q, s = torch.round(w / scale[:, None]).to(torch.int8), scale.to(torch.bfloat16)
+    if fmt == "int8-native":
+        from fbs import native
+
+        return (native.int8_pack(q), s, inp)
+    return (q, s)
 
 
 def step(layers, head, xs: dict[int, torch.Tensor], fmt: str) -> torch.Tensor:
@@ -71,11 +78,19 @@ def step(layers, head, xs: dict[int, torch.Tensor], fmt: str) -> torch.Tensor:
     mm = {"fp32": lambda v, w: F.linear(v, w[0]),
           "fp32-mkl-packed": lambda v, w: torch.ops.mkl._mkl_linear(v, w[1], w[0], None, 1),
           "fp32-onednn": lambda v, w: torch.ops.mkldnn._linear_pointwise(v, w[1], None, "none", [], ""),
-          "int8": lambda v, w: torch._weight_int8pack_mm(v, *w)}[fmt]
+          "int8": lambda v, w: torch._weight_int8pack_mm(v, *w),
+          "int8-native": lambda v, w: _native_int8(v, w[0], w[1])}[fmt]
+    width = (lambda w: w[2]) if fmt == "int8-native" else (lambda w: w[0].shape[1])  # noqa: E731
     for mats in layers:
         for w in mats:
-            mm(xs[w[0].shape[1]], w)
-    return mm(xs[head[0].shape[1]], head)
+            mm(xs[width(w)], w)
+    return mm(xs[width(head)], head)
+
+
+def _native_int8(v, p, s):
+    from fbs import native
+
+    return native.int8_linear(v, p, s)
 
 
 def main() -> None:
@@ -94,9 +109,15 @@ def main() -> None:
     cfg = AutoConfig.from_pretrained(resolve_base(args.model))
     rows = []
     for fmt in args.formats.split(","):
-        layers, head, total = build(cfg, fmt)
         if fmt not in FORMATS:
             raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        if fmt == "int8-native":
+            from fbs import native
+
+            if native.int8_isa() is None:
+                print("int8-native: no native int8 kernel here (FBS_NATIVE=0, no build, or no AVX2): skipped")
+                continue
+        layers, head, total = build(cfg, fmt)
         dtype = torch.bfloat16 if fmt == "int8" else torch.float32
         xs = {n: torch.randn(1, n, dtype=dtype) for n in (cfg.hidden_size, cfg.intermediate_size)}
         times = []

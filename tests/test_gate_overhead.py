@@ -53,7 +53,7 @@ def test_native_gates_add_no_aten_call_per_gated_layer(weights):
     back as Python floats); what is left per step is the preview terms' matmul and split."""
     from fbs import native
 
-    if native.gate_module() is None:
+    if native.module() is None:
         pytest.skip("no C++ toolchain: the engine uses the PyTorch ops (tested above)")
     model = randomize(fbs_tiny(layers=8), gate_bias=-3.0)
     fc, gated, res = _counts(model, weights)

@@ -60,7 +60,7 @@ def decode_ops(model, weights: str = "fp32", compile: bool = False):
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     per_model = _FUSED.setdefault(model, {})
     stamp = _source_stamp(model)
-    key = (weights, compile)
+    key = (weights, compile, native.enabled())
     cached = per_model.get(key)
     if cached is None or cached[0] != stamp:
         if cached is not None:
@@ -264,6 +264,10 @@ class FusedOps:
         self.base, self.spec, self.fmt = base, spec, fmt
         self.hf = HFOps(base)  # many-token inputs (prefill): the HF modules' own GEMMs on the fp32 source weights
         self.dtype = base.embedding_weight.dtype
+        #: int8 weights in the native kernel's packed layout (eager CPU steps with AVX2 / AVX-512, fbs.native);
+        #: a compiled step keeps torch._weight_int8pack_mm in its graph
+        self.native_int8 = (fmt == "int8" and not compile and base.embedding_weight.device.type == "cpu"
+                            and native.int8_isa() is not None)
         fused_gates = model.gates.fused()
         self.gates = fused_gates
         self.gated = tuple(model.gates.layer_ids)
@@ -276,7 +280,7 @@ class FusedOps:
         self._zero_terms: dict[int, tuple] = {}  # rows -> the terms of a zero preview summary
         self.norm_w = base.norm.weight.detach()
         self.eps = float(getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", 1e-6)))
-        self.head_w = Weight(base.lm_head.weight, fmt)
+        self.head_w = self._weight(base.lm_head.weight)
         self.emb = base.embedding_weight.detach()
         hd, eps, inter = spec.head_dim, self.eps, spec.intermediate_size
         self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps)
@@ -296,10 +300,10 @@ class FusedOps:
         self._pre_fn, self._block_fn, self._ffn_fn, self._head_fn = fns
         #: gate logits from the native kernel (eager fp32 CPU steps; a compiled step fuses the gate's ops itself)
         self.native_gates = (not compile and bool(self.gated) and self.dtype == torch.float32
-                             and self.emb.device.type == "cpu" and native.gate_module() is not None)
+                             and self.emb.device.type == "cpu" and native.module() is not None)
 
     def _layer(self, l: int, fg) -> _Layer:
-        layer, fmt = self.base.layers[l], self.fmt
+        layer = self.base.layers[l]
         attn, mlp = layer.self_attn, layer.mlp
         rows = [attn.k_proj.weight, attn.v_proj.weight]
         bias = [attn.k_proj.bias, attn.v_proj.bias] if attn.k_proj.bias is not None else None
@@ -312,14 +316,17 @@ class FusedOps:
         kvg_b = torch.cat([b.detach() for b in bias]) if bias is not None else None
         norm = lambda m: None if m is None else m.weight.detach()  # noqa: E731
         return _Layer(
-            ln1=layer.input_layernorm.weight.detach(), kvg=Weight(torch.cat([r.detach() for r in rows]), fmt),
-            kvg_b=kvg_b, q=Weight(attn.q_proj.weight, fmt),
+            ln1=layer.input_layernorm.weight.detach(), kvg=self._weight(torch.cat([r.detach() for r in rows])),
+            kvg_b=kvg_b, q=self._weight(attn.q_proj.weight),
             q_b=None if attn.q_proj.bias is None else attn.q_proj.bias.detach(),
             q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
-            o=Weight(attn.o_proj.weight, fmt), ln2=layer.post_attention_layernorm.weight.detach(),
-            gu=Weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), fmt),
-            down=Weight(mlp.down_proj.weight, fmt), gate=gate,
+            o=self._weight(attn.o_proj.weight), ln2=layer.post_attention_layernorm.weight.detach(),
+            gu=self._weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+            down=self._weight(mlp.down_proj.weight), gate=gate,
         )
+
+    def _weight(self, w: torch.Tensor) -> Weight:
+        return Weight(w, self.fmt, packed=self.native_int8)
 
     def _gate(self, l: int, fg) -> _Gate:
         detach = lambda t: None if t is None else t.detach()  # noqa: E731

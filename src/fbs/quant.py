@@ -1,9 +1,11 @@
 """Weight formats of the engine's fused inference copies: fp32, bf16, and int8 weight-only.
 
 int8 is symmetric per output channel: w ~= q * s with q in [-127, 127] (int8, (N, K)) and one bf16 scale per
-output row. One-token steps run ``torch._weight_int8pack_mm`` with bf16 activations (its fast path on CPU;
-with fp32 activations the kernel is slow). The residual stream, norms, biases and the KV cache stay in the
-model's dtype. The engine runs many-token inputs (prefill) as GEMMs on the fp32 source weights.
+output row. One-token steps run the native int8 kernel (:func:`fbs.native.int8_linear`: fp32 activations, the
+weights repacked once at load, ``packed=True``) where it is available (eager CPU decoding with AVX2 or AVX-512),
+else ``torch._weight_int8pack_mm`` with bf16 activations (its fast path on CPU; with fp32 activations that kernel
+is slow). The residual stream, norms, biases and the KV cache stay in the model's dtype. The engine runs
+many-token inputs (prefill) as GEMMs on the fp32 source weights.
 
 ``fp32-onednn`` keeps fp32 weights in oneDNN's blocked layout (packed once at load) and runs every product
 through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``). On this 2-core CPU its batch-1 GEMV reads
@@ -16,18 +18,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 FORMATS = ("fp32", "bf16", "int8", "fp32-onednn")
 
 
 class Weight:
     """One (N, K) matrix in a storage format, applied as ``x @ W^T``.
 
-    ``w``: fp32 / bf16 / int8 data; ``s``: (N,) bf16 scales for int8, else None."""
+    ``w``: fp32 / bf16 / int8 data; ``s``: (N,) bf16 scales for int8, else None. ``packed`` (int8 only): ``w`` in
+    the native kernel's 1-D layout (:func:`fbs.native.int8_pack`); the caller checks :func:`fbs.native.int8_isa`."""
 
-    def __init__(self, w: torch.Tensor, fmt: str):
+    def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False):
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
-        self.fmt, self.out_features = fmt, w.shape[0]
+        self.fmt, self.out_features, self.in_features = fmt, w.shape[0], w.shape[1]
+        self.packed = packed and fmt == "int8"
         w = w.detach()
         if fmt == "fp32":
             self.w, self.s = w.float().contiguous(), None
@@ -39,13 +45,18 @@ class Weight:
             self.w, self.s = w.float().contiguous().to_mkldnn(), None
         else:
             self.w, self.s = quantize_int8(w)
+            if self.packed:
+                self.w = native.int8_pack(self.w)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.w, self.s
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
-        return dequantize(self.w.to_dense() if self.w.is_mkldnn else self.w, self.s, dtype)
+        w = self.w.to_dense() if self.w.is_mkldnn else self.w
+        if self.packed:
+            w = native.int8_unpack(w, self.out_features, self.in_features)
+        return dequantize(w, self.s, dtype)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +74,13 @@ def dequantize(w: torch.Tensor, s: torch.Tensor | None, dtype=torch.float32) -> 
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) @ W^T in W's format, result in x's dtype. int8 and bf16 compute with bf16 activations."""
+    """x (..., K) @ W^T in W's format, result in x's dtype. bf16 and (unpacked) int8 compute with bf16 activations,
+    packed int8 (1-D ``w``, :class:`Weight` ``packed=True``) with fp32 ones in the native kernel."""
     if w.is_mkldnn:  # fp32-onednn: packed fp32, oneDNN's linear
         return torch.ops.mkldnn._linear_pointwise(x.float(), w, None, "none", [], "").to(x.dtype)
     if w.dtype == torch.int8:
+        if w.dim() == 1:
+            return native.int8_linear(x, w, s)
         k = x.shape[-1]
         y = torch._weight_int8pack_mm(x.reshape(-1, k).to(torch.bfloat16), w, s)
         return y.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
