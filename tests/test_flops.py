@@ -26,12 +26,13 @@ def test_layer_bytes_by_format_by_hand():
     c = LayerCost.from_config(LlamaConfig(**CFG))
     assert (c.layer_bytes("fp32"), c.kv_proj_bytes("fp32"), c.lm_head_bytes("fp32"), c.kv_bytes_per_key("fp32")) \
         == (36864 * 4 + 128 * 4, 4096 * 4 + 64 * 4, 16384 * 4 + 64 * 4, 64 * 4)
-    assert (c.layer_bytes("bf16"), c.lm_head_bytes("bf16")) == (36864 * 2 + 128 * 2, 16384 * 2 + 64 * 2)
-    # int8: one byte per weight, a bf16 scale per output channel, norms and cache in bf16
-    assert c.layer_bytes("int8") == 36864 + 512 * 2 + 128 * 2
-    assert c.kv_proj_bytes("int8") == 4096 + 64 * 2 + 64 * 2
-    assert c.lm_head_bytes("int8") == 16384 + 256 * 2 + 64 * 2
-    assert c.kv_bytes_per_key("int8") == 64 * 2
+    # bf16 / int8 weights; norms and the cache stay in the model's dtype (fp32) in the engine
+    assert (c.layer_bytes("bf16"), c.lm_head_bytes("bf16")) == (36864 * 2 + 128 * 4, 16384 * 2 + 64 * 4)
+    # int8: one byte per weight, a bf16 scale per output channel
+    assert c.layer_bytes("int8") == 36864 + 512 * 2 + 128 * 4
+    assert c.kv_proj_bytes("int8") == 4096 + 64 * 2 + 64 * 4
+    assert c.lm_head_bytes("int8") == 16384 + 256 * 2 + 64 * 4
+    assert c.kv_bytes_per_key("int8") == 64 * 4
     with pytest.raises(ValueError, match="weight format"):
         c.layer_bytes("int4")
 
@@ -168,6 +169,6 @@ def test_ffn_granularity_saves_the_ffn_only():
     assert exact == pytest.approx((3 * (36864 + 6 * 128) + 12288 + 6 * 128 + 16384) / base)
     # attention weights: matrices 12,288, channels q 64 + k 32 + v 32 + o 64 = 192, the input norm 64
     attn = 12288 * 4 + 64 * 4
-    assert c.attn_bytes("fp32") == attn and c.attn_bytes("int8") == 12288 + 192 * 2 + 64 * 2
+    assert c.attn_bytes("fp32") == attn and c.attn_bytes("int8") == 12288 + 192 * 2 + 64 * 4
     read = 3 * 147968 + attn + 65792 + 4 * 6 * 256
     assert counter.bytes_relative(tr) == pytest.approx(read / (4 * 147968 + 65792 + 4 * 6 * 256))

@@ -46,7 +46,9 @@ class WeightFormat:
 
     Matrices cost ``weight`` bytes per element plus ``scale`` bytes per output channel (per-channel
     quantization scales); norm weights, biases, the K/V cache and the FBS modules are kept in the activation
-    dtype (``activation`` bytes per element): int8 weight-only quantization runs with bf16 activations.
+    dtype (``activation`` bytes per element). The engine keeps those in the model's dtype whatever the weight
+    format (:mod:`fbs.quant`), fp32 for the shipped models; only the products' inputs are rounded to bf16 for the
+    bf16 format and for int8 without the native kernel, which no bytes read depend on.
     """
 
     name: str
@@ -57,8 +59,8 @@ class WeightFormat:
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat("fp32", weight=4, scale=0, activation=4),
-    "bf16": WeightFormat("bf16", weight=2, scale=0, activation=2),
-    "int8": WeightFormat("int8", weight=1, scale=2, activation=2),
+    "bf16": WeightFormat("bf16", weight=2, scale=0, activation=4),
+    "int8": WeightFormat("int8", weight=1, scale=2, activation=4),
     "fp32-onednn": WeightFormat("fp32-onednn", weight=4, scale=0, activation=4),
 }
 

@@ -99,9 +99,12 @@ class HFDecodeOps(HFOps):
 
 
 # --------------------------------------------------------------------------- fused copies
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, native_step: bool = False) -> torch.Tensor:
     """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype (the casts are skipped when
-    they would be no-ops: each is a dispatch of its own in a one-token step)."""
+    they would be no-ops: each is a dispatch of its own in a one-token step). ``native_step``: one native call
+    (fp32 rows, :func:`fbs.native.rms_norm`)."""
+    if native_step:
+        return native.rms_norm(x, w, eps)
     xf = x if x.dtype == torch.float32 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * (y if y.dtype == x.dtype else y.to(x.dtype))
@@ -135,10 +138,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
 
 
 def _pre_step(x, x_prev, terms, rel_term, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int,
-              hd: int, eps: float):
+              hd: int, eps: float, native_step: bool = False):
     """RMSNorm_1, K/V (rotated) and, with ``gate`` (see :func:`_gate_logit`), the gate logit (b,). ``cos`` /
-    ``sin``: :func:`_rope_tables`."""
-    xn = _rms(x, ln1, eps)
+    ``sin``: :func:`_rope_tables`. ``native_step``: the norm in a native kernel (see :class:`FusedOps`)."""
+    xn = _rms(x, ln1, eps, native_step)
     y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, 1, 2*nkv*hd [+ G])
     width = nkv * hd
     if gate is None:
@@ -174,31 +177,37 @@ def _gate_logit(g, x, x_prev, terms, rel_term, prev_skip, gate):
     return torch.addmv(out_b, F.silu(h).view(-1, h.shape[-1]), out_w)
 
 
-def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int):
+def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int, native_step: bool = False):
     """h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h), with gate and up as one matmul."""
-    y = matmul(_rms(h, ln2, eps), gu, gu_s)
+    y = matmul(_rms(h, ln2, eps, native_step), gu, gu_s)
     return h + matmul(F.silu(y[..., :inter]) * y[..., inter:], dn, dn_s)
 
 
 def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s,
-                dn, dn_s, *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool):
+                dn, dn_s, *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool,
+                native_step: bool = False):
     """One new token per row: Q, write K/V at each row's slot of the static cache, attend over the slots
     filled so far, O and (with ``ffn``) the FFN. ``idx`` (b,): the rows' cache rows; ``valid`` (b, 1, 1, C): the
     slots each row attends to (both from :meth:`FusedOps._slots`); ``rows`` None: the step's rows are the cache's
-    rows (attend over the whole buffers), else ``idx`` (gather them)."""
+    rows (attend over the whole buffers), else ``idx`` (gather them). ``native_step``: the write and the
+    attention in one native call over each row's filled prefix only (:func:`fbs.native.attend_one`), the norm
+    native too."""
     b = x.shape[0]
     q = _rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
-    kc[idx, :, slots] = k[:, :, 0]
-    vc[idx, :, slots] = v[:, :, 0]
-    keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
-    o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
-                                       enable_gqa=keys.shape[1] != heads)
-    h = x + matmul(o.transpose(1, 2).reshape(b, 1, heads * hd), wo, wo_s)
-    return _ffn_step(h, ln2, gu, gu_s, dn, dn_s, eps=eps, inter=inter) if ffn else h
+    if native_step:
+        o = native.attend_one(q, k, v, kc, vc, idx, slots, scale)                 # (b, 1, H * hd)
+    else:
+        kc[idx, :, slots] = k[:, :, 0]
+        vc[idx, :, slots] = v[:, :, 0]
+        keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
+                                           enable_gqa=keys.shape[1] != heads).transpose(1, 2).reshape(b, 1, heads * hd)
+    h = x + matmul(o, wo, wo_s)
+    return _ffn_step(h, ln2, gu, gu_s, dn, dn_s, eps=eps, inter=inter, native_step=native_step) if ffn else h
 
 
-def _head_step(x, norm, w, s, *, eps: float):
-    return matmul(_rms(x, norm, eps), w, s)
+def _head_step(x, norm, w, s, *, eps: float, native_step: bool = False):
+    return matmul(_rms(x, norm, eps, native_step), w, s)
 
 
 class _Layer(NamedTuple):
@@ -283,9 +292,12 @@ class FusedOps:
         self.head_w = self._weight(base.lm_head.weight)
         self.emb = base.embedding_weight.detach()
         hd, eps, inter = spec.head_dim, self.eps, spec.intermediate_size
-        self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps)
-        self._k_block = dict(heads=spec.num_heads, hd=hd, eps=eps, scale=base.scaling, inter=inter)
-        self._k_ffn, self._k_head = dict(eps=eps, inter=inter), dict(eps=eps)
+        # the native int8 step also attends and normalizes natively (fbs.native; int8 is not bit-faithful anyway,
+        # fp32 keeps SDPA and the norm's ATen ops: HF's arithmetic)
+        ns = dict(native_step=self.native_int8 and self.dtype == torch.float32)
+        self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps, **ns)
+        self._k_block = dict(heads=spec.num_heads, hd=hd, eps=eps, scale=base.scaling, inter=inter, **ns)
+        self._k_ffn, self._k_head = dict(eps=eps, inter=inter, **ns), dict(eps=eps, **ns)
         self._rope_memo: tuple = (None, None)      # (the step's cos, its _rope_tables)
         self._slot_memo: tuple = (None, None, -1)  # (slots, rows, capacity, idx, valid)
         self.compiled = compile

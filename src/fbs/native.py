@@ -1,6 +1,6 @@
 """Optional native (C++) kernels of the engine's eager one-token step, built on first use.
 
-Two kernels, one extension:
+Four kernels, one extension:
 
 * **Gate logits** (:func:`gate_logits`). A skip gate's logit is a few hundred flops
   (:func:`fbs.fused._gate_logit`), but in eager PyTorch it is a dozen operator dispatches plus a host read, which
@@ -15,6 +15,10 @@ Two kernels, one extension:
   On this project's 2-core AVX-512 machine a SmolLM2 decode step's products (128 MB of int8 weights) take 5.1 ms
   against 10.9 ms (26 against 12 GB/s; ``scripts/gemv_floor.py --formats int8,int8-native``). AVX-512 and AVX2
   code paths, chosen at run time; without either (not x86) the PyTorch op stays in use.
+* **One-query attention** (:func:`attend_one`) of the native int8 step: each row's new K/V written at its slot
+  and its query attending over that row's filled prefix only, in one call, instead of two index writes and SDPA
+  over the whole masked static cache. fp32 decoding keeps SDPA (HF's op, so that fp32 stays bit-faithful).
+* **RMSNorm** (:func:`rms_norm`) of the native int8 step: one call instead of six ATen ops (fp32 keeps them).
 
 The extension is compiled with ``torch.utils.cpp_extension.load_inline`` the first time it is needed (about
 40 s, once per machine: the build is cached under ``$FBS_CACHE_DIR/native``, default ``~/.cache/fbs/native``). It
@@ -228,8 +232,109 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& p, const at::Tenso
 }
 """
 
-_SOURCE = _GATE_SOURCE + _INT8_SOURCE
-_FUNCTIONS = ["gate_logits", "int8_linear", "int8_isa"]
+_ATTN_SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// One new token per row attends over its cache prefix (GQA), after writing its own K/V at its slot:
+//   kc[idx[i], g, slot[i]] = k[i, g, 0];  vc likewise
+//   out[i, 0, h*hd:(h+1)*hd] = softmax(scale * q[i, h] . kc[idx[i], g(h), 0..slot[i]]) @ vc[idx[i], g(h), 0..slot[i]]
+// with g(h) = h / (H / Hkv). fp32; every tensor's last dimension unit-strided, caches contiguous (B, Hkv, C, hd).
+namespace fbs_attn {
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void axpy(float w, const float* x, float* y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
+}
+}  // namespace fbs_attn
+
+at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
+                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale) {
+  for (const at::Tensor* t : {&q, &k, &v, &kc, &vc})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(-1) == 1 && t->device().is_cpu(),
+                "fbs attention kernel: 4-d fp32 CPU tensors with a unit last stride");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "fbs attention kernel: caches");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "fbs attention kernel: int64 rows");
+  const int64_t b = q.size(0), H = q.size(1), hd = q.size(3), Hkv = kc.size(1), C = kc.size(2);
+  TORCH_CHECK(H % Hkv == 0 && k.size(1) == Hkv && kc.size(3) == hd, "fbs attention kernel: head shapes");
+  const int64_t* I = idx.data_ptr<int64_t>();
+  const int64_t* L = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && L[i] >= 0 && L[i] < C, "fbs attention kernel: slot out of range");
+  float* KC = kc.data_ptr<float>();
+  float* VC = vc.data_ptr<float>();
+  const int64_t rs = Hkv * C * hd, hs = C * hd;  // cache row and head strides
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t at_ = I[i] * rs + g * hs + L[i] * hd;
+      std::copy_n(k.data_ptr<float>() + i * k.stride(0) + g * k.stride(1), hd, KC + at_);
+      std::copy_n(v.data_ptr<float>() + i * v.stride(0) + g * v.stride(1), hd, VC + at_);
+    }
+  auto out = at::zeros({b, 1, H * hd}, q.options());
+  float* O = out.data_ptr<float>();
+  const float* Q = q.data_ptr<float>();
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, b * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / H, h = t % H, n = L[i] + 1;
+      const float* qh = Q + i * q.stride(0) + h * q.stride(1);
+      const float* K = KC + I[i] * rs + (h / group) * hs;
+      const float* V = VC + I[i] * rs + (h / group) * hs;
+      p.resize(n);
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) { p[j] = float(scale) * fbs_attn::dot(qh, K + j * hd, hd); m = std::max(m, p[j]); }
+      float z = 0.f;
+      for (int64_t j = 0; j < n; ++j) { p[j] = std::exp(p[j] - m); z += p[j]; }
+      float* o = O + i * H * hd + h * hd;
+      for (int64_t j = 0; j < n; ++j) fbs_attn::axpy(p[j] / z, V + j * hd, o, hd);
+    }
+  });
+  return out;
+}
+"""
+
+_NORM_SOURCE = r"""
+// HF's Llama/Qwen RMSNorm of fp32 rows: w * (x * rsqrt(mean(x^2) + eps)), the statistic accumulated in fp32.
+namespace fbs_norm {
+__attribute__((target_clones("avx512f", "avx2", "default")))
+float sumsq(const float* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t d = 0; d < n; ++d) s += x[d] * x[d];
+  return s;
+}
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void scale(const float* x, const float* w, float r, float* y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] = w[d] * (x[d] * r);
+}
+}  // namespace fbs_norm
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+              w.is_contiguous() && x.device().is_cpu() && x.size(-1) == w.numel(),
+              "fbs norm kernel: contiguous fp32 CPU rows and a matching weight");
+  const int64_t d = w.numel(), rows = x.numel() / std::max<int64_t>(d, 1);
+  auto y = at::empty_like(x);
+  const float* X = x.data_ptr<float>();
+  const float* W = w.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = 1.0f / std::sqrt(fbs_norm::sumsq(X + i * d, d) / float(d) + float(eps));
+    fbs_norm::scale(X + i * d, W, r, Y + i * d, d);
+  }
+  return y;
+}
+"""
+
+_SOURCE = _GATE_SOURCE + _INT8_SOURCE + _ATTN_SOURCE + _NORM_SOURCE
+_FUNCTIONS = ["gate_logits", "int8_linear", "int8_isa", "attend_one", "rms_norm"]
 
 _lock = threading.Lock()
 _module = None
@@ -348,3 +453,18 @@ def _isa_code() -> int:
     if code is None:
         code = _isa_memo[key] = {"avx512": 2, "avx2": 1}.get(int8_isa(), 0)
     return code
+
+
+# --------------------------------------------------------------------------- one-query attention
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+               idx: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """A one-token step's attention over the static cache (what :func:`fbs.fused._block_step` does with index
+    writes and SDPA over the masked buffers): writes each row's ``k``/``v`` (b, Hkv, 1, hd) at ``slots`` (b,) of
+    cache rows ``idx`` (b,) in ``kc``/``vc`` (B, Hkv, C, hd), then attends ``q`` (b, H, 1, hd) over slots
+    0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them."""
+    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm ``w * (x * rsqrt(mean(x^2) + eps))`` of fp32 rows (x contiguous, w (d,)), in one call."""
+    return _module.rms_norm(x.contiguous(), w, eps)
