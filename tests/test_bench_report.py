@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fbs import FBSConfig, FBSForCausalLM
+from fbs import FBSConfig, FBSForCausalLM, native
 from fbs.bench import report
 from fbs.bench.harness import BenchConfig
 from fbs.bench.runner import RunSpec, run, write_outputs
@@ -78,6 +78,7 @@ def test_document_contents(document):
     assert by[("hf-assisted", 1)]["status"] == "unavailable"
     assert by[("hf-prompt-lookup", 2)]["status"] == "unavailable"  # transformers: batch 1 only
     assert by[("fbs-full-compute", 2)]["layer_skip_ratio"] == 0.0
+    assert doc["environment"]["native"] == native.status()  # what the FBS systems ran with, recorded
     plan = next(r for (name, b), r in by.items() if name.startswith("fbs-plan") and b == 1)
     assert plan["tflops_rel"] == pytest.approx(0.75)  # 1 of 4 layers skipped on every decode step
     full = by[("fbs-full-compute", 1)]

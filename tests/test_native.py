@@ -206,3 +206,11 @@ def test_native_rms_norm_equals_hf(kernel):
         norm.weight.copy_(torch.randn(40, generator=torch.Generator().manual_seed(1)))
     x = torch.randn(3, 1, 40, generator=torch.Generator().manual_seed(2)) * 5
     assert torch.allclose(native.rms_norm(x, norm.weight.detach(), 1e-5), norm(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_status_records_what_the_engine_runs_with(kernel, monkeypatch):
+    st = native.status()
+    assert st["enabled"] and st["loaded"] and st["build_error"] is None
+    assert st["int8_isa"] == native.int8_isa() and st["int8_isa"] in (None, "avx2", "avx512")
+    monkeypatch.setenv("FBS_NATIVE", "0")
+    assert native.status()["enabled"] is False

@@ -378,6 +378,13 @@ def module():
     return _module
 
 
+def status() -> dict:
+    """What the engine runs with, for records (builds nothing): enabled, loaded, the int8 kernel's instruction set
+    (None when not loaded or without AVX2), and the build error if the build failed."""
+    isa = int8_isa() if _module is not None else None
+    return {"enabled": enabled(), "loaded": _module is not None, "int8_isa": isa, "build_error": _failed}
+
+
 def gate_args(gate: tuple) -> tuple:
     """The fused gate tuple (w_rel, w_prev, out_w (G,), out_b (1,), eps) as :func:`gate_logits` takes it (the
     scalars as Python floats, read once)."""

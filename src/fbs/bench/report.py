@@ -34,7 +34,7 @@ TOP_KEYS: dict[str, str] = {
     "model": "base model: name, fingerprint, layers, parameters",
     "protocol": "prompt_len, new_tokens, warmup, runs, num_prompts, batch_sizes, greedy, eos_ignored, "
                 "prompt_source, prompts_sha256, timing notes",
-    "environment": "cpu, threads, python/torch/transformers versions, load average at start and end",
+    "environment": "cpu, threads, python/torch/transformers versions, load average at start and end, native kernels used",
     "machine": "measured read/copy/GEMV bandwidth (GB/s) and fp32 matmul throughput (GFLOP/s)",
     "results": "list of per-system records (RESULT_KEYS)",
     "long_context": "list of long-context records (LONG_KEYS); empty when not run",

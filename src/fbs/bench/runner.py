@@ -22,6 +22,7 @@ import torch
 from fbs.bench import report
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, paired_decode, prompts_digest)
+from fbs import native
 from fbs.fused import WEIGHTS
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
@@ -406,6 +407,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
 
     long_records = _long_context(spec, bench, model, tok, systems, progress)
     env["load_avg_1m_end"] = environment(device)["load_avg_1m"]
+    env["native"] = native.status()  # after the runs: which native kernels the engine ran with
     counts = fbs_model.param_counts() if fbs_model is not None else None
     return {
         "schema": report.SCHEMA_VERSION,
