@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validator", choices=("json", "brackets", "python"), help="fallback rerun at tau 0.9 if invalid")
     p.add_argument("--force-compute", action="store_true", help="run every layer (no skipping)")
     p.add_argument("--weights", choices=WEIGHTS,
-                   help="decode weights: fused fp32 (default), bf16, int8 weight-only, fp32 packed for oneDNN (CPU; not "
-                        "bit-identical to fp32), or the HF modules as they are")
+                   help="decode weights: fused fp32 (default), bf16, int8 weight-only (native kernels on AVX2 / AVX-512 "
+                        "CPUs, built once on first use; FBS_NATIVE=0 uses torch's op), fp32 packed for oneDNN (CPU; "
+                        "not bit-identical to fp32), or the HF modules as they are")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile the one-token layer step (default off; the first run compiles for a minute "
                         "or more, later runs reuse the kernels cached under $FBS_CACHE_DIR/inductor)")
