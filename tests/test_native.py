@@ -175,11 +175,13 @@ def test_without_native_int8_the_engine_keeps_the_pytorch_op(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [None, [2, 0]])
-def test_native_attention_equals_sdpa_over_the_masked_cache(kernel, rows):
+@pytest.mark.parametrize("hd", [16, 64, 12])
+def test_native_attention_equals_sdpa_over_the_masked_cache(isa, rows, hd):
     """Write + one-query GQA attention over each row's prefix = index writes + SDPA with the prefix mask (the
-    PyTorch path of fbs.fused._block_step), for the whole cache or a gathered subset of its rows."""
+    PyTorch path of fbs.fused._block_step), for the whole cache or a gathered subset of its rows; every SIMD path
+    (head dims 16 / 64) and the scalar one (12, not a multiple of 8)."""
     g = torch.Generator().manual_seed(4)
-    B, H, Hkv, C, hd = 3, 6, 2, 20, 16
+    B, H, Hkv, C = 3, 6, 2, 20
     kc, vc = torch.randn(B, Hkv, C, hd, generator=g), torch.randn(B, Hkv, C, hd, generator=g)
     idx = torch.arange(B) if rows is None else torch.tensor(rows)
     b = idx.numel()

@@ -242,21 +242,88 @@ _ATTN_SOURCE = r"""
 //   kc[idx[i], g, slot[i]] = k[i, g, 0];  vc likewise
 //   out[i, 0, h*hd:(h+1)*hd] = softmax(scale * q[i, h] . kc[idx[i], g(h), 0..slot[i]]) @ vc[idx[i], g(h), 0..slot[i]]
 // with g(h) = h / (H / Hkv). fp32; every tensor's last dimension unit-strided, caches contiguous (B, Hkv, C, hd).
+// One task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
 namespace fbs_attn {
-__attribute__((target_clones("avx512f", "avx2", "default")))
-float dot(const float* a, const float* b, int64_t n) {
+constexpr int64_t kMaxHd = 256;
+
+inline void softmax_(float* p, int64_t n, float* z) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
   float s = 0.f;
-  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
-  return s;
+  for (int64_t j = 0; j < n; ++j) { p[j] = std::exp(p[j] - m); s += p[j]; }
+  *z = s;
 }
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void axpy(float w, const float* x, float* y, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
+
+void head_scalar(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
+                 float* o) {
+  for (int64_t j = 0; j < n; ++j) {
+    float a = 0.f;
+    for (int64_t d = 0; d < hd; ++d) a += q[d] * K[j * hd + d];
+    p[j] = a * scale;
+  }
+  float z;
+  softmax_(p, n, &z);
+  for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * V[j * hd + d];
+  for (int64_t d = 0; d < hd; ++d) o[d] /= z;
 }
+
+#ifdef FBS_X86
+__attribute__((target("avx512f,fma"))) void head512(const float* q, const float* K, const float* V, int64_t n,
+                                                     int64_t hd, float scale, float* p, float* o) {
+  const int64_t nc = hd / 16;
+  __m512 qv[kMaxHd / 16], acc[kMaxHd / 16];
+  for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = K + j * hd;
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
+    p[j] = _mm512_reduce_add_ps(a);
+  }
+  float z;
+  softmax_(p, n, &z);
+  for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 w = _mm512_set1_ps(p[j]);
+    const float* v = V + j * hd;
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+  }
+  const __m512 iz = _mm512_set1_ps(1.0f / z);
+  for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], iz));
+}
+
+__attribute__((target("avx2,fma"))) void head256(const float* q, const float* K, const float* V, int64_t n,
+                                                  int64_t hd, float scale, float* p, float* o) {
+  const int64_t nc = hd / 8;
+  __m256 qv[kMaxHd / 8], acc[kMaxHd / 8];
+  for (int64_t c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), _mm256_set1_ps(scale));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = K + j * hd;
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+    for (int64_t c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    p[j] = _mm_cvtss_f32(s);
+  }
+  float z;
+  softmax_(p, n, &z);
+  for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w = _mm256_set1_ps(p[j]);
+    const float* v = V + j * hd;
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  const __m256 iz = _mm256_set1_ps(1.0f / z);
+  for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], iz));
+}
+#endif
 }  // namespace fbs_attn
 
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
-                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale) {
+                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale,
+                      int64_t isa) {
   for (const at::Tensor* t : {&q, &k, &v, &kc, &vc})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(-1) == 1 && t->device().is_cpu(),
                 "fbs attention kernel: 4-d fp32 CPU tensors with a unit last stride");
@@ -277,24 +344,22 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       std::copy_n(k.data_ptr<float>() + i * k.stride(0) + g * k.stride(1), hd, KC + at_);
       std::copy_n(v.data_ptr<float>() + i * v.stride(0) + g * v.stride(1), hd, VC + at_);
     }
-  auto out = at::zeros({b, 1, H * hd}, q.options());
+  auto out = at::empty({b, 1, H * hd}, q.options());
   float* O = out.data_ptr<float>();
   const float* Q = q.data_ptr<float>();
   const int64_t group = H / Hkv;
+  auto head = fbs_attn::head_scalar;
+#ifdef FBS_X86
+  if (isa == 2 && hd % 16 == 0 && hd <= fbs_attn::kMaxHd) head = fbs_attn::head512;
+  else if (isa >= 1 && hd % 8 == 0 && hd <= fbs_attn::kMaxHd) head = fbs_attn::head256;
+#endif
   at::parallel_for(0, b * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p;
+    std::vector<float> p(C);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / H, h = t % H, n = L[i] + 1;
-      const float* qh = Q + i * q.stride(0) + h * q.stride(1);
-      const float* K = KC + I[i] * rs + (h / group) * hs;
-      const float* V = VC + I[i] * rs + (h / group) * hs;
-      p.resize(n);
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) { p[j] = float(scale) * fbs_attn::dot(qh, K + j * hd, hd); m = std::max(m, p[j]); }
-      float z = 0.f;
-      for (int64_t j = 0; j < n; ++j) { p[j] = std::exp(p[j] - m); z += p[j]; }
-      float* o = O + i * H * hd + h * hd;
-      for (int64_t j = 0; j < n; ++j) fbs_attn::axpy(p[j] / z, V + j * hd, o, hd);
+      const int64_t i = t / H, h = t % H;
+      const int64_t kv = I[i] * rs + (h / group) * hs;
+      head(Q + i * q.stride(0) + h * q.stride(1), KC + kv, VC + kv, L[i] + 1, hd, float(scale), p.data(),
+           O + i * H * hd + h * hd);
     }
   });
   return out;
@@ -469,7 +534,7 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tens
     writes and SDPA over the masked buffers): writes each row's ``k``/``v`` (b, Hkv, 1, hd) at ``slots`` (b,) of
     cache rows ``idx`` (b,) in ``kc``/``vc`` (B, Hkv, C, hd), then attends ``q`` (b, H, 1, hd) over slots
     0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them."""
-    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale)
+    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale, _isa_code())
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
