@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fbs import native
+
 
 def shapes(cfg) -> list[tuple[str, int, int]]:
     """(name, out, in) of one layer's fused matrices, as the engine holds them (fbs.fused)."""
@@ -67,8 +69,6 @@ def _weight(out: int, inp: int, fmt: str):
     scale = w.abs().amax(1).clamp_min(1e-8) / 127
     q, s = torch.round(w / scale[:, None]).to(torch.int8), scale.to(torch.bfloat16)
     if fmt == "int8-native":
-        from fbs import native
-
         return (native.int8_pack(q), s, inp)
     return (q, s)
 
@@ -79,18 +79,13 @@ def step(layers, head, xs: dict[int, torch.Tensor], fmt: str) -> torch.Tensor:
           "fp32-mkl-packed": lambda v, w: torch.ops.mkl._mkl_linear(v, w[1], w[0], None, 1),
           "fp32-onednn": lambda v, w: torch.ops.mkldnn._linear_pointwise(v, w[1], None, "none", [], ""),
           "int8": lambda v, w: torch._weight_int8pack_mm(v, *w),
-          "int8-native": lambda v, w: _native_int8(v, w[0], w[1])}[fmt]
+          "int8-native": lambda v, w: native.int8_linear(v, w[0], w[1])}[fmt]
     width = (lambda w: w[2]) if fmt == "int8-native" else (lambda w: w[0].shape[1])  # noqa: E731
     for mats in layers:
         for w in mats:
             mm(xs[width(w)], w)
     return mm(xs[width(head)], head)
 
-
-def _native_int8(v, p, s):
-    from fbs import native
-
-    return native.int8_linear(v, p, s)
 
 
 def main() -> None:
@@ -112,8 +107,6 @@ def main() -> None:
         if fmt not in FORMATS:
             raise SystemExit(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
         if fmt == "int8-native":
-            from fbs import native
-
             if native.int8_isa() is None:
                 print("int8-native: no native int8 kernel here (FBS_NATIVE=0, no build, or no AVX2): skipped")
                 continue

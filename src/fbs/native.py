@@ -302,10 +302,7 @@ __attribute__((target("avx2,fma"))) void head256(const float* q, const float* K,
     const float* k = K + j * hd;
     __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
     for (int64_t c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    p[j] = _mm_cvtss_f32(s);
+    p[j] = fbs_int8::hsum256(a);
   }
   float z;
   softmax_(p, n, &z);
