@@ -216,3 +216,107 @@ def test_status_records_what_the_engine_runs_with(kernel, monkeypatch):
     assert st["int8_isa"] == native.int8_isa() and st["int8_isa"] in (None, "avx2", "avx512")
     monkeypatch.setenv("FBS_NATIVE", "0")
     assert native.status()["enabled"] is False
+
+
+# --------------------------------------------------------------------------- the whole layer in one call
+def _plain_layers(model) -> list[int]:
+    return [l for l in range(model.base.spec.num_layers) if str(l) not in model.paw and str(l) not in model.ch]
+
+
+@pytest.mark.parametrize("family, policy", [("llama", "project"), ("qwen2", "hole"), ("llama", "hole")])
+@pytest.mark.parametrize("batch_policy", ["gather", "all", "majority"])
+def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, policy, batch_policy):
+    """The int8 step with each plain layer in one native call (norm, K/V + gate, threshold decision under the batch
+    policy, cache writes, attention, FFN of the running rows) against the same weights' per-op step (native
+    products and attention, PyTorch elsewhere, Python decisions): same tokens, same executed / intended / written
+    pairs, gate probabilities and logits equal up to float rounding; rows of three lengths, gates that see the
+    previous layer's skip."""
+    kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy, weights="int8",
+              batch_policy=batch_policy)
+    prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist(), PROMPT[0, :3].tolist()]
+    fast = randomize(fbs_tiny(family, seed=1, gate_prev_skip=True), seed=2)
+    layers = fbs.fused.decode_ops(fast, "int8").native_layers
+    assert [l for l, n in enumerate(layers) if n is not None] == _plain_layers(fast)
+    out = fast.generate(prompts, **kw)
+    slow = randomize(fbs_tiny(family, seed=1, gate_prev_skip=True), seed=2)
+    fbs.fused.decode_ops(slow, "int8").native_layers = None
+    ref = slow.generate(prompts, **kw)
+    assert 0 < ref.trace.skip_ratio < 1 and out.new_tokens == ref.new_tokens
+    for name in ("executed", "intended_skip", "kv_written"):
+        assert torch.equal(getattr(out.trace, name), getattr(ref.trace, name)), name
+    ok = ~torch.isnan(ref.trace.gate_p)
+    assert torch.equal(ok, ~torch.isnan(out.trace.gate_p))
+    assert (out.trace.gate_p[ok] - ref.trace.gate_p[ok]).abs().max() < 1e-5
+    for a, b in zip(out.scores, ref.scores):
+        assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
+
+
+def test_native_layers_batch_equals_single_runs(isa):
+    """Under ``gather`` a row's arithmetic does not depend on the other rows (the int8 kernel keeps one accumulator
+    per row, attention is per row): a batch of 4 gives each row its single run's tokens and decisions, logits
+    equal up to the rounding of the batched prefill and PAW / CH layers (PyTorch GEMMs)."""
+    model = randomize(fbs_tiny(seed=4), seed=5)
+    prompts = [torch.randint(0, 255, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 9, 14)]
+    kw = dict(max_new_tokens=10, ignore_eos=True, output_scores=True, weights="int8")
+    batch = model.generate(prompts, **kw)
+    assert 0 < batch.trace.skip_ratio < 1
+    for r, p in enumerate(prompts):
+        single = model.generate([p], **kw)
+        assert batch.new_tokens[r] == single.new_tokens[0]
+        assert torch.equal(batch.trace.executed[r], single.trace.executed[0])
+        b = single.scores[0]
+        assert (batch.scores[r] - b).abs().max() < 1e-5 * (b.max() - b.min())
+
+
+@pytest.mark.parametrize("write_skipped", [False, True])
+def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_skipped):
+    """One native layer call with forced decisions: a skipped row's output is its input bit for bit (no row runs:
+    the input tensor itself comes back), it writes its rotated K/V only when asked (``project``), and a running
+    row's output is the per-op step's."""
+    model = randomize(fbs_tiny(seed=6), seed=7)
+    ops = fbs.fused.decode_ops(model, "int8")
+    l = _plain_layers(model)[1]
+    res = model.generate([PROMPT[0].tolist()] * 2, max_new_tokens=2, ignore_eos=True, weights="int8",
+                         force_compute=True)
+    assert len(res.new_tokens[0]) == 2
+    from fbs.cache import CacheContext, KVCache
+
+    spec, n = model.base.spec, PROMPT.shape[1]
+    g = torch.Generator().manual_seed(8)
+    cache = KVCache(spec.num_layers, 2, spec.num_kv_heads, spec.head_dim, 32)
+    for layer in range(spec.num_layers):  # a filled prefix of n entries per row
+        cache.k[layer].normal_(generator=g)
+        cache.v[layer].normal_(generator=g)
+        cache.lengths[layer] = [n, n]
+        cache.positions[layer] = [list(range(n)), list(range(n))]
+    x = torch.randn(2, 1, spec.hidden_size, generator=g)
+    pos = torch.tensor([[n], [n]])
+    cos, sin = ops.rope(x, pos)
+    ctx = CacheContext(cache, {}, [0, 1], [[n], [n]], cos, sin, "project" if write_skipped else "hole")
+    before_k = cache.k[l].clone()
+    same, logits, skip, run = ops.native_layer(l, x, ctx, None, None, None, None, 0, [False, False], write_skipped)
+    assert same is x and logits is None and skip is None and run == [False, False]
+    written = not torch.equal(cache.k[l], before_k)
+    assert written == write_skipped and cache.lengths[l] == ([n + 1] * 2 if write_skipped else [n, n])
+    if write_skipped:  # the entry is the per-op step's rotated K of RMSNorm_1(x)
+        k, v = ops.kv(l, ops.norm1(l, x), ctx)
+        assert torch.allclose(cache.k[l][:, :, n], k[:, :, 0], atol=1e-5)
+        assert torch.allclose(cache.v[l][:, :, n], v[:, :, 0], atol=1e-5)
+    # row 1 runs: its output is the per-op block over the same cache state; row 0 keeps x
+    ref_cache = KVCache(spec.num_layers, 2, spec.num_kv_heads, spec.head_dim, 32)
+    for name in ("k", "v", "lengths", "positions"):
+        setattr(ref_cache, name, [t.clone() if torch.is_tensor(t) else [list(r) if isinstance(r, list) else r
+                                                                         for r in t] for t in getattr(cache, name)])
+    new, _, _, _ = ops.native_layer(l, x, ctx, None, None, None, None, 0, [False, True], write_skipped)
+    assert torch.equal(new[0], x[0])
+    ref_ctx = CacheContext(ref_cache, {}, [1], [[n]], cos[1:], sin[1:], "hole")
+    ref = ops.block(l, x[1:], ops.norm1(l, x[1:]), ref_ctx)
+    assert torch.allclose(new[1:], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen3_layers_stay_per_op(kernel):
+    """Qwen3's per-head Q/K norms are not in the native layer: every Qwen3 layer runs the per-op step."""
+    if native.int8_isa() is None:
+        pytest.skip("no AVX2 here")
+    layers = fbs.fused.decode_ops(fbs_tiny("qwen3"), "int8").native_layers
+    assert layers is None or all(n is None for n in layers)

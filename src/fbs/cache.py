@@ -167,6 +167,25 @@ class CacheContext:
             slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
         return self.cache.k[l], self.cache.v[l], slots, None if self.all_rows else self.rows_t
 
+    def native_slots(self, l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a native one-token layer (:meth:`fbs.fused.FusedOps.native_layer`): the layer's K/V buffers, each
+        row's next slot (b,) and its cache row (b,), booking nothing: the layer decides which rows write, then
+        :meth:`book` books them."""
+        lens = self.cache.lengths[l]
+        starts = tuple(lens[r] for r in self.rows)
+        slots = self._slots.get(starts)
+        if slots is None:
+            slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
+        return self.cache.k[l], self.cache.v[l], slots, self.rows_t
+
+    def book(self, l: int, wrote: list[bool] | None) -> None:
+        """Book the entries a native layer wrote at layer l: every row's (``wrote`` None) or those flagged."""
+        if wrote is None:
+            self.cache.advance(l, self.rows, self.positions)
+        elif any(wrote):
+            idx = [i for i, w in enumerate(wrote) if w]
+            self.cache.advance(l, [self.rows[i] for i in idx], [self.positions[i] for i in idx])
+
     # ---- chunk head -------------------------------------------------------
     def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:
         rows = self.rows_t

@@ -35,6 +35,7 @@ from .layer import COMPUTE, Mix, layer_step, logit_threshold
 from .modules.chunk import ChunkState
 
 CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
+_POLICY_CODES = {"gather": 0, "all": 1, "majority": 2}  # batch policies as fbs.native.Int8Layer takes them
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
 _OPEN, _CLOSE = "([{", ")]}"
 
@@ -410,8 +411,27 @@ class _Decoder:
         thresholds = None               # per row, the logit threshold of its tau (fixed within a step)
         for i, r in enumerate(rows):
             rec.ctx[r][steps[i]], rec.valid[r][steps[i]] = pos_list[i], True
+        native = self._native_layers()
+        policy, write_skipped = _POLICY_CODES[self.opts.batch_policy], self.policy == "project"
         for l in range(self.L):
             gated = self._needs_gate(l)
+            if native is not None and native[l] is not None:  # the whole layer in one native call
+                if gated:
+                    if zterms is None:
+                        zterms = ops.preview_terms(None if zero_z else zlow, b)
+                    if thresholds is None:
+                        thresholds = [self._row_threshold(r) for r in rows]
+                    new, logits, skip, run = ops.native_layer(l, x, ctx, x_prev, zterms, prev_skip, thresholds,
+                                                              policy, None, write_skipped)
+                else:
+                    skip, logits = self._skip_decision(l, step, rows, None)
+                    run = self._batch_run(skip)
+                    new = ops.native_layer(l, x, ctx, None, None, None, None, policy, run, write_skipped)[0]
+                self._record(steps, l, rows, skip, run, logits, None, None, None)
+                if m.gates.use_prev_skip:
+                    prev_skip = None if all(run) else self._skip_indicator(run)
+                x_prev, x = x, new
+                continue
             if gated:
                 if zterms is None:
                     zterms = ops.preview_terms(None if zero_z else zlow, b)
@@ -439,6 +459,14 @@ class _Decoder:
                 prev_skip = None if all(run) else self._skip_indicator(run)
             x_prev, x = x, new
         return ops.head(x)[:, 0]
+
+    def _native_layers(self) -> list | None:
+        """The ops' native whole-layer steps (:attr:`fbs.fused.FusedOps.native_layers`) when this call can use
+        them: hard threshold gates or forced decisions, whole-layer skips, no baseline policy."""
+        layers = getattr(self.ops, "native_layers", None)
+        if layers is None or self.skipper is not None or self.opts.gate_sampling or self.granularity != "layer":
+            return None
+        return layers
 
     def _skip_indicator(self, run: list[bool]) -> torch.Tensor:
         """(b, 1) 1.0 for the rows that skipped, one tensor per pattern (made once per call)."""

@@ -210,6 +210,22 @@ def _head_step(x, norm, w, s, *, eps: float, native_step: bool = False):
     return matmul(_rms(x, norm, eps, native_step), w, s)
 
 
+def _gate_inputs(gate, x, x_prev, zterms, prev_skip) -> tuple:
+    """A gated layer's per-token inputs as its step reads them: (terms, x_prev, relative-update constant, previous
+    skip). The relative update is computed from ``x_prev``, or a constant when it is 1 (no previous layer) or 0
+    (``x_prev is x``: every row skipped the previous layer). All None for an ungated layer (``gate`` None)."""
+    if gate is None:
+        return None, None, None, None
+    xp = rel = None
+    if gate.rel_first is not None:
+        xp, rel = (None, gate.rel_first) if x_prev is None else (None, gate.rel_zero) if x_prev is x else (x_prev, None)
+    return zterms[gate.index], xp, rel, (prev_skip if gate.step[1] is not None else None)
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
 class _Layer(NamedTuple):
     ln1: torch.Tensor
     kvg: Weight
@@ -313,6 +329,10 @@ class FusedOps:
         #: gate logits from the native kernel (eager fp32 CPU steps; a compiled step fuses the gate's ops itself)
         self.native_gates = (not compile and bool(self.gated) and self.dtype == torch.float32
                              and self.emb.device.type == "cpu" and native.module() is not None)
+        #: per layer, the whole one-token layer in one native call (fbs.native.Int8Layer), or None where the
+        #: layer runs as PyTorch ops (PAW / CH layers, Qwen3's per-head norms, widths not a multiple of 16);
+        #: None altogether unless the step is the native int8 one. See :meth:`native_layer`.
+        self.native_layers = self._native_layers(model) if ns["native_step"] else None
 
     def _layer(self, l: int, fg) -> _Layer:
         layer = self.base.layers[l]
@@ -336,6 +356,42 @@ class FusedOps:
             gu=self._weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
             down=self._weight(mlp.down_proj.weight), gate=gate,
         )
+
+    def _native_layers(self, model) -> list | None:
+        spec, mod = self.spec, native.module()
+        d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+        if any(n % native.INT8_CHUNK for n in (d, spec.num_heads * hd, inter)) or hd > 256 or hd % 2:
+            return None
+        out = []
+        for l, w in enumerate(self.layers):
+            if str(l) in model.paw or str(l) in model.ch or w.q_norm is not None or w.k_norm is not None:
+                out.append(None)
+                continue
+            layer = mod.Int8Layer(d, spec.num_heads, spec.num_kv_heads, hd, inter, self.eps, self.base.scaling,
+                                  w.ln1.contiguous(), *w.kvg.tensors, _dense(w.kvg_b), *w.q.tensors, _dense(w.q_b),
+                                  *w.o.tensors, w.ln2.contiguous(), *w.gu.tensors, *w.down.tensors)
+            if w.gate is not None:
+                w_rel, w_prev, out_w, out_b, eps = w.gate.native
+                layer.set_gate(*w.gate.cols, w_rel, w_prev, out_w, out_b, eps)
+            out.append(layer)
+        return out
+
+    def native_layer(self, l: int, x, ctx, x_prev, zterms, prev_skip, thresholds, policy: int, run,
+                     write_skipped: bool):
+        """Layer ``l`` of a one-token step in one native call (:attr:`native_layers`): norm, K/V (+ gate), the
+        decision, the cache writes, attention and FFN of the rows that run. Gated (``zterms`` given): the rows'
+        logit ``thresholds`` and the batch ``policy`` (0 gather, 1 all, 2 majority) decide; else ``run`` (a bool
+        per row) says which rows run. ``write_skipped``: rows that skip still write K/V (``project``). Books the
+        cache entries written. Returns (x', logits or None, skip or None, run); x' is ``x`` when no row ran."""
+        layer = self.native_layers[l]
+        terms, xp, rel, ps = _gate_inputs(None if zterms is None else self.layers[l].gate, x, x_prev, zterms,
+                                          prev_skip)
+        kc, vc, slots, idx = ctx.native_slots(l)
+        new, logits, skip, run = layer.forward(x, xp, terms, rel, ps, *self._rope_of(ctx), kc, vc, idx, slots,
+                                               thresholds or (), policy, run or (), write_skipped,
+                                               native._isa_code())
+        ctx.book(l, None if write_skipped else run)
+        return new, (logits if terms is not None else None), (skip if terms is not None else None), run
 
     def _weight(self, w: torch.Tensor) -> Weight:
         return Weight(w, self.fmt, packed=self.native_int8)
@@ -389,13 +445,8 @@ class FusedOps:
         ``zterms``: :meth:`preview_terms` of the step; ``x_prev``: the previous layer's input (None: none), ``x``
         itself when every row skipped that layer; ``prev_skip`` (b, 1) 1.0 where it was skipped, or None."""
         w = self.layers[l]
-        gate, terms, xp, rel, ps = (w.gate if gated else None), None, None, None, None
-        if gate is not None:
-            terms = zterms[gate.index]
-            if gate.rel_first is not None:  # the relative update: computed, or a constant when it is 1 or 0
-                xp, rel = (None, gate.rel_first) if x_prev is None else (None, gate.rel_zero) if x_prev is x else \
-                    (x_prev, None)
-            ps = prev_skip if gate.step[1] is not None else None
+        gate = w.gate if gated else None
+        terms, xp, rel, ps = _gate_inputs(gate, x, x_prev, zterms, prev_skip)
         fast = gate is not None and self.native_gates  # the gate's ops in one native call (fbs.native)
         xn, k, v, out = self._pre_fn(x, xp, terms, rel, ps, *self._rope_of(ctx), w.ln1, *w.kvg.tensors, w.kvg_b,
                                      w.k_norm, None if gate is None or fast else gate.step, **self._k_pre)

@@ -55,6 +55,34 @@ _GATE_SOURCE = r"""
 //       + w_prev * prev_skip                                            (when given)
 //   logit = out_b + sum_j out_w[j] * silu(h[j])
 // Every tensor is fp32 on the CPU with a unit stride in its last dimension; rows may be strided (views).
+// One row's logit; h is scratch of G floats. y: the row's gate columns (null: none); x_prev null: the relative
+// update is rel_term (or absent when null); has_ps: prev_skip ps applies
+namespace fbs_gate {
+inline double row(const float* terms, const float* y, const float* x, const float* x_prev, const float* rel_term,
+                  float ps, bool has_ps, const float* w_rel, const float* w_prev, const float* out_w, float out_b,
+                  float eps, int64_t d, int64_t G, float* h) {
+  for (int64_t j = 0; j < G; ++j) h[j] = terms[j];
+  if (y) for (int64_t j = 0; j < G; ++j) h[j] = y[j] + h[j];
+  if (x_prev && w_rel) {
+    double su = 0.0, sp = 0.0;
+    for (int64_t j = 0; j < d; ++j) {
+      const double diff = double(x[j]) - double(x_prev[j]);
+      su += diff * diff;
+      sp += double(x_prev[j]) * double(x_prev[j]);
+    }
+    const float u = float(std::sqrt(su)), up = std::max(float(std::sqrt(sp)), 1e-6f);
+    const float r = std::log(eps + u / up);
+    for (int64_t j = 0; j < G; ++j) h[j] += r * w_rel[j];
+  } else if (rel_term) {
+    for (int64_t j = 0; j < G; ++j) h[j] += rel_term[j];
+  }
+  if (has_ps && w_prev) for (int64_t j = 0; j < G; ++j) h[j] += ps * w_prev[j];
+  double acc = 0.0;
+  for (int64_t j = 0; j < G; ++j) acc += double(out_w[j]) * double(h[j] / (1.0f + std::exp(-h[j])));
+  return acc + out_b;
+}
+}  // namespace fbs_gate
+
 std::vector<double> gate_logits(const at::Tensor& y, int64_t off, int64_t gy, const at::Tensor& terms,
                                 const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
                                 const std::optional<at::Tensor>& rel_term, const std::optional<at::Tensor>& prev_skip,
@@ -77,36 +105,10 @@ std::vector<double> gate_logits(const at::Tensor& y, int64_t off, int64_t gy, co
   const float* WP = w_prev ? w_prev->data_ptr<float>() : nullptr;
   std::vector<double> out(b);
   std::vector<float> h(G);
-  for (int64_t i = 0; i < b; ++i) {
-    const float* ti = T + i * terms.stride(0);
-    for (int64_t j = 0; j < G; ++j) h[j] = ti[j];
-    if (Y) {
-      const float* yi = Y + i * y.stride(0) + off;
-      for (int64_t j = 0; j < G; ++j) h[j] = yi[j] + h[j];
-    }
-    if (P && WR) {
-      const float* xi = X + i * x.stride(0);
-      const float* pi = P + i * x_prev->stride(0);
-      double su = 0.0, sp = 0.0;
-      for (int64_t j = 0; j < d; ++j) {
-        const double diff = double(xi[j]) - double(pi[j]);
-        su += diff * diff;
-        sp += double(pi[j]) * double(pi[j]);
-      }
-      const float u = float(std::sqrt(su)), up = std::max(float(std::sqrt(sp)), 1e-6f);
-      const float r = std::log(float(eps) + u / up);
-      for (int64_t j = 0; j < G; ++j) h[j] += r * WR[j];
-    } else if (RT) {
-      for (int64_t j = 0; j < G; ++j) h[j] += RT[j];
-    }
-    if (PS && WP) {
-      const float s = PS[i * prev_skip->stride(0)];
-      for (int64_t j = 0; j < G; ++j) h[j] += s * WP[j];
-    }
-    double acc = 0.0;
-    for (int64_t j = 0; j < G; ++j) acc += double(OW[j]) * double(h[j] / (1.0f + std::exp(-h[j])));
-    out[i] = acc + out_b;
-  }
+  for (int64_t i = 0; i < b; ++i)
+    out[i] = fbs_gate::row(T + i * terms.stride(0), Y ? Y + i * y.stride(0) + off : nullptr, X + i * x.stride(0),
+                           P ? P + i * x_prev->stride(0) : nullptr, RT, PS ? PS[i * prev_skip->stride(0)] : 0.f,
+                           PS != nullptr, WR, WP, OW, float(out_b), float(eps), d, G, h.data());
   return out;
 }
 """
@@ -187,27 +189,10 @@ int64_t best_isa() {
 #endif
   return 0;
 }
-}  // namespace fbs_int8
 
-int64_t int8_isa() { return fbs_int8::best_isa(); }
-
-// x (M, Kp) fp32 contiguous (zero-padded to Kp), p packed int8, s (N,) bf16 -> (M, N) fp32
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s, int64_t isa) {
-  using namespace fbs_int8;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
-              "fbs int8 kernel: x must be a contiguous (M, K) fp32 CPU tensor");
-  TORCH_CHECK(p.scalar_type() == at::kChar && p.dim() == 1 && p.is_contiguous(), "fbs int8 kernel: packed int8 weights");
-  TORCH_CHECK(s.scalar_type() == at::kBFloat16 && s.dim() == 1 && s.is_contiguous(), "fbs int8 kernel: (N,) bf16 scales");
-  const int64_t M = x.size(0), Kp = x.size(1), N = s.size(0), T = (N + kNB - 1) / kNB;
-  TORCH_CHECK(Kp % kChunk == 0 && p.numel() == T * kNB * Kp, "fbs int8 kernel: packed size ", p.numel(),
-              " does not match N = ", N, ", padded K = ", Kp);
-  TORCH_CHECK(isa >= 1 && isa <= best_isa(), "fbs int8 kernel: instruction set ", isa, " not available here");
-  auto y = at::empty({M, N}, x.options());
-  const float* X = x.data_ptr<float>();
-  const int8_t* P = p.data_ptr<int8_t>();
-  const uint16_t* S = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
-  float* Y = y.data_ptr<float>();
-  const int64_t nc = Kp / kChunk, tile_bytes = kNB * Kp;
+// Y (M, N) = X (M, Kp) @ (q * s)^T over packed weights P, tiles split across threads
+void mm(const float* X, int64_t M, int64_t Kp, const int8_t* P, const uint16_t* S, int64_t N, float* Y, int64_t isa) {
+  const int64_t T = (N + kNB - 1) / kNB, nc = Kp / kChunk, tile_bytes = kNB * Kp;
 #ifdef FBS_X86
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -228,6 +213,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& p, const at::Tenso
     }
   });
 #endif
+}
+}  // namespace fbs_int8
+
+int64_t int8_isa() { return fbs_int8::best_isa(); }
+
+// x (M, Kp) fp32 contiguous (zero-padded to Kp), p packed int8, s (N,) bf16 -> (M, N) fp32
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& p, const at::Tensor& s, int64_t isa) {
+  using namespace fbs_int8;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(),
+              "fbs int8 kernel: x must be a contiguous (M, K) fp32 CPU tensor");
+  TORCH_CHECK(p.scalar_type() == at::kChar && p.dim() == 1 && p.is_contiguous(), "fbs int8 kernel: packed int8 weights");
+  TORCH_CHECK(s.scalar_type() == at::kBFloat16 && s.dim() == 1 && s.is_contiguous(), "fbs int8 kernel: (N,) bf16 scales");
+  const int64_t M = x.size(0), Kp = x.size(1), N = s.size(0), T = (N + kNB - 1) / kNB;
+  TORCH_CHECK(Kp % kChunk == 0 && p.numel() == T * kNB * Kp, "fbs int8 kernel: packed size ", p.numel(),
+              " does not match N = ", N, ", padded K = ", Kp);
+  TORCH_CHECK(isa >= 1 && isa <= best_isa(), "fbs int8 kernel: instruction set ", isa, " not available here");
+  auto y = at::empty({M, N}, x.options());
+  fbs_int8::mm(x.data_ptr<float>(), M, Kp, p.data_ptr<int8_t>(),
+               reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()), N, y.data_ptr<float>(), isa);
   return y;
 }
 """
@@ -395,8 +399,256 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 """
 
-_SOURCE = _GATE_SOURCE + _INT8_SOURCE + _ATTN_SOURCE + _NORM_SOURCE
-_FUNCTIONS = ["gate_logits", "int8_linear", "int8_isa", "attend_one", "rms_norm"]
+_LAYER_SOURCE = r"""
+#include <pybind11/stl.h>
+#include <tuple>
+
+// A whole decoder layer of the eager int8 one-token step in one call (fbs.fused.NativeLayers), so that a layer
+// costs one Python call instead of some forty ATen dispatches:
+//   xn = RMSNorm_1(x);  y = xn @ [W_k; W_v; A]^T (+ b)       K, V and, on gated layers, the gate's hidden columns
+//   gated: logit = gate(y's gate columns, terms, relative update, previous skip); skip = logit > threshold(row)
+//   run = skip decision under the batch policy (0 gather: rows that do not skip, 1 all: every row unless all
+//         skip, 2 majority: every row unless more than half skip), or the caller's run list (ungated layers)
+//   K/V (K rotated) written at each row's slot for the rows that run, and for every row when write_skipped
+//   rows that run: h = x + O(attention(RoPE(Q xn)));  out = h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)
+//   rows that skip: out = x
+// Weights are int8 packed for fbs_int8 (K a multiple of 16), activations, norms, biases and caches fp32.
+namespace fbs_layer {
+struct Packed {
+  at::Tensor p, s;
+  int64_t n = 0, kp = 0;
+  const int8_t* P() const { return p.data_ptr<int8_t>(); }
+  const uint16_t* S() const { return reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()); }
+};
+
+Packed packed(const at::Tensor& p, const at::Tensor& s, int64_t k) {
+  TORCH_CHECK(p.scalar_type() == at::kChar && p.dim() == 1 && p.is_contiguous() && s.scalar_type() == at::kBFloat16 &&
+              s.dim() == 1 && s.is_contiguous(), "fbs native layer: packed int8 weights and (N,) bf16 scales");
+  TORCH_CHECK(k % fbs_int8::kChunk == 0, "fbs native layer: input width ", k, " is not a multiple of 16");
+  const int64_t n = s.size(0);
+  TORCH_CHECK(p.numel() == (n + fbs_int8::kNB - 1) / fbs_int8::kNB * fbs_int8::kNB * k,
+              "fbs native layer: packed size does not match (", n, ", ", k, ")");
+  return Packed{p, s, n, k};
+}
+
+const float* fp32(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
+              "fbs native layer: ", what, " must be a contiguous fp32 CPU tensor of ", n, " elements");
+  return t.data_ptr<float>();
+}
+
+void rms(const float* x, const float* w, float eps, float* y, int64_t rows, int64_t d) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float r = 1.0f / std::sqrt(fbs_norm::sumsq(x + i * d, d) / float(d) + eps);
+    fbs_norm::scale(x + i * d, w, r, y + i * d, d);
+  }
+}
+
+// x (hd) rotated in place: x * cos + roll(x, hd / 2) * sin_signed (fbs.fused._rope)
+void rope(float* x, const float* c, const float* s, int64_t hd) {
+  float t[256];
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < hd; ++j) t[j] = x[j] * c[j] + x[j < half ? j + half : j - half] * s[j];
+  std::copy_n(t, hd, x);
+}
+
+struct Layer {
+  int64_t d, heads, nkv, hd, inter;
+  float eps, scale;
+  at::Tensor ln1, ln2, kvg_b, q_b;  // biases undefined when absent
+  Packed kvg, q, o, gu, dn;
+  // gate (gated layers): offset and width of its columns in y, w_rel, w_prev (undefined when unused), out
+  bool gated = false;
+  int64_t g_off = 0, g_w = 0, G = 0;
+  at::Tensor w_rel, w_prev, out_w;
+  float out_b = 0.f, g_eps = 1e-3f;
+
+  Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
+        at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
+        at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
+        at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s)
+      : d(d_), heads(heads_), nkv(nkv_), hd(hd_), inter(inter_), eps(float(eps_)), scale(float(scale_)), ln1(ln1_),
+        ln2(ln2_) {
+    TORCH_CHECK(hd <= 256 && hd % 2 == 0 && heads % nkv == 0, "fbs native layer: head shapes");
+    fp32(ln1, d, "ln1");
+    fp32(ln2, d, "ln2");
+    kvg = packed(kvg_p, kvg_s, d);
+    q = packed(q_p, q_s, d);
+    o = packed(o_p, o_s, heads * hd);
+    gu = packed(gu_p, gu_s, d);
+    dn = packed(dn_p, dn_s, inter);
+    TORCH_CHECK(kvg.n >= 2 * nkv * hd && q.n == heads * hd && o.n == d && gu.n == 2 * inter && dn.n == d,
+                "fbs native layer: weight shapes do not match the layer");
+    if (kvg_b_) { kvg_b = *kvg_b_; fp32(kvg_b, kvg.n, "the K/V bias"); }
+    if (q_b_) { q_b = *q_b_; fp32(q_b, q.n, "the Q bias"); }
+  }
+
+  void set_gate(int64_t off, int64_t width, std::optional<at::Tensor> w_rel_, std::optional<at::Tensor> w_prev_,
+                at::Tensor out_w_, double out_b_, double g_eps_) {
+    G = out_w_.numel();
+    fp32(out_w_, G, "the gate's output weight");
+    TORCH_CHECK(width == 0 || (width == G && off + width <= kvg.n), "fbs native layer: gate columns");
+    gated = true; g_off = off; g_w = width; out_w = out_w_; out_b = float(out_b_); g_eps = float(g_eps_);
+    if (w_rel_) { w_rel = *w_rel_; fp32(w_rel, G, "w_rel"); }
+    if (w_prev_) { w_prev = *w_prev_; fp32(w_prev, G, "w_prev"); }
+  }
+
+  void mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const {
+    fbs_int8::mm(X, M, w.kp, w.P(), w.S(), w.n, Y, isa);
+  }
+
+  // returns (out, logits, skip, run); out is x itself when no row runs
+  std::tuple<at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> forward(
+      const at::Tensor& x, const std::optional<at::Tensor>& x_prev, const std::optional<at::Tensor>& terms,
+      const std::optional<at::Tensor>& rel_term, const std::optional<at::Tensor>& prev_skip, const at::Tensor& cos,
+      const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots,
+      const std::vector<double>& thresholds, int64_t policy, const std::vector<bool>& run_in, bool write_skipped,
+      int64_t isa) const {
+    TORCH_CHECK(isa >= 1 && isa <= fbs_int8::best_isa(), "fbs native layer: instruction set ", isa, " not available");
+    const int64_t b = x.size(0);
+    const float* X = fp32(x, b * d, "x");
+    const float* CO = fp32(cos, b * hd, "cos");
+    const float* SI = fp32(sin, b * hd, "sin");
+    TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 &&
+                kc.sizes() == vc.sizes() && kc.size(1) == nkv && kc.size(3) == hd, "fbs native layer: KV caches");
+    TORCH_CHECK(idx.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && idx.numel() == b &&
+                slots.numel() == b, "fbs native layer: int64 rows and slots");
+    const int64_t* I = idx.data_ptr<int64_t>();
+    const int64_t* SL = slots.data_ptr<int64_t>();
+    const int64_t C = kc.size(2);
+    for (int64_t i = 0; i < b; ++i)
+      TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C, "fbs native layer: slot out of range");
+    const int64_t nk = kvg.n, w = nkv * hd;
+    std::vector<float> xn(b * d), y(b * nk);
+    rms(X, fp32(ln1, d, "ln1"), eps, xn.data(), b, d);
+    mm(xn.data(), b, kvg, y.data(), isa);
+    if (kvg_b.defined()) {
+      const float* B = kvg_b.data_ptr<float>();
+      for (int64_t i = 0; i < b; ++i) for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
+    }
+    std::vector<double> logits;
+    std::vector<bool> skip, run;
+    if (gated && terms) {
+      TORCH_CHECK((int64_t)thresholds.size() == b, "fbs native layer: one threshold per row");
+      logits = gate(y.data(), nk, X, b, *terms, x_prev, rel_term, prev_skip);
+      skip.resize(b);
+      int64_t n_skip = 0;
+      for (int64_t i = 0; i < b; ++i) { skip[i] = logits[i] > thresholds[i]; n_skip += skip[i]; }
+      run.resize(b);
+      for (int64_t i = 0; i < b; ++i)
+        run[i] = policy == 0 ? !skip[i] : policy == 1 ? n_skip < b : 2 * n_skip <= b;
+    } else {
+      TORCH_CHECK((int64_t)run_in.size() == b, "fbs native layer: one run flag per row");
+      run = run_in;
+    }
+    // K (rotated) and V at each writing row's slot
+    float* KC = kc.data_ptr<float>();
+    float* VC = vc.data_ptr<float>();
+    const int64_t rs = nkv * C * hd, hs = C * hd;
+    for (int64_t i = 0; i < b; ++i) {
+      if (!run[i] && !write_skipped) continue;
+      for (int64_t g = 0; g < nkv; ++g) {
+        float* kd = KC + I[i] * rs + g * hs + SL[i] * hd;
+        std::copy_n(y.data() + i * nk + g * hd, hd, kd);
+        rope(kd, CO + i * hd, SI + i * hd, hd);
+        std::copy_n(y.data() + i * nk + w + g * hd, hd, VC + I[i] * rs + g * hs + SL[i] * hd);
+      }
+    }
+    std::vector<int64_t> sel;
+    for (int64_t i = 0; i < b; ++i) if (run[i]) sel.push_back(i);
+    const int64_t m = sel.size();
+    if (m == 0) return {x, logits, skip, run};
+    // the running rows, compacted
+    const int64_t qw = heads * hd;
+    std::vector<float> h(m * d), hn(m * d), qv(m * qw), att(m * qw), ff(m * 2 * inter), act(m * inter), dv(m * d);
+    for (int64_t j = 0; j < m; ++j) std::copy_n(xn.data() + sel[j] * d, d, hn.data() + j * d);
+    mm(hn.data(), m, q, qv.data(), isa);
+    const float* QB = q_b.defined() ? q_b.data_ptr<float>() : nullptr;
+    for (int64_t j = 0; j < m; ++j) {
+      float* qj = qv.data() + j * qw;
+      if (QB) for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
+      for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, CO + sel[j] * hd, SI + sel[j] * hd, hd);
+    }
+    auto head = fbs_attn::head_scalar;
+#ifdef FBS_X86
+    if (isa == 2 && hd % 16 == 0) head = fbs_attn::head512;
+    else if (isa >= 1 && hd % 8 == 0) head = fbs_attn::head256;
+#endif
+    const int64_t group = heads / nkv;
+    at::parallel_for(0, m * heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> p(C);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j = t / heads, hh = t % heads, i = sel[j];
+        const int64_t kv = I[i] * rs + (hh / group) * hs;
+        head(qv.data() + j * qw + hh * hd, KC + kv, VC + kv, SL[i] + 1, hd, scale, p.data(),
+             att.data() + j * qw + hh * hd);
+      }
+    });
+    mm(att.data(), m, o, h.data(), isa);
+    for (int64_t j = 0; j < m; ++j) {
+      const float* xi = X + sel[j] * d;
+      float* hj = h.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) hj[c] += xi[c];
+    }
+    rms(h.data(), fp32(ln2, d, "ln2"), eps, hn.data(), m, d);
+    mm(hn.data(), m, gu, ff.data(), isa);
+    for (int64_t j = 0; j < m; ++j) {
+      const float* gj = ff.data() + j * 2 * inter;
+      float* aj = act.data() + j * inter;
+      for (int64_t c = 0; c < inter; ++c) aj[c] = gj[c] / (1.0f + std::exp(-gj[c])) * gj[inter + c];
+    }
+    mm(act.data(), m, dn, dv.data(), isa);
+    at::Tensor out = x.clone();
+    float* O = out.data_ptr<float>();
+    for (int64_t j = 0; j < m; ++j) {
+      float* oj = O + sel[j] * d;
+      const float* hj = h.data() + j * d;
+      const float* dj = dv.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) oj[c] = hj[c] + dj[c];
+    }
+    return {out, logits, skip, run};
+  }
+
+  // fbs.fused._gate_logit per row (see gate_logits above), from y's gate columns
+  std::vector<double> gate(const float* Y, int64_t ny, const float* X, int64_t b, const at::Tensor& terms,
+                           const std::optional<at::Tensor>& x_prev, const std::optional<at::Tensor>& rel_term,
+                           const std::optional<at::Tensor>& prev_skip) const {
+    TORCH_CHECK(terms.scalar_type() == at::kFloat && terms.stride(-1) == 1 && terms.size(0) == b &&
+                terms.size(-1) == G, "fbs native layer: gate terms (b, 1, G) fp32 with a unit last stride");
+    const float* T = terms.data_ptr<float>();
+    const float* P = x_prev ? fp32(*x_prev, b * d, "x_prev") : nullptr;
+    const float* RT = rel_term ? fp32(*rel_term, G, "rel_term") : nullptr;
+    const float* PS = prev_skip ? fp32(*prev_skip, b, "prev_skip") : nullptr;
+    const float* WR = w_rel.defined() ? w_rel.data_ptr<float>() : nullptr;
+    const float* WP = w_prev.defined() ? w_prev.data_ptr<float>() : nullptr;
+    const float* OW = out_w.data_ptr<float>();
+    std::vector<double> out(b);
+    std::vector<float> hv(G);
+    for (int64_t i = 0; i < b; ++i)
+      out[i] = fbs_gate::row(T + i * terms.stride(0), g_w > 0 ? Y + i * ny + g_off : nullptr, X + i * d,
+                             P ? P + i * d : nullptr, RT, PS ? PS[i] : 0.f, PS != nullptr, WR, WP, OW, out_b, g_eps,
+                             d, G, hv.data());
+    return out;
+  }
+};
+}  // namespace fbs_layer
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gate_logits", &gate_logits);
+  m.def("int8_linear", &int8_linear);
+  m.def("int8_isa", &int8_isa);
+  m.def("attend_one", &attend_one);
+  m.def("rms_norm", &rms_norm);
+  pybind11::class_<fbs_layer::Layer>(m, "Int8Layer")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                          at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, std::optional<at::Tensor>,
+                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+      .def("set_gate", &fbs_layer::Layer::set_gate)
+      .def("forward", &fbs_layer::Layer::forward);
+}
+"""
+
+_SOURCE = _GATE_SOURCE + _INT8_SOURCE + _ATTN_SOURCE + _NORM_SOURCE + _LAYER_SOURCE
 
 _lock = threading.Lock()
 _module = None
@@ -431,7 +683,7 @@ def module():
                 path.mkdir(parents=True, exist_ok=True)
                 if not (path / "fbs_native.so").exists():  # a pause the user should see explained
                     print(f"fbs: building the native kernels in {path} (once per machine, ~40 s)", file=sys.stderr)
-                _module = load_inline("fbs_native", cpp_sources=_SOURCE, functions=_FUNCTIONS,
+                _module = load_inline("fbs_native", cpp_sources=_SOURCE,  # binds its own functions (PYBIND11_MODULE)
                                       extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                       build_directory=str(path), verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only cache ...: the PyTorch ops stay in use
