@@ -15,6 +15,7 @@ import bisect
 
 import torch
 
+from . import native
 from .modules.chunk import ChunkOut, ChunkState
 
 
@@ -111,6 +112,8 @@ class CacheContext:
     #: when a dict, :meth:`chunk` appends per CH layer the rows' chunk state after each token it consumes (a
     #: speculative verifier keeps the state after the last accepted token)
     trail: dict[int, list[ChunkState]] | None = None
+    #: one-token chunk steps run :func:`fbs.native.chunk_step` in place (the engine's native int8 step sets it)
+    native_chunk = False
 
     def __init__(self, cache: KVCache, chunks: dict[int, ChunkState], rows: list[int], positions: list[list[int]],
                  cos: torch.Tensor, sin: torch.Tensor, policy: str, preview_emb=None, preview_keys=None,
@@ -193,6 +196,8 @@ class CacheContext:
             out, state = head(xn, return_state=True)
             self.chunks[l].assign(rows, state)
             return out
+        if self.native_chunk and xn.shape[1] == 1 and self.trail is None:
+            return ChunkOut(*native.chunk_step(head, xn, rows, self.chunks[l]), None, None)
         state = self.chunks[l].select(rows)
         steps = []
         for j in range(xn.shape[1]):  # tokens after cached ones: one online step each
@@ -208,6 +213,9 @@ class CacheContext:
     def chunk_write(self, l: int, head, xn: torch.Tensor) -> None:
         """``project`` for a skipped CH layer: the token joins the chunk cache, nothing is added to its state."""
         rows = self.rows_t
+        if self.native_chunk and xn.shape[1] == 1:
+            native.chunk_step(head, xn, rows, self.chunks[l], attend=False)
+            return
         state = self.chunks[l].select(rows)
         head.step(xn, state, attend=False)
         self.chunks[l].assign(rows, state)

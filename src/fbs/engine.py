@@ -318,8 +318,10 @@ class _Decoder:
         self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
 
     def _context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
-        return CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
-                            self.m.base.scaling)
+        ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
+                           self.m.base.scaling)
+        ctx.native_chunk = getattr(self.ops, "native_layers", None) is not None  # the native int8 step's CH too
+        return ctx
 
     # ---- prefill ------------------------------------------------------------
     def prefill(self, tap: Callable[[int, list[int], torch.Tensor], None] | None = None) -> list[torch.Tensor]:

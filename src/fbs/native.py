@@ -1,6 +1,6 @@
 """Optional native (C++) kernels of the engine's eager one-token step, built on first use.
 
-Four kernels, one extension:
+Six kernels, one extension:
 
 * **Gate logits** (:func:`gate_logits`). A skip gate's logit is a few hundred flops
   (:func:`fbs.fused._gate_logit`), but in eager PyTorch it is a dozen operator dispatches plus a host read, which
@@ -19,6 +19,13 @@ Four kernels, one extension:
   and its query attending over that row's filled prefix only, in one call, instead of two index writes and SDPA
   over the whole masked static cache. fp32 decoding keeps SDPA (HF's op, so that fp32 stays bit-faithful).
 * **RMSNorm** (:func:`rms_norm`) of the native int8 step: one call instead of six ATen ops (fp32 keeps them).
+* **A whole decoder layer** (:class:`Int8Layer`, built by :class:`fbs.fused.FusedOps` per layer without PAW / CH)
+  of the native int8 step: RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision under the
+  batch policy, the cache writes, and attention and FFN of the rows that run, in one call from Python instead of
+  some forty operator dispatches and a host read. A skipped row's state is untouched; only the rows that run
+  are multiplied (a batch row that skips a layer saves its share of the products and its attention).
+* **The chunk head's online step** (:func:`chunk_step`) of the native int8 step, in place on the engine's chunk
+  state (the PyTorch step is some thirty small ops, a host read and two copies of the state).
 
 The extension is compiled with ``torch.utils.cpp_extension.load_inline`` the first time it is needed (about
 40 s, once per machine: the build is cached under ``$FBS_CACHE_DIR/native``, default ``~/.cache/fbs/native``). It
@@ -370,12 +377,20 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 _NORM_SOURCE = r"""
 // HF's Llama/Qwen RMSNorm of fp32 rows: w * (x * rsqrt(mean(x^2) + eps)), the statistic accumulated in fp32.
 namespace fbs_norm {
+// a . b with 16 independent lanes (vectorized without reassociating a single sum; the last lanes' order differs
+// from a serial sum by float rounding only)
 __attribute__((target_clones("avx512f", "avx2", "default")))
-float sumsq(const float* x, int64_t n) {
+float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += a[j + k] * b[j + k];
   float s = 0.f;
-  for (int64_t d = 0; d < n; ++d) s += x[d] * x[d];
+  for (; j < n; ++j) s += a[j] * b[j];
+  for (int k = 0; k < 16; ++k) s += acc[k];
   return s;
 }
+inline float sumsq(const float* x, int64_t n) { return dot(x, x, n); }
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void scale(const float* x, const float* w, float r, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] = w[d] * (x[d] * r);
@@ -396,6 +411,81 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     fbs_norm::scale(X + i * d, W, r, Y + i * d, d);
   }
   return y;
+}
+"""
+
+_CHUNK_SOURCE = r"""
+// CH's online step (fbs.modules.chunk.ChunkHead.step) for rows `rows` of a ChunkState, in place, one token each:
+//   logits = W_bios xn + b;  kt = W_key xn;  start = argmax(logits) != I or the row has no open chunk
+//   start closes the open chunk (its mean enters the ring of closed chunks) and opens one with kt, else kt joins
+//   attend: q = W_query xn; the token attends (softmax, scaled) over the filled ring slots and its open chunk's
+//   mean; c = W_out (that mixture).  Returns (c (b, 1, d) or an undefined tensor, bios logits (b, 1, 4), start).
+
+std::tuple<at::Tensor, at::Tensor, std::vector<bool>> chunk_step(
+    const at::Tensor& xn, const at::Tensor& rows, at::Tensor& closed, at::Tensor& n_closed, at::Tensor& open_sum,
+    at::Tensor& open_count, const at::Tensor& w_bios, const at::Tensor& b_bios, const at::Tensor& w_key,
+    const at::Tensor& w_query, const at::Tensor& w_out, double scale, int64_t label_i, bool attend) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&xn, &closed, &open_sum, &w_bios, &b_bios, &w_key,
+                                                                       &w_query, &w_out})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                "fbs chunk kernel: contiguous fp32 CPU tensors");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&rows, &n_closed, &open_count})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "fbs chunk kernel: int64 rows and counts");
+  const int64_t b = rows.numel(), d = xn.size(-1), C = closed.size(1), R = closed.size(2), nl = w_bios.size(0);
+  TORCH_CHECK(xn.numel() == b * d && w_key.size(0) == R && w_key.size(1) == d && w_query.sizes() == w_key.sizes() &&
+              w_out.size(0) == d && w_out.size(1) == R && w_bios.size(1) == d && b_bios.numel() == nl,
+              "fbs chunk kernel: shapes");
+  const int64_t* RW = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(RW[i] >= 0 && RW[i] < closed.size(0), "fbs chunk kernel: row out of range");
+  const float* X = xn.data_ptr<float>();
+  float* CL = closed.data_ptr<float>();
+  int64_t* NC = n_closed.data_ptr<int64_t>();
+  float* OS = open_sum.data_ptr<float>();
+  int64_t* OC = open_count.data_ptr<int64_t>();
+  auto logits = at::empty({b, 1, nl}, xn.options());
+  float* LG = logits.data_ptr<float>();
+  at::Tensor c = attend ? at::empty({b, 1, d}, xn.options()) : at::Tensor();
+  std::vector<bool> start(b);
+  std::vector<float> kt(R), q(R), open(R), mixed(R), p(C + 1);
+  for (int64_t i = 0; i < b; ++i) {
+    const float* x = X + i * d;
+    const int64_t r = RW[i];
+    int64_t best = 0;
+    for (int64_t k = 0; k < nl; ++k) {
+      LG[i * nl + k] = fbs_norm::dot(w_bios.data_ptr<float>() + k * d, x, d) + b_bios.data_ptr<float>()[k];
+      if (LG[i * nl + k] > LG[i * nl + best]) best = k;
+    }
+    for (int64_t j = 0; j < R; ++j) kt[j] = fbs_norm::dot(w_key.data_ptr<float>() + j * d, x, d);
+    start[i] = best != label_i || OC[r] == 0;
+    float* os = OS + r * R;
+    if (start[i] && OC[r] > 0) {
+      float* slot = CL + (r * C + NC[r] % C) * R;
+      for (int64_t j = 0; j < R; ++j) slot[j] = os[j] / float(OC[r]);
+      NC[r] += 1;
+    }
+    if (start[i]) { std::copy_n(kt.data(), R, os); OC[r] = 1; }
+    else { for (int64_t j = 0; j < R; ++j) os[j] += kt[j]; OC[r] += 1; }
+    if (!attend) continue;
+    for (int64_t j = 0; j < R; ++j) q[j] = fbs_norm::dot(w_query.data_ptr<float>() + j * d, x, d);
+    for (int64_t j = 0; j < R; ++j) open[j] = os[j] / float(OC[r]);
+    const int64_t nv = std::min<int64_t>(NC[r], C);
+    const float* ring = CL + r * C * R;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < nv; ++j) { p[j] = fbs_norm::dot(ring + j * R, q.data(), R) * float(scale); mx = std::max(mx, p[j]); }
+    p[nv] = fbs_norm::dot(q.data(), open.data(), R) * float(scale);
+    mx = std::max(mx, p[nv]);
+    float z = 0.f;
+    for (int64_t j = 0; j <= nv; ++j) { p[j] = std::exp(p[j] - mx); z += p[j]; }
+    for (int64_t k = 0; k < R; ++k) mixed[k] = p[nv] / z * open[k];
+    for (int64_t j = 0; j < nv; ++j) {
+      const float a = p[j] / z;
+      for (int64_t k = 0; k < R; ++k) mixed[k] += a * ring[j * R + k];
+    }
+    float* ci = c.data_ptr<float>() + i * d;
+    for (int64_t k = 0; k < d; ++k) ci[k] = fbs_norm::dot(w_out.data_ptr<float>() + k * R, mixed.data(), R);
+  }
+  return {c, logits, start};
 }
 """
 
@@ -639,6 +729,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_isa", &int8_isa);
   m.def("attend_one", &attend_one);
   m.def("rms_norm", &rms_norm);
+  m.def("chunk_step", &chunk_step);
   pybind11::class_<fbs_layer::Layer>(m, "Int8Layer")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, std::optional<at::Tensor>,
@@ -648,7 +739,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_SOURCE = _GATE_SOURCE + _INT8_SOURCE + _ATTN_SOURCE + _NORM_SOURCE + _LAYER_SOURCE
+_SOURCE = _GATE_SOURCE + _INT8_SOURCE + _ATTN_SOURCE + _NORM_SOURCE + _CHUNK_SOURCE + _LAYER_SOURCE
 
 _lock = threading.Lock()
 _module = None
@@ -789,3 +880,16 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tens
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm ``w * (x * rsqrt(mean(x^2) + eps))`` of fp32 rows (x contiguous, w (d,)), in one call."""
     return _module.rms_norm(x.contiguous(), w, eps)
+
+
+# --------------------------------------------------------------------------- the chunk head's online step
+def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool = True):
+    """:meth:`fbs.modules.chunk.ChunkHead.step` of one token per row in one call, on rows ``rows`` (b,) of the
+    full :class:`fbs.modules.chunk.ChunkState` ``state`` in place (no select / assign copies). Returns (c (b, 1, d)
+    or None, bios logits (b, 1, 4), start (b,) bool) as the PyTorch step does. fp32 CPU."""
+    from .modules.chunk import LABEL_I
+
+    c, logits, start = _module.chunk_step(xn.contiguous(), rows, state.closed, state.n_closed, state.open_sum,
+                                          state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
+                                          head.query.weight, head.out.weight, head.scale, LABEL_I, attend)
+    return (c if attend else None), logits, torch.tensor(start, dtype=torch.bool)
