@@ -226,23 +226,24 @@ def _plain_layers(model) -> list[int]:
 @pytest.mark.parametrize("family, policy", [("llama", "project"), ("qwen2", "hole"), ("llama", "hole")])
 @pytest.mark.parametrize("batch_policy", ["gather", "all", "majority"])
 def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, policy, batch_policy):
-    """The int8 step with each plain layer in one native call (norm, K/V + gate, threshold decision under the batch
-    policy, cache writes, attention, FFN of the running rows) against the same weights' per-op step (native
-    products and attention, PyTorch elsewhere, Python decisions): same tokens, same executed / intended / written
-    pairs, gate probabilities and logits equal up to float rounding; rows of three lengths, gates that see the
-    previous layer's skip."""
+    """The int8 step with each run of plain layers in one native call (per layer: norm, K/V + gate, threshold
+    decision under the batch policy, cache writes, attention, FFN of the running rows; the gates' relative update
+    and previous-skip inputs carried from layer to layer inside the call) against the same weights' per-op step
+    (native products and attention, PyTorch elsewhere, Python decisions): same tokens, same executed / intended /
+    written pairs, gate probabilities and logits equal up to float rounding; rows of three lengths."""
     kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy, weights="int8",
               batch_policy=batch_policy)
     prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist(), PROMPT[0, :3].tolist()]
-    fast = randomize(fbs_tiny(family, seed=1, gate_prev_skip=True), seed=2)
+    cfg = dict(layers=8, ch_layers=(6,), gate_prev_skip=True)  # native runs: layer 0, layers 2-5 (gated), layer 7
+    fast = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
     layers = fbs.fused.decode_ops(fast, "int8").native_layers
-    assert [l for l, n in enumerate(layers) if n is not None] == _plain_layers(fast)
+    assert [l for l, n in enumerate(layers) if n is not None] == _plain_layers(fast) == [0, 2, 3, 4, 5, 7]
     out = fast.generate(prompts, **kw)
-    slow = randomize(fbs_tiny(family, seed=1, gate_prev_skip=True), seed=2)
+    slow = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
     fbs.fused.decode_ops(slow, "int8").native_layers = None
     ref = slow.generate(prompts, **kw)
     assert 0 < ref.trace.skip_ratio < 1 and out.new_tokens == ref.new_tokens
-    for name in ("executed", "intended_skip", "kv_written"):
+    for name in ("executed", "intended_skip", "kv_written", "chunk_boundary", "window_k"):  # CH: native step too
         assert torch.equal(getattr(out.trace, name), getattr(ref.trace, name)), name
     ok = ~torch.isnan(ref.trace.gate_p)
     assert torch.equal(ok, ~torch.isnan(out.trace.gate_p))
@@ -294,8 +295,11 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
     cos, sin = ops.rope(x, pos)
     ctx = CacheContext(cache, {}, [0, 1], [[n], [n]], cos, sin, "project" if write_skipped else "hole")
     before_k = cache.k[l].clone()
-    same, logits, skip, run = ops.native_layer(l, x, ctx, None, None, None, None, 0, [False, False], write_skipped)
-    assert same is x and logits is None and skip is None and run == [False, False]
+    one = range(l, l + 1)
+    same, last_in, logits, skip, run = ops.native_run(one, x, ctx, None, None, None, [False], [False, False], None, 0,
+                                                      write_skipped)
+    assert same is x and last_in is x and skip == [True, True] and run == [False, False]
+    assert all(v != v for v in logits)  # NaN: no gate ran
     written = not torch.equal(cache.k[l], before_k)
     assert written == write_skipped and cache.lengths[l] == ([n + 1] * 2 if write_skipped else [n, n])
     if write_skipped:  # the entry is the per-op step's rotated K of RMSNorm_1(x)
@@ -307,7 +311,7 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
     for name in ("k", "v", "lengths", "positions"):
         setattr(ref_cache, name, [t.clone() if torch.is_tensor(t) else [list(r) if isinstance(r, list) else r
                                                                          for r in t] for t in getattr(cache, name)])
-    new, _, _, _ = ops.native_layer(l, x, ctx, None, None, None, None, 0, [False, True], write_skipped)
+    new = ops.native_run(one, x, ctx, None, None, None, [False], [False, True], None, 0, write_skipped)[0]
     assert torch.equal(new[0], x[0])
     ref_ctx = CacheContext(ref_cache, {}, [1], [[n]], cos[1:], sin[1:], "hole")
     ref = ops.block(l, x[1:], ops.norm1(l, x[1:]), ref_ctx)

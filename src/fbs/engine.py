@@ -316,6 +316,8 @@ class _Decoder:
         # a baseline's per-call policy state (fbs.baselines): prefill_mix / decide / mix / bypass / observe
         self.skipper = None if opts.skip_policy is None or opts.force_compute else opts.skip_policy.start(self)
         self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
+        self._segments: dict[int, range] | None = None  # native layer runs (_native_segments), made on first use
+        self._seg_gated: dict[int, list[bool]] = {}     # per segment, which of its layers this call gates
 
     def _context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
@@ -413,27 +415,33 @@ class _Decoder:
         thresholds = None               # per row, the logit threshold of its tau (fixed within a step)
         for i, r in enumerate(rows):
             rec.ctx[r][steps[i]], rec.valid[r][steps[i]] = pos_list[i], True
-        native = self._native_layers()
+        segments = self._native_segments()
         policy, write_skipped = _POLICY_CODES[self.opts.batch_policy], self.policy == "project"
+        done = 0  # layers below it ran in a native segment
         for l in range(self.L):
-            gated = self._needs_gate(l)
-            if native is not None and native[l] is not None:  # the whole layer in one native call
-                if gated:
+            if l < done:
+                continue
+            seg = segments.get(l)
+            if seg is not None:  # consecutive plain layers in one native call
+                gated = self._gated_in(seg)
+                if any(gated):
                     if zterms is None:
                         zterms = ops.preview_terms(None if zero_z else zlow, b)
                     if thresholds is None:
                         thresholds = [self._row_threshold(r) for r in rows]
-                    new, logits, skip, run = ops.native_layer(l, x, ctx, x_prev, zterms, prev_skip, thresholds,
-                                                              policy, None, write_skipped)
-                else:
-                    skip, logits = self._skip_decision(l, step, rows, None)
-                    run = self._batch_run(skip)
-                    new = ops.native_layer(l, x, ctx, None, None, None, None, policy, run, write_skipped)[0]
-                self._record(steps, l, rows, skip, run, logits, None, None, None)
+                x, x_prev, logits, skip, run = ops.native_run(
+                    seg, x, ctx, x_prev, prev_skip, zterms if any(gated) else None, gated,
+                    self._forced_runs(seg, gated, step, rows), thresholds, policy, write_skipped)
+                for k, lk in enumerate(seg):
+                    part = slice(k * b, (k + 1) * b)
+                    self._record(steps, lk, rows, skip[part], run[part], logits[part] if gated[k] else None,
+                                 None, None, None)
                 if m.gates.use_prev_skip:
-                    prev_skip = None if all(run) else self._skip_indicator(run)
-                x_prev, x = x, new
+                    last = run[-b:]
+                    prev_skip = None if all(last) else self._skip_indicator(last)
+                done = seg.stop
                 continue
+            gated = self._needs_gate(l)
             if gated:
                 if zterms is None:
                     zterms = ops.preview_terms(None if zero_z else zlow, b)
@@ -462,13 +470,43 @@ class _Decoder:
             x_prev, x = x, new
         return ops.head(x)[:, 0]
 
-    def _native_layers(self) -> list | None:
-        """The ops' native whole-layer steps (:attr:`fbs.fused.FusedOps.native_layers`) when this call can use
-        them: hard threshold gates or forced decisions, whole-layer skips, no baseline policy."""
-        layers = getattr(self.ops, "native_layers", None)
-        if layers is None or self.skipper is not None or self.opts.gate_sampling or self.granularity != "layer":
-            return None
-        return layers
+    def _native_segments(self) -> dict[int, range]:
+        """First layer -> the run of consecutive layers that one native call computes (the ops' native whole-layer
+        steps, :attr:`fbs.fused.FusedOps.native_layers`), when this call can use them: hard threshold gates or
+        forced decisions, whole-layer skips, no baseline policy. Empty otherwise. Made once per call."""
+        if self._segments is None:
+            self._segments = {}
+            layers = getattr(self.ops, "native_layers", None)
+            if layers is not None and self.skipper is None and not self.opts.gate_sampling \
+                    and self.granularity == "layer":
+                l = 0
+                while l < self.L:
+                    if layers[l] is None:
+                        l += 1
+                        continue
+                    end = l
+                    while end < self.L and layers[end] is not None:
+                        end += 1
+                    self._segments[l] = range(l, end)
+                    l = end
+        return self._segments
+
+    def _gated_in(self, seg: range) -> list[bool]:
+        key = seg.start
+        gated = self._seg_gated.get(key)
+        if gated is None:
+            gated = self._seg_gated[key] = [self._needs_gate(l) for l in seg]
+        return gated
+
+    def _forced_runs(self, seg: range, gated: list[bool], step, rows: list[int]) -> list[bool]:
+        """The rows that run each ungated layer of ``seg`` under a skip plan (layer-major, True for gated layers),
+        or [] when every row runs every ungated layer (no plan)."""
+        if self.plan is None:
+            return []
+        runs = []
+        for l, g in zip(seg, gated):
+            runs.extend([True] * len(rows) if g else self._batch_run(self._skip_decision(l, step, rows, None)[0]))
+        return runs
 
     def _skip_indicator(self, run: list[bool]) -> torch.Tensor:
         """(b, 1) 1.0 for the rows that skipped, one tensor per pattern (made once per call)."""

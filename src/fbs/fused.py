@@ -210,6 +210,16 @@ def _head_step(x, norm, w, s, *, eps: float, native_step: bool = False):
     return matmul(_rms(x, norm, eps, native_step), w, s)
 
 
+class _Terms(tuple):
+    """The gates' per-token terms of a step: one (b, 1, G) view per gated layer, and ``flat`` (b, 1, n * G), the
+    tensor they are views of (what :func:`fbs.native.run_layers` reads)."""
+
+    def __new__(cls, flat: torch.Tensor, width: int):
+        terms = super().__new__(cls, flat.split(width, -1))
+        terms.flat = flat
+        return terms
+
+
 def _gate_inputs(gate, x, x_prev, zterms, prev_skip) -> tuple:
     """A gated layer's per-token inputs as its step reads them: (terms, x_prev, relative-update constant, previous
     skip). The relative update is computed from ``x_prev``, or a constant when it is 1 (no previous layer) or 0
@@ -372,26 +382,32 @@ class FusedOps:
                                   *w.o.tensors, w.ln2.contiguous(), *w.gu.tensors, *w.down.tensors)
             if w.gate is not None:
                 w_rel, w_prev, out_w, out_b, eps = w.gate.native
-                layer.set_gate(*w.gate.cols, w_rel, w_prev, out_w, out_b, eps)
+                layer.set_gate(w.gate.index, *w.gate.cols, w_rel, w_prev, _dense(w.gate.rel_first), out_w, out_b, eps)
             out.append(layer)
         return out
 
-    def native_layer(self, l: int, x, ctx, x_prev, zterms, prev_skip, thresholds, policy: int, run,
-                     write_skipped: bool):
-        """Layer ``l`` of a one-token step in one native call (:attr:`native_layers`): norm, K/V (+ gate), the
-        decision, the cache writes, attention and FFN of the rows that run. Gated (``zterms`` given): the rows'
-        logit ``thresholds`` and the batch ``policy`` (0 gather, 1 all, 2 majority) decide; else ``run`` (a bool
-        per row) says which rows run. ``write_skipped``: rows that skip still write K/V (``project``). Books the
-        cache entries written. Returns (x', logits or None, skip or None, run); x' is ``x`` when no row ran."""
-        layer = self.native_layers[l]
-        terms, xp, rel, ps = _gate_inputs(None if zterms is None else self.layers[l].gate, x, x_prev, zterms,
-                                          prev_skip)
-        kc, vc, slots, idx = ctx.native_slots(l)
-        new, logits, skip, run = layer.forward(x, xp, terms, rel, ps, *self._rope_of(ctx), kc, vc, idx, slots,
-                                               thresholds or (), policy, run or (), write_skipped,
-                                               native._isa_code())
-        ctx.book(l, None if write_skipped else run)
-        return new, (logits if terms is not None else None), (skip if terms is not None else None), run
+    def native_run(self, layers: range, x, ctx, x_prev, prev_skip, zterms, gated: list[bool], runs: list[bool],
+                   thresholds, policy: int, write_skipped: bool):
+        """Consecutive layers ``layers`` of a one-token step (each in :attr:`native_layers`) in one native call:
+        per layer norm, K/V (+ gate), the decision, the cache writes, attention and FFN of the rows that run.
+        A layer with ``gated[k]`` decides by the rows' logit ``thresholds`` under the batch ``policy`` (0 gather,
+        1 all, 2 majority) with the step's preview terms ``zterms`` (:meth:`preview_terms`); the others run the rows
+        flagged in ``runs`` (layer-major, b per layer; empty: every row). ``x_prev`` / ``prev_skip``: the previous
+        layer's input (None: none) and (b, 1) skip indicator (None: no row skipped it). ``write_skipped``: rows that
+        skip still write K/V (``project``). Books the cache entries written. Returns (x', input of the last layer,
+        logits, skip, run), the last three flat lists (b per layer; logits NaN where no gate ran); x' is that input
+        itself when no row ran the last layer."""
+        lens, b = ctx.cache.lengths, len(ctx.rows)
+        slots = [lens[l][r] for l in layers for r in ctx.rows]
+        ps = [] if prev_skip is None else prev_skip.view(-1).tolist()
+        out = native.run_layers([self.native_layers[l] for l in layers], x, x_prev, ps,
+                                None if zterms is None else zterms.flat, *self._rope_of(ctx),
+                                ctx.cache.k[layers.start:layers.stop], ctx.cache.v[layers.start:layers.stop],
+                                ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped)
+        run = out[4]
+        for k, l in enumerate(layers):
+            ctx.book(l, None if write_skipped else run[k * b:(k + 1) * b])
+        return out
 
     def _weight(self, w: torch.Tensor) -> Weight:
         return Weight(w, self.fmt, packed=self.native_int8)
@@ -428,10 +444,9 @@ class FusedOps:
         if zlow is None or self._term_w is None:
             terms = self._zero_terms.get(rows)
             if terms is None:
-                flat = self._term_b.expand(rows, 1, -1).contiguous()
-                terms = self._zero_terms[rows] = flat.split(self._gate_width, -1)
+                terms = self._zero_terms[rows] = _Terms(self._term_b.expand(rows, 1, -1).contiguous(), self._gate_width)
             return terms
-        return F.linear(zlow, self._term_w, self._term_b).split(self._gate_width, -1)
+        return _Terms(F.linear(zlow, self._term_w, self._term_b), self._gate_width)
 
     # ---- one layer ------------------------------------------------------------
     def _one_token(self, x: torch.Tensor, ctx) -> bool:

@@ -542,15 +542,26 @@ void rope(float* x, const float* c, const float* s, int64_t hd) {
   std::copy_n(t, hd, x);
 }
 
+// What one call shares across its layers: rows, rotary tables (b, hd), cache rows, decision rule.
+struct Step {
+  int64_t b;
+  const float *cos, *sin;
+  const int64_t* idx;
+  int64_t isa, policy;
+  bool write_skipped;
+  const double* thresholds;  // per row (gated layers)
+};
+
 struct Layer {
   int64_t d, heads, nkv, hd, inter;
   float eps, scale;
   at::Tensor ln1, ln2, kvg_b, q_b;  // biases undefined when absent
   Packed kvg, q, o, gu, dn;
-  // gate (gated layers): offset and width of its columns in y, w_rel, w_prev (undefined when unused), out
+  // gate (gated layers): offset and width of its columns in y, its index among the gated layers (which terms are
+  // its own), w_rel, w_prev and rel_first = w_rel log(1 + 1e-3) (undefined when unused), out
   bool gated = false;
-  int64_t g_off = 0, g_w = 0, G = 0;
-  at::Tensor w_rel, w_prev, out_w;
+  int64_t g_off = 0, g_w = 0, G = 0, g_index = 0;
+  at::Tensor w_rel, w_prev, rel_first, out_w;
   float out_b = 0.f, g_eps = 1e-3f;
 
   Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
@@ -573,154 +584,220 @@ struct Layer {
     if (q_b_) { q_b = *q_b_; fp32(q_b, q.n, "the Q bias"); }
   }
 
-  void set_gate(int64_t off, int64_t width, std::optional<at::Tensor> w_rel_, std::optional<at::Tensor> w_prev_,
-                at::Tensor out_w_, double out_b_, double g_eps_) {
+  void set_gate(int64_t index, int64_t off, int64_t width, std::optional<at::Tensor> w_rel_,
+                std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
+                double out_b_, double g_eps_) {
     G = out_w_.numel();
     fp32(out_w_, G, "the gate's output weight");
     TORCH_CHECK(width == 0 || (width == G && off + width <= kvg.n), "fbs native layer: gate columns");
-    gated = true; g_off = off; g_w = width; out_w = out_w_; out_b = float(out_b_); g_eps = float(g_eps_);
+    gated = true; g_index = index; g_off = off; g_w = width; out_w = out_w_; out_b = float(out_b_);
+    g_eps = float(g_eps_);
     if (w_rel_) { w_rel = *w_rel_; fp32(w_rel, G, "w_rel"); }
     if (w_prev_) { w_prev = *w_prev_; fp32(w_prev, G, "w_prev"); }
+    if (rel_first_) { rel_first = *rel_first_; fp32(rel_first, G, "rel_first"); }
   }
 
   void mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const {
     fbs_int8::mm(X, M, w.kp, w.P(), w.S(), w.n, Y, isa);
   }
 
-  // returns (out, logits, skip, run); out is x itself when no row runs
-  std::tuple<at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> forward(
-      const at::Tensor& x, const std::optional<at::Tensor>& x_prev, const std::optional<at::Tensor>& terms,
-      const std::optional<at::Tensor>& rel_term, const std::optional<at::Tensor>& prev_skip, const at::Tensor& cos,
-      const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots,
-      const std::vector<double>& thresholds, int64_t policy, const std::vector<bool>& run_in, bool write_skipped,
-      int64_t isa) const {
-    TORCH_CHECK(isa >= 1 && isa <= fbs_int8::best_isa(), "fbs native layer: instruction set ", isa, " not available");
-    const int64_t b = x.size(0);
-    const float* X = fp32(x, b * d, "x");
-    const float* CO = fp32(cos, b * hd, "cos");
-    const float* SI = fp32(sin, b * hd, "sin");
-    TORCH_CHECK(kc.scalar_type() == at::kFloat && kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 &&
-                kc.sizes() == vc.sizes() && kc.size(1) == nkv && kc.size(3) == hd, "fbs native layer: KV caches");
-    TORCH_CHECK(idx.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && idx.numel() == b &&
-                slots.numel() == b, "fbs native layer: int64 rows and slots");
-    const int64_t* I = idx.data_ptr<int64_t>();
-    const int64_t* SL = slots.data_ptr<int64_t>();
-    const int64_t C = kc.size(2);
+  // One layer for the step's b rows: reads X (b, d), writes OUT (b, d) (a skipped row's input copied) unless no
+  // row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
+  // decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant
+  // rel_first), ps (per row 1.0 where the previous layer was skipped; null: none was) and the step's thresholds
+  // and policy; else run_in. Fills logits (gated), skip and run (b each).
+  int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
+               const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
+               double* logits, bool* skip, bool* run) const {
+    const int64_t b = st.b, nk = kvg.n, w = nkv * hd, C = kc.size(2);
     for (int64_t i = 0; i < b; ++i)
-      TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C, "fbs native layer: slot out of range");
-    const int64_t nk = kvg.n, w = nkv * hd;
+      TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C,
+                  "fbs native layer: slot out of range");
     std::vector<float> xn(b * d), y(b * nk);
-    rms(X, fp32(ln1, d, "ln1"), eps, xn.data(), b, d);
-    mm(xn.data(), b, kvg, y.data(), isa);
+    rms(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
+    mm(xn.data(), b, kvg, y.data(), st.isa);
     if (kvg_b.defined()) {
       const float* B = kvg_b.data_ptr<float>();
       for (int64_t i = 0; i < b; ++i) for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
     }
-    std::vector<double> logits;
-    std::vector<bool> skip, run;
-    if (gated && terms) {
-      TORCH_CHECK((int64_t)thresholds.size() == b, "fbs native layer: one threshold per row");
-      logits = gate(y.data(), nk, X, b, *terms, x_prev, rel_term, prev_skip);
-      skip.resize(b);
+    if (terms != nullptr) {
+      TORCH_CHECK(gated, "fbs native layer: gate inputs for a layer without a gate");
+      std::vector<float> hv(G);
+      const float* WR = w_rel.defined() ? w_rel.data_ptr<float>() : nullptr;
+      const float* RF = rel_first.defined() ? rel_first.data_ptr<float>() : nullptr;
+      const float* WP = w_prev.defined() ? w_prev.data_ptr<float>() : nullptr;
       int64_t n_skip = 0;
-      for (int64_t i = 0; i < b; ++i) { skip[i] = logits[i] > thresholds[i]; n_skip += skip[i]; }
-      run.resize(b);
+      for (int64_t i = 0; i < b; ++i) {
+        logits[i] = fbs_gate::row(terms + i * t_stride, g_w > 0 ? y.data() + i * nk + g_off : nullptr, X + i * d,
+                                  x_prev ? x_prev + i * d : nullptr, x_prev ? nullptr : RF, ps ? ps[i] : 0.f,
+                                  ps != nullptr, WR, WP, out_w.data_ptr<float>(), out_b, g_eps, d, G, hv.data());
+        skip[i] = logits[i] > st.thresholds[i];
+        n_skip += skip[i];
+      }
       for (int64_t i = 0; i < b; ++i)
-        run[i] = policy == 0 ? !skip[i] : policy == 1 ? n_skip < b : 2 * n_skip <= b;
+        run[i] = st.policy == 0 ? !skip[i] : st.policy == 1 ? n_skip < b : 2 * n_skip <= b;
     } else {
-      TORCH_CHECK((int64_t)run_in.size() == b, "fbs native layer: one run flag per row");
-      run = run_in;
+      for (int64_t i = 0; i < b; ++i) { run[i] = run_in[i]; skip[i] = !run_in[i]; }
     }
     // K (rotated) and V at each writing row's slot
     float* KC = kc.data_ptr<float>();
     float* VC = vc.data_ptr<float>();
     const int64_t rs = nkv * C * hd, hs = C * hd;
     for (int64_t i = 0; i < b; ++i) {
-      if (!run[i] && !write_skipped) continue;
+      if (!run[i] && !st.write_skipped) continue;
       for (int64_t g = 0; g < nkv; ++g) {
-        float* kd = KC + I[i] * rs + g * hs + SL[i] * hd;
+        float* kd = KC + st.idx[i] * rs + g * hs + SL[i] * hd;
         std::copy_n(y.data() + i * nk + g * hd, hd, kd);
-        rope(kd, CO + i * hd, SI + i * hd, hd);
-        std::copy_n(y.data() + i * nk + w + g * hd, hd, VC + I[i] * rs + g * hs + SL[i] * hd);
+        rope(kd, st.cos + i * hd, st.sin + i * hd, hd);
+        std::copy_n(y.data() + i * nk + w + g * hd, hd, VC + st.idx[i] * rs + g * hs + SL[i] * hd);
       }
     }
     std::vector<int64_t> sel;
     for (int64_t i = 0; i < b; ++i) if (run[i]) sel.push_back(i);
     const int64_t m = sel.size();
-    if (m == 0) return {x, logits, skip, run};
+    if (m == 0) return 0;
     // the running rows, compacted
     const int64_t qw = heads * hd;
     std::vector<float> h(m * d), hn(m * d), qv(m * qw), att(m * qw), ff(m * 2 * inter), act(m * inter), dv(m * d);
     for (int64_t j = 0; j < m; ++j) std::copy_n(xn.data() + sel[j] * d, d, hn.data() + j * d);
-    mm(hn.data(), m, q, qv.data(), isa);
+    mm(hn.data(), m, q, qv.data(), st.isa);
     const float* QB = q_b.defined() ? q_b.data_ptr<float>() : nullptr;
     for (int64_t j = 0; j < m; ++j) {
       float* qj = qv.data() + j * qw;
       if (QB) for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
-      for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, CO + sel[j] * hd, SI + sel[j] * hd, hd);
+      for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
     }
     auto head = fbs_attn::head_scalar;
 #ifdef FBS_X86
-    if (isa == 2 && hd % 16 == 0) head = fbs_attn::head512;
-    else if (isa >= 1 && hd % 8 == 0) head = fbs_attn::head256;
+    if (st.isa == 2 && hd % 16 == 0) head = fbs_attn::head512;
+    else if (st.isa >= 1 && hd % 8 == 0) head = fbs_attn::head256;
 #endif
     const int64_t group = heads / nkv;
     at::parallel_for(0, m * heads, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> p(C);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j = t / heads, hh = t % heads, i = sel[j];
-        const int64_t kv = I[i] * rs + (hh / group) * hs;
+        const int64_t kv = st.idx[i] * rs + (hh / group) * hs;
         head(qv.data() + j * qw + hh * hd, KC + kv, VC + kv, SL[i] + 1, hd, scale, p.data(),
              att.data() + j * qw + hh * hd);
       }
     });
-    mm(att.data(), m, o, h.data(), isa);
+    mm(att.data(), m, o, h.data(), st.isa);
     for (int64_t j = 0; j < m; ++j) {
       const float* xi = X + sel[j] * d;
       float* hj = h.data() + j * d;
       for (int64_t c = 0; c < d; ++c) hj[c] += xi[c];
     }
-    rms(h.data(), fp32(ln2, d, "ln2"), eps, hn.data(), m, d);
-    mm(hn.data(), m, gu, ff.data(), isa);
+    rms(h.data(), ln2.data_ptr<float>(), eps, hn.data(), m, d);
+    mm(hn.data(), m, gu, ff.data(), st.isa);
     for (int64_t j = 0; j < m; ++j) {
       const float* gj = ff.data() + j * 2 * inter;
       float* aj = act.data() + j * inter;
       for (int64_t c = 0; c < inter; ++c) aj[c] = gj[c] / (1.0f + std::exp(-gj[c])) * gj[inter + c];
     }
-    mm(act.data(), m, dn, dv.data(), isa);
-    at::Tensor out = x.clone();
-    float* O = out.data_ptr<float>();
+    mm(act.data(), m, dn, dv.data(), st.isa);
+    for (int64_t i = 0; i < b; ++i) if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
     for (int64_t j = 0; j < m; ++j) {
-      float* oj = O + sel[j] * d;
+      float* oj = OUT + sel[j] * d;
       const float* hj = h.data() + j * d;
       const float* dj = dv.data() + j * d;
       for (int64_t c = 0; c < d; ++c) oj[c] = hj[c] + dj[c];
     }
-    return {out, logits, skip, run};
-  }
-
-  // fbs.fused._gate_logit per row (see gate_logits above), from y's gate columns
-  std::vector<double> gate(const float* Y, int64_t ny, const float* X, int64_t b, const at::Tensor& terms,
-                           const std::optional<at::Tensor>& x_prev, const std::optional<at::Tensor>& rel_term,
-                           const std::optional<at::Tensor>& prev_skip) const {
-    TORCH_CHECK(terms.scalar_type() == at::kFloat && terms.stride(-1) == 1 && terms.size(0) == b &&
-                terms.size(-1) == G, "fbs native layer: gate terms (b, 1, G) fp32 with a unit last stride");
-    const float* T = terms.data_ptr<float>();
-    const float* P = x_prev ? fp32(*x_prev, b * d, "x_prev") : nullptr;
-    const float* RT = rel_term ? fp32(*rel_term, G, "rel_term") : nullptr;
-    const float* PS = prev_skip ? fp32(*prev_skip, b, "prev_skip") : nullptr;
-    const float* WR = w_rel.defined() ? w_rel.data_ptr<float>() : nullptr;
-    const float* WP = w_prev.defined() ? w_prev.data_ptr<float>() : nullptr;
-    const float* OW = out_w.data_ptr<float>();
-    std::vector<double> out(b);
-    std::vector<float> hv(G);
-    for (int64_t i = 0; i < b; ++i)
-      out[i] = fbs_gate::row(T + i * terms.stride(0), g_w > 0 ? Y + i * ny + g_off : nullptr, X + i * d,
-                             P ? P + i * d : nullptr, RT, PS ? PS[i] : 0.f, PS != nullptr, WR, WP, OW, out_b, g_eps,
-                             d, G, hv.data());
-    return out;
+    return m;
   }
 };
+
+Step make_step(const at::Tensor& x, int64_t d, int64_t hd, const at::Tensor& cos, const at::Tensor& sin,
+               const at::Tensor& idx, int64_t isa, int64_t policy, bool write_skipped,
+               const std::vector<double>& thresholds) {
+  TORCH_CHECK(isa >= 1 && isa <= fbs_int8::best_isa(), "fbs native layer: instruction set ", isa, " not available");
+  const int64_t b = x.size(0);
+  fp32(x, b * d, "x");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.numel() == b,
+              "fbs native layer: (b,) int64 cache rows");
+  TORCH_CHECK(thresholds.empty() || (int64_t)thresholds.size() == b, "fbs native layer: one threshold per row");
+  return Step{b, fp32(cos, b * hd, "cos"), fp32(sin, b * hd, "sin"), idx.data_ptr<int64_t>(), isa, policy,
+              write_skipped, thresholds.data()};
+}
+
+void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+              vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == L.nkv &&
+              kc.size(3) == L.hd, "fbs native layer: KV caches (B, Hkv, C, hd) fp32, contiguous");
+}
+
+// Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
+// not (gated: terms row i of the gate is zterms[i, 0, index * G : (index + 1) * G]); not gated: run flags
+// runs[k * b + i], or every row runs when runs is empty. x_prev / prev_skip: the previous layer's input and
+// skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
+// (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
+// ran). x out is the input of the last layer itself when no row ran it.
+std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
+    const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
+    const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
+    const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
+    const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
+    const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
+    int64_t isa) {
+  const int64_t n = layers.size();
+  TORCH_CHECK(n > 0 && (int64_t)kcs.size() == n && (int64_t)vcs.size() == n && (int64_t)gated.size() == n,
+              "fbs native layers: one cache pair and gate flag per layer");
+  const Layer& L0 = *layers[0];
+  const Step st = make_step(x, L0.d, L0.hd, cos, sin, idx, isa, policy, write_skipped, thresholds);
+  const int64_t b = st.b, d = L0.d;
+  TORCH_CHECK((int64_t)slots.size() == n * b && (runs.empty() || (int64_t)runs.size() == n * b),
+              "fbs native layers: slots (and runs) per layer and row");
+  TORCH_CHECK(prev_skip.empty() || (int64_t)prev_skip.size() == b, "fbs native layers: prev_skip per row");
+  const float* Z = nullptr;
+  int64_t z_stride = 0;
+  if (zterms) {
+    TORCH_CHECK(zterms->scalar_type() == at::kFloat && zterms->is_contiguous() && zterms->size(0) == b,
+                "fbs native layers: gate terms (b, 1, n * G) fp32, contiguous");
+    Z = zterms->data_ptr<float>();
+    z_stride = zterms->size(-1);
+  }
+  const float* XP0 = x_prev ? fp32(*x_prev, b * d, "x_prev") : nullptr;
+  std::vector<double> logits(n * b, std::nan("")), ps(prev_skip.begin(), prev_skip.end());
+  std::vector<float> psf(b);
+  std::vector<bool> skip_out(n * b), run_out(n * b);
+  std::unique_ptr<bool[]> sk(new bool[b]), rn(new bool[b]), all_run(new bool[b]);
+  for (int64_t i = 0; i < b; ++i) all_run[i] = true;
+  at::Tensor cur = x, prev = x_prev ? *x_prev : at::Tensor();
+  for (int64_t k = 0; k < n; ++k) {
+    const Layer& L = *layers[k];
+    TORCH_CHECK(L.d == d, "fbs native layers: layer widths differ");
+    at::Tensor kc = kcs[k], vc = vcs[k];
+    check_cache(L, kc, vc);
+    const float* terms = nullptr;
+    if (gated[k]) {
+      TORCH_CHECK(Z != nullptr && L.gated && (L.g_index + 1) * L.G <= z_stride && !thresholds.empty(),
+                  "fbs native layers: a gated layer needs its gate, the step's terms and thresholds");
+      terms = Z + L.g_index * L.G;
+    }
+    std::unique_ptr<bool[]> given;
+    if (!gated[k]) {
+      given.reset(new bool[b]);
+      for (int64_t i = 0; i < b; ++i) given[i] = runs.empty() ? true : bool(runs[k * b + i]);
+    }
+    for (int64_t i = 0; i < b; ++i) psf[i] = ps.empty() ? 0.f : float(ps[i]);
+    at::Tensor out = at::empty_like(cur);
+    const int64_t m = L.step(st, cur.data_ptr<float>(), out.data_ptr<float>(), kc, vc, slots.data() + k * b, terms,
+                             z_stride, prev.defined() ? prev.data_ptr<float>() : nullptr,
+                             ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(),
+                             rn.get());
+    bool every = true;
+    for (int64_t i = 0; i < b; ++i) {
+      skip_out[k * b + i] = sk[i];
+      run_out[k * b + i] = rn[i];
+      every = every && rn[i];
+    }
+    if (every) ps.clear();
+    else { ps.assign(b, 0.0); for (int64_t i = 0; i < b; ++i) ps[i] = rn[i] ? 0.0 : 1.0; }
+    prev = cur;
+    if (m > 0) cur = out;  // else the layer's output is its input, the same tensor
+  }
+  return {cur, prev, logits, skip_out, run_out};
+}
 }  // namespace fbs_layer
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -734,8 +811,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
                           at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, std::optional<at::Tensor>,
                           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
-      .def("set_gate", &fbs_layer::Layer::set_gate)
-      .def("forward", &fbs_layer::Layer::forward);
+      .def("set_gate", &fbs_layer::Layer::set_gate);
+  m.def("run_layers", &fbs_layer::run_layers);
 }
 """
 
@@ -893,3 +970,13 @@ def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool =
                                           state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
                                           head.query.weight, head.out.weight, head.scale, LABEL_I, attend)
     return (c if attend else None), logits, torch.tensor(start, dtype=torch.bool)
+
+
+def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_skip: list[float],
+               zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
+               idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
+               policy: int, write_skipped: bool):
+    """Consecutive :class:`Int8Layer` s of a one-token step in one call (see
+    :meth:`fbs.fused.FusedOps.native_run`, which books the cache entries it writes)."""
+    return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
+                              thresholds, policy, write_skipped, _isa_code())
