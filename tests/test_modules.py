@@ -87,6 +87,25 @@ def test_paw_fixed_k_mode_and_expectation_paths_agree():
     assert torch.allclose(dense[0, 0, :2], gathered[0, 0], atol=1e-5)
 
 
+def test_paw_decode_paths_equal_the_training_paths():
+    """Decoding's weighted embedding bags equal the dense masked product (the 'other' class, here in every top-K,
+    embeds to zero), and the hand-written depthwise conv equals nn.Conv1d with groups = channels."""
+    from fbs.modules.preview import _depthwise3
+
+    cfg = tiny_config(k_max=6)
+    paw = _rand_module(ParafoveaWindow(cfg, 32), seed=9)
+    emb = torch.randn(cfg.preview_vocab_size, 32)
+    logits = torch.randn(40, 6, cfg.preview_vocab_size + 1, generator=torch.Generator().manual_seed(10))
+    logits[..., -1] = 10.0                                   # 'other' wins every horizon's top-K
+    with torch.no_grad():
+        dense = paw.expected_embeddings(logits, emb)         # 240 rows: the dense path
+        bags = torch.cat([paw.expected_embeddings(logits[i:i + 1], emb) for i in range(40)])
+        assert torch.allclose(bags, dense, atol=1e-5)
+        u = torch.randn(2, 1, 5, 32, generator=torch.Generator().manual_seed(11))
+        ref = paw.conv(u.reshape(2, 5, 32).transpose(1, 2)).transpose(1, 2).reshape(2, 1, 5, 32)
+        assert torch.allclose(_depthwise3(u, paw.conv.weight, paw.conv.bias), ref, atol=1e-5)
+
+
 def test_validators():
     assert VALIDATORS["json"]('{"a": [1, 2]}') and not VALIDATORS["json"]('{"a": [1, 2}')
     assert VALIDATORS["brackets"]("f(a[0], {b})") and not VALIDATORS["brackets"]("f(a[0)]")

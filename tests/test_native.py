@@ -219,6 +219,11 @@ def test_status_records_what_the_engine_runs_with(kernel, monkeypatch):
 
 
 # --------------------------------------------------------------------------- the whole layer in one call
+def _per_op(ops) -> None:
+    """The per-op int8 step: no native whole layers, no native layer halves (PAW / CH layers)."""
+    ops.native_layers = ops._native_all = None
+
+
 def _plain_layers(model) -> list[int]:
     return [l for l in range(model.base.spec.num_layers) if str(l) not in model.paw and str(l) not in model.ch]
 
@@ -240,7 +245,7 @@ def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, poli
     assert [l for l, n in enumerate(layers) if n is not None] == _plain_layers(fast) == [0, 2, 3, 4, 5, 7]
     out = fast.generate(prompts, **kw)
     slow = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
-    fbs.fused.decode_ops(slow, "int8").native_layers = None
+    _per_op(fbs.fused.decode_ops(slow, "int8"))
     ref = slow.generate(prompts, **kw)
     assert 0 < ref.trace.skip_ratio < 1 and out.new_tokens == ref.new_tokens
     for name in ("executed", "intended_skip", "kv_written", "chunk_boundary", "window_k"):  # CH: native step too
@@ -314,7 +319,12 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
     new = ops.native_run(one, x, ctx, None, None, None, [False], [False, True], None, 0, write_skipped)[0]
     assert torch.equal(new[0], x[0])
     ref_ctx = CacheContext(ref_cache, {}, [1], [[n]], cos[1:], sin[1:], "hole")
-    ref = ops.block(l, x[1:], ops.norm1(l, x[1:]), ref_ctx)
+    keep = ops._native_all
+    ops._native_all = None  # the per-op block (native products and attention, PyTorch elsewhere)
+    try:
+        ref = ops.block(l, x[1:], ops.norm1(l, x[1:]), ref_ctx)
+    finally:
+        ops._native_all = keep
     assert torch.allclose(new[1:], ref, atol=1e-5, rtol=1e-5)
 
 

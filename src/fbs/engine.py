@@ -15,6 +15,12 @@ KV-cache context. The linear algebra (``weights=``) is either the HF modules the
 reference: forward hooks see every call) or fused inference copies of the same weights built once per model
 and weight format (:mod:`fbs.fused`: fp32, bf16 or int8 weight-only), optionally compiled (``compile=True``:
 one compiled artifact for all layers, the skip loop stays in Python).
+
+The eager int8 step on a CPU with AVX2 / AVX-512 goes one level further (:mod:`fbs.native`): each run of
+consecutive layers without PAW or CH is one native call that computes, per layer, what ``layer_step`` computes
+over the fused int8 weights, makes the threshold decision under the batch policy, and runs attention and FFN only
+for the rows that compute; the decisions come back once per run for the trace. That kernel is tested against the
+``layer_step`` path (same tokens, decisions and trace; logits to float rounding), which stays the definition.
 """
 
 from __future__ import annotations
@@ -456,8 +462,10 @@ class _Decoder:
             else:
                 skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None, thresholds)
             run = self._batch_run(skip)
-            if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn"):
-                pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs
+            if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn") and not (
+                    all(run) and self.granularity == "layer" and ops.attends_natively(l)):
+                pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs, or all of it
+                #                                                    natively (its K/V inside the native call)
             if self.granularity == "ffn":
                 new, zlow_new, sel, paw, ch = self._ffn_only(l, x, ctx, pre, run, zlow)
             else:
@@ -523,7 +531,8 @@ class _Decoder:
         sel = [i for i in range(b) if run[i]]
         new, out = x, None
         if len(sel) == b:
-            out = layer_step(self.m, self.ops, l, x, ctx, self._run_mix(l, sel), xn=pre.xn, kv=pre.kv, zlow=zlow)
+            out = layer_step(self.m, self.ops, l, x, ctx, self._run_mix(l, sel), xn=None if pre is None else pre.xn,
+                             kv=None if pre is None else pre.kv, zlow=zlow)
             new, zlow_new = out.x, out.zlow
         elif sel:
             ti = torch.tensor(sel, device=self.dev)

@@ -90,6 +90,9 @@ class HFDecodeOps(HFOps):
         """The gates' preview terms of a step's ``rows`` rows; ``zlow`` None: no PAW layer ran yet (zero terms)."""
         return None if zlow is None else self.gates.preview_terms(zlow)
 
+    def attends_natively(self, l: int) -> bool:
+        return False
+
     def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
         xn = self.norm1(l, x)
         if not gated:
@@ -342,7 +345,9 @@ class FusedOps:
         #: per layer, the whole one-token layer in one native call (fbs.native.Int8Layer), or None where the
         #: layer runs as PyTorch ops (PAW / CH layers, Qwen3's per-head norms, widths not a multiple of 16);
         #: None altogether unless the step is the native int8 one. See :meth:`native_layer`.
-        self.native_layers = self._native_layers(model) if ns["native_step"] else None
+        self._native_all = self._native_layers() if ns["native_step"] else None  # every layer it can run
+        self.native_layers = None if self._native_all is None else [
+            None if str(l) in model.paw or str(l) in model.ch else n for l, n in enumerate(self._native_all)]
 
     def _layer(self, l: int, fg) -> _Layer:
         layer = self.base.layers[l]
@@ -367,14 +372,16 @@ class FusedOps:
             down=self._weight(mlp.down_proj.weight), gate=gate,
         )
 
-    def _native_layers(self, model) -> list | None:
+    def _native_layers(self) -> list | None:
+        """Per layer its :class:`fbs.native.Int8Layer`, or None where the per-op step must run it (Qwen3's per-head
+        norms); None altogether for widths that are not a multiple of 16 or head dims it does not take."""
         spec, mod = self.spec, native.module()
         d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
         if any(n % native.INT8_CHUNK for n in (d, spec.num_heads * hd, inter)) or hd > 256 or hd % 2:
             return None
         out = []
-        for l, w in enumerate(self.layers):
-            if str(l) in model.paw or str(l) in model.ch or w.q_norm is not None or w.k_norm is not None:
+        for w in self.layers:
+            if w.q_norm is not None or w.k_norm is not None:
                 out.append(None)
                 continue
             layer = mod.Int8Layer(d, spec.num_heads, spec.num_kv_heads, hd, inter, self.eps, self.base.scaling,
@@ -453,7 +460,13 @@ class FusedOps:
         return x.shape[1] == 1 and isinstance(ctx, CacheContext)
 
     def norm1(self, l: int, x: torch.Tensor) -> torch.Tensor:
-        return _rms(x, self.layers[l].ln1, self.eps)
+        return _rms(x, self.layers[l].ln1, self.eps, self._k_pre["native_step"] and x.shape[1] == 1)
+
+    def attends_natively(self, l: int) -> bool:
+        """One-token attention and FFN of layer l run as the two native halves of its :class:`fbs.native.Int8Layer`
+        (:meth:`_cached`, with the K/V of :meth:`pre` when it ran): the engine skips ``pre`` for it when nothing
+        needs it before the layer (no gate, every row runs)."""
+        return self._native_all is not None and self._native_all[l] is not None
 
     def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
         """One-token steps: RMSNorm_1, K/V and (``gated``) the gate logit in one function, from one matmul.
@@ -480,6 +493,13 @@ class FusedOps:
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
         rope = self._rope_of(ctx)
+        if self.attends_natively(l):  # the native halves (a PAW / CH layer of the native int8 step)
+            layer = self._native_all[l]
+            xn = self.norm1(l, x) if xn is None else xn
+            kc, vc, slots, rows = ctx.decode_slots(l)
+            idx, _ = self._slots(slots, rows, kc.shape[2])
+            h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv)
+            return native.ffn_layer(layer, h) if ffn else h
         if kv is None:
             xn2, k, v, _ = self._pre_fn(x, None, None, None, None, *rope, w.ln1, *w.kvg.tensors,
                                         w.kvg_b, w.k_norm, None, **self._k_pre)
@@ -517,6 +537,8 @@ class FusedOps:
     def ffn(self, l: int, h: torch.Tensor) -> torch.Tensor:
         if h.shape[1] != 1:
             return self.hf.ffn(l, h)
+        if self.attends_natively(l):
+            return native.ffn_layer(self._native_all[l], h.contiguous())
         w = self.layers[l]
         return self._ffn_fn(h, w.ln2, *w.gu.tensors, *w.down.tensors, **self._k_ffn)
 

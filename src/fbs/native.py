@@ -601,6 +601,75 @@ struct Layer {
     fbs_int8::mm(X, M, w.kp, w.P(), w.S(), w.n, Y, isa);
   }
 
+  // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
+  void write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
+                const int64_t* SL) const {
+    const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
+    float* KC = kc.data_ptr<float>();
+    float* VC = vc.data_ptr<float>();
+    for (int64_t i = 0; i < st.b; ++i) {
+      if (!write[i]) continue;
+      for (int64_t g = 0; g < nkv; ++g) {
+        float* kd = KC + st.idx[i] * rs + g * hs + SL[i] * hd;
+        std::copy_n(Y + i * nk + g * hd, hd, kd);
+        rope(kd, st.cos + i * hd, st.sin + i * hd, hd);
+        std::copy_n(Y + i * nk + w + g * hd, hd, VC + st.idx[i] * rs + g * hs + SL[i] * hd);
+      }
+    }
+  }
+
+  // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
+  void attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
+                      const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const {
+    const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
+    std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
+    for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
+    mm(xs.data(), m, q, qv.data(), st.isa);
+    const float* QB = q_b.defined() ? q_b.data_ptr<float>() : nullptr;
+    for (int64_t j = 0; j < m; ++j) {
+      float* qj = qv.data() + j * qw;
+      if (QB) for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
+      for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
+    }
+    auto head = fbs_attn::head_scalar;
+#ifdef FBS_X86
+    if (st.isa == 2 && hd % 16 == 0) head = fbs_attn::head512;
+    else if (st.isa >= 1 && hd % 8 == 0) head = fbs_attn::head256;
+#endif
+    const int64_t group = heads / nkv;
+    const float* KC = kc.data_ptr<float>();
+    const float* VC = vc.data_ptr<float>();
+    at::parallel_for(0, m * heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> p(C);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j = t / heads, hh = t % heads, i = sel[j];
+        const int64_t kv = st.idx[i] * rs + (hh / group) * hs;
+        head(qv.data() + j * qw + hh * hd, KC + kv, VC + kv, SL[i] + 1, hd, scale, p.data(),
+             att.data() + j * qw + hh * hd);
+      }
+    });
+    mm(att.data(), m, o, H, st.isa);
+    for (int64_t j = 0; j < m; ++j) {
+      const float* xi = X + sel[j] * d;
+      float* hj = H + j * d;
+      for (int64_t c = 0; c < d; ++c) hj[c] += xi[c];
+    }
+  }
+
+  // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
+  void ffn_rows(float* H, int64_t m, int64_t isa) const {
+    std::vector<float> hn(m * d), ff(m * 2 * inter), act(m * inter), dv(m * d);
+    rms(H, ln2.data_ptr<float>(), eps, hn.data(), m, d);
+    mm(hn.data(), m, gu, ff.data(), isa);
+    for (int64_t j = 0; j < m; ++j) {
+      const float* gj = ff.data() + j * 2 * inter;
+      float* aj = act.data() + j * inter;
+      for (int64_t c = 0; c < inter; ++c) aj[c] = gj[c] / (1.0f + std::exp(-gj[c])) * gj[inter + c];
+    }
+    mm(act.data(), m, dn, dv.data(), isa);
+    for (int64_t c = 0; c < m * d; ++c) H[c] += dv[c];
+  }
+
   // One layer for the step's b rows: reads X (b, d), writes OUT (b, d) (a skipped row's input copied) unless no
   // row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
   // decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant
@@ -609,7 +678,7 @@ struct Layer {
   int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
                double* logits, bool* skip, bool* run) const {
-    const int64_t b = st.b, nk = kvg.n, w = nkv * hd, C = kc.size(2);
+    const int64_t b = st.b, nk = kvg.n, C = kc.size(2);
     for (int64_t i = 0; i < b; ++i)
       TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C,
                   "fbs native layer: slot out of range");
@@ -639,70 +708,18 @@ struct Layer {
     } else {
       for (int64_t i = 0; i < b; ++i) { run[i] = run_in[i]; skip[i] = !run_in[i]; }
     }
-    // K (rotated) and V at each writing row's slot
-    float* KC = kc.data_ptr<float>();
-    float* VC = vc.data_ptr<float>();
-    const int64_t rs = nkv * C * hd, hs = C * hd;
-    for (int64_t i = 0; i < b; ++i) {
-      if (!run[i] && !st.write_skipped) continue;
-      for (int64_t g = 0; g < nkv; ++g) {
-        float* kd = KC + st.idx[i] * rs + g * hs + SL[i] * hd;
-        std::copy_n(y.data() + i * nk + g * hd, hd, kd);
-        rope(kd, st.cos + i * hd, st.sin + i * hd, hd);
-        std::copy_n(y.data() + i * nk + w + g * hd, hd, VC + st.idx[i] * rs + g * hs + SL[i] * hd);
-      }
-    }
+    std::unique_ptr<bool[]> write(new bool[b]);
+    for (int64_t i = 0; i < b; ++i) write[i] = run[i] || st.write_skipped;
+    write_kv(st, y.data(), write.get(), kc, vc, SL);
     std::vector<int64_t> sel;
     for (int64_t i = 0; i < b; ++i) if (run[i]) sel.push_back(i);
     const int64_t m = sel.size();
     if (m == 0) return 0;
-    // the running rows, compacted
-    const int64_t qw = heads * hd;
-    std::vector<float> h(m * d), hn(m * d), qv(m * qw), att(m * qw), ff(m * 2 * inter), act(m * inter), dv(m * d);
-    for (int64_t j = 0; j < m; ++j) std::copy_n(xn.data() + sel[j] * d, d, hn.data() + j * d);
-    mm(hn.data(), m, q, qv.data(), st.isa);
-    const float* QB = q_b.defined() ? q_b.data_ptr<float>() : nullptr;
-    for (int64_t j = 0; j < m; ++j) {
-      float* qj = qv.data() + j * qw;
-      if (QB) for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
-      for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
-    }
-    auto head = fbs_attn::head_scalar;
-#ifdef FBS_X86
-    if (st.isa == 2 && hd % 16 == 0) head = fbs_attn::head512;
-    else if (st.isa >= 1 && hd % 8 == 0) head = fbs_attn::head256;
-#endif
-    const int64_t group = heads / nkv;
-    at::parallel_for(0, m * heads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> p(C);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t j = t / heads, hh = t % heads, i = sel[j];
-        const int64_t kv = st.idx[i] * rs + (hh / group) * hs;
-        head(qv.data() + j * qw + hh * hd, KC + kv, VC + kv, SL[i] + 1, hd, scale, p.data(),
-             att.data() + j * qw + hh * hd);
-      }
-    });
-    mm(att.data(), m, o, h.data(), st.isa);
-    for (int64_t j = 0; j < m; ++j) {
-      const float* xi = X + sel[j] * d;
-      float* hj = h.data() + j * d;
-      for (int64_t c = 0; c < d; ++c) hj[c] += xi[c];
-    }
-    rms(h.data(), ln2.data_ptr<float>(), eps, hn.data(), m, d);
-    mm(hn.data(), m, gu, ff.data(), st.isa);
-    for (int64_t j = 0; j < m; ++j) {
-      const float* gj = ff.data() + j * 2 * inter;
-      float* aj = act.data() + j * inter;
-      for (int64_t c = 0; c < inter; ++c) aj[c] = gj[c] / (1.0f + std::exp(-gj[c])) * gj[inter + c];
-    }
-    mm(act.data(), m, dn, dv.data(), st.isa);
+    std::vector<float> h(m * d);  // the running rows, compacted
+    attention_rows(st, X, xn.data(), sel, kc, vc, SL, h.data());
+    ffn_rows(h.data(), m, st.isa);
     for (int64_t i = 0; i < b; ++i) if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
-    for (int64_t j = 0; j < m; ++j) {
-      float* oj = OUT + sel[j] * d;
-      const float* hj = h.data() + j * d;
-      const float* dj = dv.data() + j * d;
-      for (int64_t c = 0; c < d; ++c) oj[c] = hj[c] + dj[c];
-    }
+    for (int64_t j = 0; j < m; ++j) std::copy_n(h.data() + j * d, d, OUT + sel[j] * d);
     return m;
   }
 };
@@ -800,6 +817,65 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
 }
 }  // namespace fbs_layer
 
+namespace fbs_layer {
+const std::vector<double> kNoThresholds;
+
+// The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
+// step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
+// ffn_layer returns h + FFN(h).
+at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
+                        const at::Tensor& slots, const std::optional<at::Tensor>& k,
+                        const std::optional<at::Tensor>& v, int64_t isa) {
+  const Step st = make_step(x, L.d, L.hd, cos, sin, idx, isa, 0, true, kNoThresholds);
+  const int64_t b = st.b, nk = L.kvg.n;
+  const float* XN = fp32(xn, b * L.d, "xn");
+  check_cache(L, kc, vc);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == b,
+              "fbs native layer: (b,) int64 slots");
+  const int64_t* SL = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < kc.size(2),
+                "fbs native layer: slot out of range");
+  std::vector<int64_t> sel(b);
+  for (int64_t i = 0; i < b; ++i) sel[i] = i;
+  if (k && v) {  // K (rotated) and V already projected (a gated layer's pre step): (b, Hkv, 1, hd), rows strided
+    for (const at::Tensor* t : {&*k, &*v})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == b && t->size(1) == L.nkv &&
+                  t->size(3) == L.hd && t->stride(3) == 1, "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
+    const int64_t C = kc.size(2), rs = L.nkv * C * L.hd, hs = C * L.hd;
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t g = 0; g < L.nkv; ++g) {
+        const int64_t at_ = st.idx[i] * rs + g * hs + SL[i] * L.hd;
+        std::copy_n(k->data_ptr<float>() + i * k->stride(0) + g * k->stride(1), L.hd, kc.data_ptr<float>() + at_);
+        std::copy_n(v->data_ptr<float>() + i * v->stride(0) + g * v->stride(1), L.hd, vc.data_ptr<float>() + at_);
+      }
+  } else {
+    std::vector<float> y(b * nk);
+    L.mm(XN, b, L.kvg, y.data(), isa);
+    if (L.kvg_b.defined()) {
+      const float* B = L.kvg_b.data_ptr<float>();
+      for (int64_t i = 0; i < b; ++i) for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
+    }
+    std::unique_ptr<bool[]> write(new bool[b]);
+    for (int64_t i = 0; i < b; ++i) write[i] = true;
+    L.write_kv(st, y.data(), write.get(), kc, vc, SL);
+  }
+  at::Tensor h = at::empty_like(x);
+  L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>());
+  return h;
+}
+
+at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa) {
+  TORCH_CHECK(isa >= 1 && isa <= fbs_int8::best_isa(), "fbs native layer: instruction set ", isa, " not available");
+  const int64_t b = h.numel() / L.d;
+  fp32(h, b * L.d, "h");
+  at::Tensor out = h.clone();
+  L.ffn_rows(out.data_ptr<float>(), b, isa);
+  return out;
+}
+}  // namespace fbs_layer
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_logits", &gate_logits);
   m.def("int8_linear", &int8_linear);
@@ -813,6 +889,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("set_gate", &fbs_layer::Layer::set_gate);
   m.def("run_layers", &fbs_layer::run_layers);
+  m.def("attend_layer", &fbs_layer::attend_layer);
+  m.def("ffn_layer", &fbs_layer::ffn_layer);
 }
 """
 
@@ -980,3 +1058,17 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
     :meth:`fbs.fused.FusedOps.native_run`, which books the cache entries it writes)."""
     return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
                               thresholds, policy, write_skipped, _isa_code())
+
+
+def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                 vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None) -> torch.Tensor:
+    """The attention half of an :class:`Int8Layer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
+    K, V (b, Hkv, 1, hd) when already projected), written at ``slots`` of cache rows ``idx``, then
+    x + O(attention) over each row's prefix (PAW / CH add to it next)."""
+    k, v = (None, None) if kv is None else kv
+    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, _isa_code())
+
+
+def ffn_layer(layer, h: torch.Tensor) -> torch.Tensor:
+    """The FFN half of an :class:`Int8Layer`: h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)."""
+    return _module.ffn_layer(layer, h, _isa_code())
