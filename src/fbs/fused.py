@@ -213,14 +213,18 @@ def _head_step(x, norm, w, s, *, eps: float, native_step: bool = False):
     return matmul(_rms(x, norm, eps, native_step), w, s)
 
 
-class _Terms(tuple):
-    """The gates' per-token terms of a step: one (b, 1, G) view per gated layer, and ``flat`` (b, 1, n * G), the
-    tensor they are views of (what :func:`fbs.native.run_layers` reads)."""
+class _Terms:
+    """The gates' per-token terms of a step: ``flat`` (b, 1, n * G) (what :func:`fbs.native.run_layers` reads) and,
+    indexed by a gate's position, its (b, 1, G) view (the per-op step's; split on first use: the split is 3 ATen
+    calls per gated layer, which a step that runs its gated layers natively never needs)."""
 
-    def __new__(cls, flat: torch.Tensor, width: int):
-        terms = super().__new__(cls, flat.split(width, -1))
-        terms.flat = flat
-        return terms
+    def __init__(self, flat: torch.Tensor, width: int):
+        self.flat, self.width, self._views = flat, width, None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._views is None:
+            self._views = self.flat.split(self.width, -1)
+        return self._views[i]
 
 
 def _gate_inputs(gate, x, x_prev, zterms, prev_skip) -> tuple:

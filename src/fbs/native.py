@@ -70,14 +70,19 @@ inline double row(const float* terms, const float* y, const float* x, const floa
                   float eps, int64_t d, int64_t G, float* h) {
   for (int64_t j = 0; j < G; ++j) h[j] = terms[j];
   if (y) for (int64_t j = 0; j < G; ++j) h[j] = y[j] + h[j];
-  if (x_prev && w_rel) {
-    double su = 0.0, sp = 0.0;
-    for (int64_t j = 0; j < d; ++j) {
-      const double diff = double(x[j]) - double(x_prev[j]);
-      su += diff * diff;
-      sp += double(x_prev[j]) * double(x_prev[j]);
-    }
-    const float u = float(std::sqrt(su)), up = std::max(float(std::sqrt(sp)), 1e-6f);
+  if (x_prev && w_rel) {  // fp32 norms, as torch.linalg.vector_norm computes them, in 16 independent lanes
+    float au[16] = {0.f}, ap[16] = {0.f};
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16)
+      for (int k = 0; k < 16; ++k) {
+        const float diff = x[j + k] - x_prev[j + k];
+        au[k] += diff * diff;
+        ap[k] += x_prev[j + k] * x_prev[j + k];
+      }
+    float su = 0.f, sp = 0.f;
+    for (; j < d; ++j) { const float diff = x[j] - x_prev[j]; su += diff * diff; sp += x_prev[j] * x_prev[j]; }
+    for (int k = 0; k < 16; ++k) { su += au[k]; sp += ap[k]; }
+    const float u = std::sqrt(su), up = std::max(std::sqrt(sp), 1e-6f);
     const float r = std::log(eps + u / up);
     for (int64_t j = 0; j < G; ++j) h[j] += r * w_rel[j];
   } else if (rel_term) {
