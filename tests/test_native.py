@@ -257,6 +257,28 @@ def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, poli
         assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
 
 
+@pytest.mark.parametrize("policy", ["project", "hole"])
+def test_native_layers_follow_a_plan_like_the_per_op_step(isa, policy):
+    """A skip plan per step (no gates): the native runs execute and record what the per-op step does, same tokens;
+    under ``hole`` the layers' caches then hold different counts."""
+    plan = torch.rand(10, 8, generator=torch.Generator().manual_seed(12)) < 0.4
+    plan[:, [0, 7]] = False
+    kw = dict(max_new_tokens=10, ignore_eos=True, output_scores=True, weights="int8", skip_plan=plan,
+              kv_policy=policy)
+    prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist(), PROMPT[0, :3].tolist()]
+    fast = randomize(fbs_tiny(seed=3, layers=8, ch_layers=(6,)), seed=4)
+    out = fast.generate(prompts, **kw)
+    slow = randomize(fbs_tiny(seed=3, layers=8, ch_layers=(6,)), seed=4)
+    _per_op(fbs.fused.decode_ops(slow, "int8"))
+    ref = slow.generate(prompts, **kw)
+    assert out.new_tokens == ref.new_tokens and 0 < ref.trace.skip_ratio < 1
+    for name in ("executed", "intended_skip", "kv_written"):
+        assert torch.equal(getattr(out.trace, name), getattr(ref.trace, name)), name
+    assert torch.equal(out.trace.intended_skip[0, :-1], plan[:9])  # the last token is never fed back
+    for a, b in zip(out.scores, ref.scores):
+        assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
+
+
 def test_native_layers_batch_equals_single_runs(isa):
     """Under ``gather`` a row's arithmetic does not depend on the other rows (the int8 kernel keeps one accumulator
     per row, attention is per row): a batch of 4 gives each row its single run's tokens and decisions, logits
