@@ -107,14 +107,15 @@ def _wait_for(server, pred, what: str) -> dict:
 
 
 # --------------------------------------------------------------------------- the scheduler without HTTP
-@pytest.mark.parametrize("kv_policy, batch_policy", [("project", "gather"), ("hole", "gather")])
-def test_slots_join_and_leave_equal_single_generate(model, kv_policy, batch_policy):
+@pytest.mark.parametrize("kv_policy, batch_policy, weights", [("project", "gather", "fp32"), ("hole", "gather", "fp32"),
+                                                                ("project", "gather", "int8")])
+def test_slots_join_and_leave_equal_single_generate(model, kv_policy, batch_policy, weights):
     """Five requests of different lengths through 2 slots (they join and leave mid-batch, and the fourth makes
     the batch's cache grow past 128 positions while another row decodes): each gets exactly the tokens and the
-    trace of its own single `generate`."""
+    trace of its own single `generate` (int8: the native layers where the CPU has them, on rows of a shared cache)."""
     prompts = [_ids(s, n) for s, n in ((10, 5), (11, 9), (12, 9), (13, 14), (14, 3))]
-    opts = [dict(max_new_tokens=6 + 3 * i, ignore_eos=True, kv_policy=kv_policy, batch_policy=batch_policy)
-            for i in range(len(prompts))]
+    opts = [dict(max_new_tokens=6 + 3 * i, ignore_eos=True, kv_policy=kv_policy, batch_policy=batch_policy,
+                 weights=weights) for i in range(len(prompts))]
     opts[3]["max_new_tokens"] = 130
     sched = Scheduler(model, model.tokenizer, Limits(max_concurrent=2, context_length=512)).start()
     done, all_done = {}, threading.Event()
