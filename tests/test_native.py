@@ -356,3 +356,15 @@ def test_qwen3_layers_stay_per_op(kernel):
         pytest.skip("no AVX2 here")
     layers = fbs.fused.decode_ops(fbs_tiny("qwen3"), "int8").native_layers
     assert layers is None or all(n is None for n in layers)
+
+
+@pytest.mark.parametrize("policy", ["project", "hole"])
+def test_native_int8_drafts_keep_lossless_decoding_lossless(isa, policy):
+    """Speculative self-drafting with the native int8 step as the draft (gated, skipping, rolled back on rejection,
+    chunk states included): the output is full depth's, token for token."""
+    model = randomize(fbs_tiny(seed=1, layers=8, ch_layers=(6,)), seed=2)
+    prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist()]
+    ref = model.generate(prompts, max_new_tokens=16, ignore_eos=True, force_compute=True, kv_policy=policy)
+    out = model.generate(prompts, max_new_tokens=16, ignore_eos=True, lossless=True, weights="int8", kv_policy=policy)
+    assert out.speculative.draft_skip_ratio > 0 and out.speculative.rejections > 0
+    assert out.new_tokens == ref.new_tokens
