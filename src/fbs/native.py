@@ -498,8 +498,8 @@ _LAYER_SOURCE = r"""
 #include <pybind11/stl.h>
 #include <tuple>
 
-// A whole decoder layer of the eager int8 one-token step in one call (fbs.fused.NativeLayers), so that a layer
-// costs one Python call instead of some forty ATen dispatches:
+// A whole decoder layer of the eager int8 one-token step natively (fbs.fused.FusedOps.native_run), so that a layer
+// costs a share of one call (run_layers: a run of layers per call) instead of some forty ATen dispatches:
 //   xn = RMSNorm_1(x);  y = xn @ [W_k; W_v; A]^T (+ b)       K, V and, on gated layers, the gate's hidden columns
 //   gated: logit = gate(y's gate columns, terms, relative update, previous skip); skip = logit > threshold(row)
 //   run = skip decision under the batch policy (0 gather: rows that do not skip, 1 all: every row unless all
