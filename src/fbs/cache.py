@@ -164,25 +164,19 @@ class CacheContext:
         """For a one-token step of fixed shapes: the layer's full K/V buffers, each row's slot (b,) for its new
         entry, and the row indices (None when the step covers every row of the cache, in order). Books the
         entries; the caller writes them (see :func:`fbs.fused.attend_static`)."""
-        starts = tuple(self.cache.advance(l, self.rows, self.positions))
-        slots = self._slots.get(starts)
-        if slots is None:  # one tensor per distinct slot list of the step (every layer's, unless layers skip under hole)
-            slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
+        slots = self._slot_tensor(tuple(self.cache.advance(l, self.rows, self.positions)))
         return self.cache.k[l], self.cache.v[l], slots, None if self.all_rows else self.rows_t
 
-    def native_slots(self, l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a native one-token layer (:meth:`fbs.fused.FusedOps.native_layer`): the layer's K/V buffers, each
-        row's next slot (b,) and its cache row (b,), booking nothing: the layer decides which rows write, then
-        :meth:`book` books them."""
-        lens = self.cache.lengths[l]
-        starts = tuple(lens[r] for r in self.rows)
+    def _slot_tensor(self, starts: tuple[int, ...]) -> torch.Tensor:
+        """One tensor per distinct slot list of the step (every layer's, unless layers skip under ``hole``)."""
         slots = self._slots.get(starts)
         if slots is None:
             slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
-        return self.cache.k[l], self.cache.v[l], slots, self.rows_t
+        return slots
 
     def book(self, l: int, wrote: list[bool] | None) -> None:
-        """Book the entries a native layer wrote at layer l: every row's (``wrote`` None) or those flagged."""
+        """Book the entries a native run (:meth:`fbs.fused.FusedOps.native_run`) wrote at layer l: every row's
+        (``wrote`` None) or those flagged; it wrote them at each row's current length."""
         if wrote is None:
             self.cache.advance(l, self.rows, self.positions)
         elif any(wrote):

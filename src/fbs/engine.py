@@ -430,13 +430,14 @@ class _Decoder:
             seg = segments.get(l)
             if seg is not None:  # consecutive plain layers in one native call
                 gated = self._gated_in(seg)
-                if any(gated):
+                any_gated = any(gated)
+                if any_gated:
                     if zterms is None:
                         zterms = ops.preview_terms(None if zero_z else zlow, b)
                     if thresholds is None:
                         thresholds = [self._row_threshold(r) for r in rows]
                 x, x_prev, logits, skip, run = ops.native_run(
-                    seg, x, ctx, x_prev, prev_skip, zterms if any(gated) else None, gated,
+                    seg, x, ctx, x_prev, prev_skip, zterms if any_gated else None, gated,
                     self._forced_runs(seg, gated, step, rows), thresholds, policy, write_skipped)
                 for k, lk in enumerate(seg):
                     part = slice(k * b, (k + 1) * b)

@@ -332,6 +332,39 @@ __attribute__((target("avx2,fma"))) void head256(const float* q, const float* K,
   for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], iz));
 }
 #endif
+
+// K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i]
+void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
+              const int64_t* I, const int64_t* L, float* KC, float* VC, int64_t Hkv, int64_t C, int64_t hd) {
+  const int64_t rs = Hkv * C * hd, hs = C * hd;  // cache row and head strides
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t at_ = I[i] * rs + g * hs + L[i] * hd;
+      std::copy_n(K + i * ks0 + g * ks1, hd, KC + at_);
+      std::copy_n(V + i * vs0 + g * vs1, hd, VC + at_);
+    }
+}
+
+// m queries (row j, head h at Q + j * qs0 + h * qs1) attend over slots 0..L[j] of cache row I[j] (GQA), one task
+// per (row, head); O (m, H * hd), the heads side by side
+void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+            const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa,
+            float* O) {
+  auto head = head_scalar;
+#ifdef FBS_X86
+  if (isa == 2 && hd % 16 == 0 && hd <= kMaxHd) head = head512;
+  else if (isa >= 1 && hd % 8 == 0 && hd <= kMaxHd) head = head256;
+#endif
+  const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
+  at::parallel_for(0, m * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(C);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = t / H, h = t % H;
+      const int64_t kv = I[j] * rs + (h / group) * hs;
+      head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, L[j] + 1, hd, scale, p.data(), O + j * H * hd + h * hd);
+    }
+  });
+}
 }  // namespace fbs_attn
 
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
@@ -348,33 +381,11 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t* L = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && L[i] >= 0 && L[i] < C, "fbs attention kernel: slot out of range");
-  float* KC = kc.data_ptr<float>();
-  float* VC = vc.data_ptr<float>();
-  const int64_t rs = Hkv * C * hd, hs = C * hd;  // cache row and head strides
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const int64_t at_ = I[i] * rs + g * hs + L[i] * hd;
-      std::copy_n(k.data_ptr<float>() + i * k.stride(0) + g * k.stride(1), hd, KC + at_);
-      std::copy_n(v.data_ptr<float>() + i * v.stride(0) + g * v.stride(1), hd, VC + at_);
-    }
+  fbs_attn::write_kv(k.data_ptr<float>(), k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), b,
+                     I, L, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv, C, hd);
   auto out = at::empty({b, 1, H * hd}, q.options());
-  float* O = out.data_ptr<float>();
-  const float* Q = q.data_ptr<float>();
-  const int64_t group = H / Hkv;
-  auto head = fbs_attn::head_scalar;
-#ifdef FBS_X86
-  if (isa == 2 && hd % 16 == 0 && hd <= fbs_attn::kMaxHd) head = fbs_attn::head512;
-  else if (isa >= 1 && hd % 8 == 0 && hd <= fbs_attn::kMaxHd) head = fbs_attn::head256;
-#endif
-  at::parallel_for(0, b * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(C);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / H, h = t % H;
-      const int64_t kv = I[i] * rs + (h / group) * hs;
-      head(Q + i * q.stride(0) + h * q.stride(1), KC + kv, VC + kv, L[i] + 1, hd, float(scale), p.data(),
-           O + i * H * hd + h * hd);
-    }
-  });
+  fbs_attn::attend(q.data_ptr<float>(), q.stride(0), q.stride(1), I, L, b, H, kc.data_ptr<float>(),
+                   vc.data_ptr<float>(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>());
   return out;
 }
 """
@@ -400,6 +411,14 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 void scale(const float* x, const float* w, float r, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] = w[d] * (x[d] * r);
 }
+
+// HF's RMSNorm of n rows of d floats: y = w * (x * rsqrt(mean(x^2) + eps))
+void rows(const float* x, const float* w, float eps, float* y, int64_t n, int64_t d) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float r = 1.0f / std::sqrt(sumsq(x + i * d, d) / float(d) + eps);
+    scale(x + i * d, w, r, y + i * d, d);
+  }
+}
 }  // namespace fbs_norm
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -411,10 +430,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* X = x.data_ptr<float>();
   const float* W = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  for (int64_t i = 0; i < rows; ++i) {
-    const float r = 1.0f / std::sqrt(fbs_norm::sumsq(X + i * d, d) / float(d) + float(eps));
-    fbs_norm::scale(X + i * d, W, r, Y + i * d, d);
-  }
+  fbs_norm::rows(X, W, float(eps), Y, rows, d);
   return y;
 }
 """
@@ -532,13 +548,6 @@ const float* fp32(const at::Tensor& t, int64_t n, const char* what) {
   return t.data_ptr<float>();
 }
 
-void rms(const float* x, const float* w, float eps, float* y, int64_t rows, int64_t d) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float r = 1.0f / std::sqrt(fbs_norm::sumsq(x + i * d, d) / float(d) + eps);
-    fbs_norm::scale(x + i * d, w, r, y + i * d, d);
-  }
-}
-
 // x (hd) rotated in place: x * cos + roll(x, hd / 2) * sin_signed (fbs.fused._rope)
 void rope(float* x, const float* c, const float* s, int64_t hd) {
   float t[256];
@@ -626,7 +635,7 @@ struct Layer {
   // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
   void attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
                       const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const {
-    const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
+    const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2);
     std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
     for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
     mm(xs.data(), m, q, qv.data(), st.isa);
@@ -636,23 +645,10 @@ struct Layer {
       if (QB) for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
       for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
     }
-    auto head = fbs_attn::head_scalar;
-#ifdef FBS_X86
-    if (st.isa == 2 && hd % 16 == 0) head = fbs_attn::head512;
-    else if (st.isa >= 1 && hd % 8 == 0) head = fbs_attn::head256;
-#endif
-    const int64_t group = heads / nkv;
-    const float* KC = kc.data_ptr<float>();
-    const float* VC = vc.data_ptr<float>();
-    at::parallel_for(0, m * heads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> p(C);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t j = t / heads, hh = t % heads, i = sel[j];
-        const int64_t kv = st.idx[i] * rs + (hh / group) * hs;
-        head(qv.data() + j * qw + hh * hd, KC + kv, VC + kv, SL[i] + 1, hd, scale, p.data(),
-             att.data() + j * qw + hh * hd);
-      }
-    });
+    std::vector<int64_t> rows(m), lens(m);  // each query's cache row and last slot
+    for (int64_t j = 0; j < m; ++j) { rows[j] = st.idx[sel[j]]; lens[j] = SL[sel[j]]; }
+    fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr<float>(), vc.data_ptr<float>(),
+                     nkv, C, hd, scale, st.isa, att.data());
     mm(att.data(), m, o, H, st.isa);
     for (int64_t j = 0; j < m; ++j) {
       const float* xi = X + sel[j] * d;
@@ -664,7 +660,7 @@ struct Layer {
   // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
   void ffn_rows(float* H, int64_t m, int64_t isa) const {
     std::vector<float> hn(m * d), ff(m * 2 * inter), act(m * inter), dv(m * d);
-    rms(H, ln2.data_ptr<float>(), eps, hn.data(), m, d);
+    fbs_norm::rows(H, ln2.data_ptr<float>(), eps, hn.data(), m, d);
     mm(hn.data(), m, gu, ff.data(), isa);
     for (int64_t j = 0; j < m; ++j) {
       const float* gj = ff.data() + j * 2 * inter;
@@ -688,7 +684,7 @@ struct Layer {
       TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C,
                   "fbs native layer: slot out of range");
     std::vector<float> xn(b * d), y(b * nk);
-    rms(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
+    fbs_norm::rows(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
     mm(xn.data(), b, kvg, y.data(), st.isa);
     if (kvg_b.defined()) {
       const float* B = kvg_b.data_ptr<float>();
@@ -848,13 +844,8 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
     for (const at::Tensor* t : {&*k, &*v})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == b && t->size(1) == L.nkv &&
                   t->size(3) == L.hd && t->stride(3) == 1, "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
-    const int64_t C = kc.size(2), rs = L.nkv * C * L.hd, hs = C * L.hd;
-    for (int64_t i = 0; i < b; ++i)
-      for (int64_t g = 0; g < L.nkv; ++g) {
-        const int64_t at_ = st.idx[i] * rs + g * hs + SL[i] * L.hd;
-        std::copy_n(k->data_ptr<float>() + i * k->stride(0) + g * k->stride(1), L.hd, kc.data_ptr<float>() + at_);
-        std::copy_n(v->data_ptr<float>() + i * v->stride(0) + g * v->stride(1), L.hd, vc.data_ptr<float>() + at_);
-      }
+    fbs_attn::write_kv(k->data_ptr<float>(), k->stride(0), k->stride(1), v->data_ptr<float>(), v->stride(0),
+                       v->stride(1), b, st.idx, SL, kc.data_ptr<float>(), vc.data_ptr<float>(), L.nkv, kc.size(2), L.hd);
   } else {
     std::vector<float> y(b * nk);
     L.mm(XN, b, L.kvg, y.data(), isa);
