@@ -105,7 +105,7 @@ def test_peak_rss_sees_an_allocation():
 
 
 def test_bench_config_validates():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="new_tokens must be >= 1, got 0"):
         BenchConfig(new_tokens=0)
 
 

@@ -66,7 +66,7 @@ def test_per_item_metrics():
                                                                            base_nll=1.0)]
     assert per_item_metrics(stuck, base)["stuck"] == [1.0, 0.0]  # an answer that ended with EOS is not stuck
     assert v["rouge_l"] == pytest.approx([4 / 7, 1.0]) and v["base_nll"] == [3.0, 2.0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be for the same items in the same order"):
         per_item_metrics(sys_[::-1], base)
 
 

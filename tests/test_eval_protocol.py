@@ -226,5 +226,5 @@ def test_eval_run_protocol_end_to_end(tmp_path, monkeypatch, capsys):
     rec = load_record(out)
     assert list(rec["tasks"]) == ["toy", "toy2"] and rec["tasks"]["toy2"].n == 3
     assert set(rec["protocol"]["tasks"]) == {"toy", "toy2"} and "cmmlu" in rec["protocol"]["not_run"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="--limit and --protocol exclude each other"):
         main(argv + ["--limit", "3"])

@@ -197,7 +197,7 @@ def test_write_tau_into_a_checkpoint(tmp_path):
     cfg = json.loads((tmp_path / "ckpt" / "fbs_config.json").read_text())
     assert cfg["tau"] == 0.4242 and cfg["extra"]["tau_calibration"]["target"] == 0.3
     assert FBSForCausalLM.from_pretrained(tmp_path / "ckpt", base=tiny_hf()).config.tau == 0.4242
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="is not an FBS checkpoint \\(no fbs_config.json\\)"):
         write_tau(tmp_path, 0.5, {})
 
 

@@ -66,8 +66,13 @@ def tiny_model(positions: int = 2048):
 
 @pytest.fixture(scope="module")
 def model():
+    """The tiny model on one torch thread (fastest at this size); the thread count is restored afterwards."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return tiny_model()
+    try:
+        yield tiny_model()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +292,7 @@ def _raw_post(url: str, data: bytes) -> tuple[int, dict]:
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(client, kwargs, status, param):
     args = dict(model=NAME, prompt=[1, 2, 3], max_tokens=4) | kwargs
-    with pytest.raises(openai.APIStatusError) as info:
+    with pytest.raises(openai.APIStatusError, match=f"^Error code: {status} - .*{param.split('_')[0]}") as info:
         client.completions.create(**args)
     assert info.value.status_code == status
     assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
@@ -299,7 +304,7 @@ def test_malformed_json_and_chat_over_context(server, client):
     assert code == 400 and "not valid JSON" in body["error"]["message"]
     code, body = _raw_post(server.url + "/chat/completions", json.dumps({"model": NAME, "messages": "hi"}).encode())
     assert code == 400 and body["error"]["param"] == "messages"
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.BadRequestError, match="^Error code: 400 - .*context length") as info:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x" * 600}])
     assert info.value.body["param"] == "messages" and "context length" in info.value.body["message"]
     code, body = _raw_post(server.url + "/nowhere", b"{}")
@@ -316,7 +321,7 @@ def test_disconnect_frees_the_slot_and_a_full_queue_refuses(model):
         stream = cl.completions.create(model=NAME, prompt=_ids(3, 8), max_tokens=2000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
         next(iter(stream))  # the request decodes in the only slot
-        with pytest.raises(openai.RateLimitError) as info:
+        with pytest.raises(openai.RateLimitError, match="^Error code: 429 - the server is busy") as info:
             cl.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=2)
         assert info.value.body["code"] == "queue_full"
         stream.close()  # the client goes away mid-generation
@@ -341,7 +346,7 @@ def test_request_timeout_gives_408(model):
     limits = Limits(max_concurrent=1, timeout_s=1e-6, context_length=256)
     with ServerThread(create_app(model, model.tokenizer, NAME, limits)) as srv:
         cl = openai.OpenAI(base_url=srv.url, api_key="test", max_retries=0, timeout=60)
-        with pytest.raises(openai.APIStatusError) as info:
+        with pytest.raises(openai.APIStatusError, match="^Error code: 408 - ") as info:
             cl.completions.create(model=NAME, prompt=[1, 2, 3], max_tokens=50, extra_body={"ignore_eos": True})
         assert info.value.status_code == 408 and info.value.body["code"] == "request_timeout"
         assert _status(srv)["counts"]["timed_out"] == 1
@@ -349,7 +354,7 @@ def test_request_timeout_gives_408(model):
 
 # --------------------------------------------------------------------------- the load test command
 def test_load_test_counts_every_token_without_errors(server):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="only targets loopback addresses"):
         require_loopback("http://10.0.0.1:8000/v1")
     cfg = LoadConfig(clients=(1, 2), modes=("skip", "full"), requests=3, max_tokens=6, warmup=0)
     prompts = [_ids(30 + i, 7) for i in range(3)]

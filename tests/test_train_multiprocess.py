@@ -16,8 +16,8 @@ SPEC.json``), so what runs under two processes is the same ``fbs.train.stage1.tr
 
 The scenario (two launches of three Python processes that import torch and transformers) takes about 30 s of
 CPU in all: 38 s of wall time on a quiet 2-core machine, but 9-17 minutes when other jobs saturate it (hence
-the generous timeouts, which only guard against a hang). The
-in-process checks at the end run with the fast suite.
+the generous timeouts, which only guard against a hang), so its tests are marked slow (``make test-slow``).
+The in-process checks at the end run with the fast suite.
 """
 
 from __future__ import annotations
@@ -203,6 +203,7 @@ def _log(run: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- the checks
+@pytest.mark.slow
 def test_two_processes_train_the_parameters_of_one(runs):
     for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
         (p1, o1), (p2, o2) = _checkpoint(runs["one"], step), _checkpoint(runs["two"], step)
@@ -222,6 +223,7 @@ def test_two_processes_train_the_parameters_of_one(runs):
             assert r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-7), (r1["step"], k)
 
 
+@pytest.mark.slow
 def test_checkpoints_are_written_once_by_the_main_process(runs):
     assert runs["killed"].saves == [(0, 2), (0, 4)]
     assert runs["resumed"].saves == [(0, 6)]
@@ -234,6 +236,7 @@ def test_checkpoints_are_written_once_by_the_main_process(runs):
     assert json.loads((runs["two"] / "train_config.json").read_text())["max_steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_run_and_keeps_the_checkpoints(runs):
     killed = runs["killed"]
     assert killed.returncode != 0
@@ -245,6 +248,7 @@ def test_a_killed_rank_fails_the_run_and_keeps_the_checkpoints(runs):
     assert_params_close(runs["after_kill"]["step-00000004"], _checkpoint(runs["one"], 4)[0], "kept step 4")
 
 
+@pytest.mark.slow
 def test_two_processes_resume_to_the_one_process_result(runs):
     resumed = runs["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -120,9 +120,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     def crash(step, micro):
         if step == 2 and micro == 1:  # in the middle of step 2's gradient accumulation
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt("simulated crash in step 2")
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="simulated crash in step 2"):
         crashed.run(hook=crash)
     assert crashed.step == 2
     resumed = Trainer(cfg, data, base=tiny_hf())
