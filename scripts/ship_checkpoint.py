@@ -20,7 +20,7 @@ SHIPPED = ("fbs_model.safetensors", "adapters.safetensors", "backbone_trainable.
 
 def main(argv: list[str] | None = None) -> int:
     from fbs import FBSConfig, FBSForCausalLM
-    from fbs.model import CONFIG_NAME
+    from fbs.model import CONFIG_NAME, write_manifest
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path, help="export directory (runs/.../final)")
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.src / name).is_file():
             shutil.copyfile(args.src / name, tmp / name)
     (tmp / CONFIG_NAME).write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+    write_manifest(tmp)  # size and sha256 of each weights file, verified at every load
     model = FBSForCausalLM.from_pretrained(tmp)
     assert model.config.tau == args.tau
     shutil.rmtree(args.dst, ignore_errors=True)

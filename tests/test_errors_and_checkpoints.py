@@ -65,7 +65,7 @@ def test_checkpoint_roundtrip_and_wrong_base(tmp_path):
     model = randomize(fbs_tiny(seed=0))
     ids = torch.randint(0, 255, (1, 16), generator=torch.Generator().manual_seed(0))
     model.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fbs_config.json", "fbs_model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fbs_config.json", "fbs_manifest.json", "fbs_model.safetensors"]
     loaded = FBSForCausalLM.from_pretrained(tmp_path, base=model.base.hf).eval()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fbs import FBSConfig, FBSForCausalLM, loading
 from fbs.lora import ADAPTERS_NAME, LoRALinear, add_adapters
+from fbs.model import write_manifest
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
@@ -57,6 +58,7 @@ def _checkpoint_with_adapters(tmp_path):
     model.save_pretrained(tmp_path)
     save_file({k: v.detach().contiguous() for k, v in model.named_parameters() if "lora_" in k},
               str(tmp_path / ADAPTERS_NAME))
+    write_manifest(tmp_path)  # the adapters were added after save_pretrained recorded the weights files
     return model
 
 

@@ -9,9 +9,10 @@
 from .config import ConfigError, FBSConfig
 from .hf_adapter import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError
 from .model import CheckpointError, FBSForCausalLM, FBSOutput
+from .models import BaseModelError
 
 __all__ = [
-    "FBSConfig", "FBSForCausalLM", "FBSOutput", "ConfigError", "CheckpointError",
+    "FBSConfig", "FBSForCausalLM", "FBSOutput", "ConfigError", "CheckpointError", "BaseModelError",
     "UnsupportedArchitectureError", "SUPPORTED_MODEL_TYPES",
 ]
 __version__ = "0.1.0"

@@ -123,22 +123,56 @@ class KangarooAdapter(nn.Module):
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model=None) -> "KangarooAdapter":
-        """Load an adapter; with ``model``, refuse one made for another base model or shape."""
+    def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "KangarooAdapter":
+        """Load an adapter; with ``model``, refuse one made for another base model or shape, or one that records no
+        base fingerprint unless ``check_base=False``. Every refusal raises :class:`fbs.model.CheckpointError`."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        from .model import CheckpointError
+
         path = Path(path)
-        if not (path / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{path} has no {CONFIG_NAME}: not a Kangaroo adapter (fbs train kangaroo)")
-        info = json.loads((path / CONFIG_NAME).read_text())
-        adapter = cls(**info["shape"])
-        adapter.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
+        cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+        if not cfg_file.is_file() or not w_file.is_file():
+            raise CheckpointError(f"{path} is not a Kangaroo adapter: expected {CONFIG_NAME} and {WEIGHTS_NAME}; pass "
+                                  "the directory `fbs train kangaroo --out-dir` wrote")
+        try:
+            info = json.loads(cfg_file.read_text())
+            adapter = cls(**info["shape"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{cfg_file} is malformed ({e!r}); restore the file `fbs train kangaroo` "
+                                  "wrote") from e
+        try:
+            sd = load_file(str(w_file))
+        except SafetensorError as e:
+            raise CheckpointError(f"{w_file} is not a readable safetensors file ({e}): it is truncated or damaged; "
+                                  "copy the adapter again or retrain it (fbs train kangaroo)") from e
+        own = {k: tuple(v.shape) for k, v in adapter.state_dict().items()}
+        shapes = [f"{k}: file {tuple(v.shape)}, {CONFIG_NAME} {own[k]}" for k, v in sorted(sd.items())
+                  if k in own and tuple(v.shape) != own[k]]
+        if set(sd) != set(own) or shapes:
+            raise CheckpointError(
+                f"{w_file} does not match the shape in {CONFIG_NAME}: missing {sorted(set(own) - set(sd))}, "
+                f"unexpected {sorted(set(sd) - set(own))}, shape mismatches {shapes}; restore the files "
+                "`fbs train kangaroo` wrote together")
+        adapter.load_state_dict(sd)
         if model is not None:
             spec, fp = model.base.spec, getattr(model.config, "base_fingerprint", None)
-            if (adapter.norm_in.numel(), adapter.num_heads, adapter.head_dim) != \
-                    (spec.hidden_size, spec.num_heads, spec.head_dim) or adapter.exit_layer >= spec.num_layers:
-                raise ValueError(f"the adapter in {path} does not fit this model's shapes")
-            if fp and info.get("base_fingerprint") and fp != info["base_fingerprint"]:
-                raise ValueError(f"the adapter in {path} was trained for another base model")
+            have = (adapter.norm_in.numel(), adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
+            want = (spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            if have != want or adapter.exit_layer >= spec.num_layers:
+                raise CheckpointError(
+                    f"the adapter in {path} does not fit this model's shapes: adapter (hidden, heads, kv heads, "
+                    f"head dim) = {have} exiting after layer {adapter.exit_layer}, model {want} with "
+                    f"{spec.num_layers} layers; train an adapter for this model (fbs train kangaroo)")
+            optout = "pass check_base=False only if you know it was trained on this base"
+            if check_base and not info.get("base_fingerprint"):
+                raise CheckpointError(f"the adapter in {path} records no base_fingerprint in {CONFIG_NAME}, so nothing "
+                                      f"shows it was trained for this base model; retrain it, or {optout}")
+            if check_base and fp != info["base_fingerprint"]:
+                raise CheckpointError(
+                    f"the adapter in {path} was trained for another base model (fingerprint "
+                    f"{info['base_fingerprint']}, this model's base has {fp}); train an adapter for this base "
+                    f"(fbs train kangaroo), or {optout}")
             adapter = adapter.to(device=model.base.embedding_weight.device, dtype=model.base.embedding_weight.dtype)
         return adapter.eval()

@@ -9,7 +9,8 @@ Public entry points:
     shipped_checkpoint(base)                    the FBS weights shipped in the package for a bundled base, or None
     choose_checkpoint(base, checkpoint, shipped)  the checkpoint load_fbs uses (None: fresh modules)
     load_fbs(base, checkpoint, shipped=..., config=..., **overrides)   -> FBSForCausalLM
-    load_checkpoint(path, base, tokenizer, **overrides)                -> FBSForCausalLM
+    load_checkpoint(path, base, tokenizer, check_base=True, check_integrity=True, **overrides) -> FBSForCausalLM
+    verify_checkpoint(path)                     the weights files match the checkpoint's integrity record
     changes_backbone(path)                      the checkpoint changes backbone weights (adapters, tensors)
     add_model_arguments(parser) / load_from_args(args)   the model options shared by every ``fbs`` command
 """
@@ -28,8 +29,8 @@ from torch import nn
 
 from .config import FBSConfig
 from .lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters, merge_adapters
-from .model import BACKBONE_NAME, CONFIG_NAME, WEIGHTS_NAME, CheckpointError, FBSForCausalLM
-from .models import DEFAULT_BASE
+from .model import BACKBONE_NAME, CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME, CheckpointError, FBSForCausalLM
+from .models import DEFAULT_BASE, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +64,20 @@ def choose_checkpoint(base, checkpoint: str | os.PathLike | None = None, shipped
 
 
 def load_fbs(base=DEFAULT_BASE, checkpoint: str | os.PathLike | None = None, *, shipped: bool = True,
-             config: FBSConfig | None = None, tokenizer=None, **overrides) -> FBSForCausalLM:
+             config: FBSConfig | None = None, tokenizer=None, check_base: bool = True, check_integrity: bool = True,
+             **overrides) -> FBSForCausalLM:
     """The FBS model over ``base`` (bundled name, HF directory or HF model instance).
 
     From ``checkpoint`` if given; else from the weights shipped for a bundled base unless ``shipped=False``;
     else fresh modules built from ``config`` (default ``FBSConfig()``; ignored when a checkpoint is loaded).
-    ``overrides`` (tau, kv_policy, never_skip_*) apply in every case.
+    ``overrides`` (tau, kv_policy, never_skip_*) apply in every case; ``check_base`` / ``check_integrity``
+    as in :func:`load_checkpoint`.
     """
     ckpt = choose_checkpoint(base, checkpoint, shipped)
     if ckpt is not None:
         logger.info("loading FBS checkpoint %s", ckpt)
-        return load_checkpoint(ckpt, base=base, tokenizer=tokenizer, **overrides)
+        return load_checkpoint(ckpt, base=base, tokenizer=tokenizer, check_base=check_base,
+                               check_integrity=check_integrity, **overrides)
     return FBSForCausalLM.from_base(base, config=(config or FBSConfig()).replace(**overrides), tokenizer=tokenizer)
 
 
@@ -86,40 +90,144 @@ def changes_backbone(path: str | os.PathLike) -> bool:
 def _read_config(path: Path) -> FBSConfig:
     cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     if not cfg_file.is_file() or not w_file.is_file():
-        raise CheckpointError(f"{path} is not an FBS checkpoint: expected {CONFIG_NAME} and {WEIGHTS_NAME}")
+        raise CheckpointError(f"{path} is not an FBS checkpoint: expected {CONFIG_NAME} and {WEIGHTS_NAME}; pass the "
+                              "directory that save_pretrained (or a training export) wrote")
     try:
-        return FBSConfig.from_dict(json.loads(cfg_file.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{cfg_file} is malformed: {e}") from e
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}): the file is damaged or was edited by hand; "
+                              "restore the config saved with the weights") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file} holds a JSON {type(raw).__name__}, not an object of FBSConfig fields; "
+                              "restore the config saved with the weights")
+    try:
+        return FBSConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_file} is malformed: {e}; restore the config saved with the weights") from e
 
 
-def load_checkpoint(path: str | os.PathLike, base=None, tokenizer=None, **overrides) -> FBSForCausalLM:
+def _integrity_fix(path: Path) -> str:
+    return (f"if you trust the files, record them with `python -c \"from fbs.model import write_manifest; "
+            f"write_manifest('{path}')\"` or load with check_integrity=False (CLI: --no-integrity-check)")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Refuse a checkpoint whose weights files do not match its integrity record (:data:`fbs.model.MANIFEST_NAME`,
+    written by ``save_pretrained`` and :func:`fbs.model.write_manifest`): a file listed there that is missing, of
+    another size (truncated) or with another sha256 (modified), a weights file the loader reads that is not
+    listed, or no record at all. Raises :class:`CheckpointError`."""
+    path = Path(path)
+    record = path / MANIFEST_NAME
+    if not record.is_file():
+        raise CheckpointError(f"{path} has no integrity record ({MANIFEST_NAME}), so its weights cannot be verified "
+                              f"(it was saved before checkpoints recorded sha256s, or the record was deleted); "
+                              f"{_integrity_fix(path)}")
+    try:
+        files = json.loads(record.read_text())["files"]
+        expected = {name: (int(r["bytes"]), str(r["sha256"])) for name, r in files.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{record} is malformed ({e!r}); {_integrity_fix(path)}") from e
+    unlisted = [n for n in (WEIGHTS_NAME, ADAPTERS_NAME, BACKBONE_NAME) if (path / n).is_file() and n not in expected]
+    if unlisted:
+        raise CheckpointError(f"{path}: weights files {unlisted} are not in its integrity record ({MANIFEST_NAME}): "
+                              f"they were added or renamed after the checkpoint was saved; {_integrity_fix(path)}")
+    for name, (size, digest) in sorted(expected.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing but listed in {MANIFEST_NAME}: the checkpoint was copied "
+                                  "incompletely; copy the whole directory again")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{f} is truncated or damaged: {f.stat().st_size} bytes, the integrity record says "
+                                  f"{size}; copy or download the checkpoint again")
+        actual = sha256_file(f)
+        if actual != digest:
+            raise CheckpointError(f"{f} was modified after it was saved: sha256 {actual}, the integrity record says "
+                                  f"{digest}; restore the original file (or {_integrity_fix(path)})")
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; a truncated or damaged one raises :class:`CheckpointError`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}): it is truncated or damaged; "
+                              "copy or download the checkpoint again") from e
+
+
+def _check_base(path: Path, cfg: FBSConfig, fingerprint: str | None) -> None:
+    """The checkpoint records the fingerprint of the base it was trained on, and the given base's ``fingerprint``
+    equals it (None: the base is not loaded yet; only the record is checked)."""
+    optout = "load with check_base=False (CLI: --no-base-check) only if you know the base is the right one"
+    if not cfg.base_fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} records no base_fingerprint in {CONFIG_NAME}, so nothing shows it belongs to the "
+            f"given base model; restore the config saved with the weights, or {optout}")
+    if fingerprint is not None and fingerprint != cfg.base_fingerprint:
+        raise CheckpointError(
+            f"checkpoint {path} was trained on base {cfg.base_model!r} (fingerprint {cfg.base_fingerprint}), "
+            f"but the given base has fingerprint {fingerprint}; load it with the base it was made for, or {optout}"
+        )
+
+
+def _check_tensors(file: Path, sd: dict[str, torch.Tensor], model: FBSForCausalLM) -> None:
+    """The tensors in ``file`` are exactly the FBS modules the config builds, with their shapes."""
+    want = {k: tuple(v.shape) for k, v in model.fbs_state_dict().items()}
+    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    shapes = [f"{k}: file {tuple(sd[k].shape)}, model {want[k]}" for k in sorted(set(want) & set(sd))
+              if tuple(sd[k].shape) != want[k]]
+    if missing or unexpected or shapes:
+        problems = [f"missing tensors {missing}" if missing else "", f"unexpected tensors {unexpected}" if unexpected
+                    else "", f"shape mismatches [{'; '.join(shapes)}]" if shapes else ""]
+        raise CheckpointError(
+            f"{file} does not match the modules that {CONFIG_NAME} and the base model build: "
+            f"{', '.join(p for p in problems if p)}; the config was changed after saving or the weights belong to "
+            "another checkpoint: restore the config saved with these weights")
+
+
+def load_checkpoint(path: str | os.PathLike, base=None, tokenizer=None, *, check_base: bool = True,
+                    check_integrity: bool = True, **overrides) -> FBSForCausalLM:
     """Load an FBS checkpoint onto its base model (``base`` defaults to the name recorded in it).
 
     ``base`` may be a name, a directory or an HF model instance. An instance is shared (no copy) unless the
     checkpoint changes backbone weights (Stage-1 adapters or trained tensors): then the model works on a
     deep copy, so the caller's model keeps computing the base model. Adapters are merged into the weights
-    (no decode overhead). ``overrides`` replace inference-time config fields (tau, kv_policy, never_skip_*)."""
-    from safetensors.torch import load_file
+    (no decode overhead). ``overrides`` replace inference-time config fields (tau, kv_policy, never_skip_*).
 
+    Refused with :class:`CheckpointError`: a malformed config; weights files that do not match the integrity
+    record (:func:`verify_checkpoint`; ``check_integrity=False`` skips it); a checkpoint without a base
+    fingerprint or with another base's (``check_base=False`` skips this check); missing, unexpected or
+    misshapen tensors; unreadable safetensors files."""
     path = Path(path)
     cfg = _read_config(path)
     bad = sorted(set(overrides) & STRUCTURAL)
     if bad:
         raise CheckpointError(f"cannot override structural fields {bad} when loading a trained checkpoint")
+    if check_integrity:
+        verify_checkpoint(path)
+    else:
+        logger.warning("%s: integrity check skipped (check_integrity=False)", path)
+    if check_base:
+        _check_base(path, cfg, None)  # a checkpoint without a fingerprint is refused before any base is loaded
+    else:
+        logger.warning("%s: base-model check skipped (check_base=False)", path)
     if isinstance(base, nn.Module) and changes_backbone(path):
         # FBS calls the base's own modules: applying adapters or trained tensors to the caller's model would
         # silently change it (e.g. a benchmark's HF baseline running this checkpoint's adapters).
         logger.info("%s changes the backbone: loading it onto a copy of the given base model", path)
         base = copy.deepcopy(base)
+    if base is None and not cfg.base_model:
+        raise CheckpointError(f"checkpoint {path} records no base_model in {CONFIG_NAME}; pass the base model "
+                              "it was trained on (base=...; CLI: --model)")
     model = FBSForCausalLM.from_base(base if base is not None else cfg.base_model, config=cfg, tokenizer=tokenizer)
-    if cfg.base_fingerprint and model.config.base_fingerprint != cfg.base_fingerprint:
-        raise CheckpointError(
-            f"checkpoint {path} was trained on base {cfg.base_model!r} (fingerprint {cfg.base_fingerprint}), "
-            f"but the given base has fingerprint {model.config.base_fingerprint}; load it with the base it was made for"
-        )
+    if check_base:
+        _check_base(path, cfg, model.config.base_fingerprint)
     w_file = path / WEIGHTS_NAME
-    missing, unexpected = _load_fbs_state(model, load_file(w_file))
+    sd = _read_tensors(w_file)
+    _check_tensors(w_file, sd, model)
+    missing, unexpected = _load_fbs_state(model, sd)
     if missing or unexpected:
         raise CheckpointError(f"{w_file} does not match the config: missing {missing}, unexpected {unexpected}")
     _apply_backbone_deltas(model, path)
@@ -148,8 +256,6 @@ def _apply_backbone_deltas(model: FBSForCausalLM, path: Path) -> None:
     """Apply what Stage-1 trained in the backbone, if the checkpoint has it: LoRA adapters
     (``adapters.safetensors``, merged into the weights) and other trained backbone tensors
     (``backbone_trainable.safetensors``). Only called on a base the model owns."""
-    from safetensors.torch import load_file
-
     meta = model.config.extra.get("stage1", {})
     if (path / ADAPTERS_NAME).is_file():
         load_adapters(model, path, meta.get("lora_rank", 8), meta.get("lora_alpha", 16.0),
@@ -157,9 +263,15 @@ def _apply_backbone_deltas(model: FBSForCausalLM, path: Path) -> None:
         merge_adapters(model.base.layers)
     backbone = path / BACKBONE_NAME
     if backbone.is_file():
-        res = model.load_state_dict(load_file(str(backbone)), strict=False)
-        if res.unexpected_keys:
-            raise CheckpointError(f"{backbone} has unknown tensors {res.unexpected_keys[:5]}")
+        sd, own = _read_tensors(backbone), model.state_dict()
+        unknown = sorted(set(sd) - set(own))
+        shapes = [f"{k}: file {tuple(v.shape)}, model {tuple(own[k].shape)}" for k, v in sorted(sd.items())
+                  if k in own and v.shape != own[k].shape]
+        if unknown or shapes:
+            raise CheckpointError(f"{backbone} does not fit this backbone: unknown tensors {unknown[:5]}, shape "
+                                  f"mismatches {shapes[:5]}; it was trained on another base model: load the "
+                                  "checkpoint with the base it was made for")
+        model.load_state_dict(sd, strict=False)
 
 
 # --------------------------------------------------------------------------- command-line options
@@ -173,9 +285,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="ignore shipped weights: untrained FBS modules")
     p.add_argument("--tau", type=float, help="skip threshold (default: the checkpoint's operating point)")
     p.add_argument("--kv-policy", choices=("hole", "project"), help="KV cache policy for skipped layers")
+    p.add_argument("--no-base-check", action="store_true",
+                   help="load a checkpoint that records no base-model fingerprint, or another base's (unsafe)")
+    p.add_argument("--no-integrity-check", action="store_true",
+                   help="load a checkpoint whose weights files do not match (or lack) its sha256 record (unsafe)")
 
 
 def load_from_args(args: argparse.Namespace) -> FBSForCausalLM:
     """The model :func:`add_model_arguments`' options ask for."""
     overrides = {k: v for k, v in (("tau", args.tau), ("kv_policy", args.kv_policy)) if v is not None}
+    if getattr(args, "no_base_check", False):
+        overrides["check_base"] = False
+    if getattr(args, "no_integrity_check", False):
+        overrides["check_integrity"] = False
     return load_fbs(args.model, args.checkpoint, shipped=not args.fresh, **overrides)

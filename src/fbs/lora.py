@@ -68,15 +68,31 @@ def add_adapters(layers: nn.ModuleList, rank: int = 8, alpha: float = 16.0,
 
 def load_adapters(model: nn.Module, path: str | os.PathLike, rank: int, alpha: float,
                   targets: tuple[str, ...] = DEFAULT_TARGETS) -> None:
-    """Wrap ``model.base.layers`` and load ``adapters.safetensors`` from ``path`` (strict on LoRA keys)."""
+    """Wrap ``model.base.layers`` and load ``adapters.safetensors`` from ``path`` (strict on LoRA keys and shapes).
+
+    Adapters that do not fit the backbone (other layers, targets, rank or widths) or an unreadable file raise
+    :class:`fbs.model.CheckpointError`."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    sd = load_file(str(Path(path) / ADAPTERS_NAME))
+    from .model import CheckpointError
+
+    file = Path(path) / ADAPTERS_NAME
+    try:
+        sd = load_file(str(file))
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({e}): it is truncated or damaged; "
+                              "copy or download the checkpoint again") from e
     add_adapters(model.base.layers, rank, alpha, targets)
     own = {k: p for k, p in model.named_parameters() if "lora_" in k}
-    if set(own) != set(sd):
-        raise ValueError(f"adapter keys differ: missing {sorted(set(own) - set(sd))[:3]}, "
-                         f"unexpected {sorted(set(sd) - set(own))[:3]}")
+    shapes = [f"{k}: file {tuple(sd[k].shape)}, backbone {tuple(p.shape)}" for k, p in sorted(own.items())
+              if k in sd and sd[k].shape != p.shape]
+    if set(own) != set(sd) or shapes:
+        raise CheckpointError(
+            f"the LoRA adapters in {file} do not fit this backbone (rank {rank}, targets {list(targets)}): missing "
+            f"{sorted(set(own) - set(sd))[:3]}, unexpected {sorted(set(sd) - set(own))[:3]}, shape mismatches "
+            f"{shapes[:3]}; load the checkpoint onto the base model it was trained on, with the lora_rank / "
+            "lora_targets recorded in its config (extra.stage1)")
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(sd[k])

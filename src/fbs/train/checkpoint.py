@@ -5,7 +5,8 @@ A checkpoint is a directory ``step-{step:08d}`` holding
 * ``trainable.safetensors``  the trainable parameters by name (``model.named_parameters()``),
 * ``optimizer.safetensors``  the optimizer's per-parameter tensors, keyed ``{index}.{name}``,
 * ``rng.safetensors``        torch CPU (and CUDA) RNG states plus named ``torch.Generator`` states,
-* ``trainer_state.json``     step, data position, optimizer param groups, Python RNG state, config.
+* ``trainer_state.json``     step, data position, optimizer param groups, Python RNG state, config, and the
+                             size and sha256 of each ``.safetensors`` file (verified on load).
 
 It is written into a temporary sibling and renamed into place, then ``latest`` (a one-line file naming
 the directory) is replaced atomically, so a crash at any moment leaves the previous checkpoint intact.
@@ -26,7 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from ..model import CheckpointError
+from ..models import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, params: dict[str, torch.
     opt_tensors, opt_meta = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(rng["tensors"], str(tmp / "rng.safetensors"))
-    state = {**trainer_state, "step": step, "optimizer": opt_meta, "python_random": rng["python"]}
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.glob("*.safetensors"))}
+    state = {**trainer_state, "step": step, "optimizer": opt_meta, "python_random": rng["python"], "files": files}
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -145,20 +151,26 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 def load_checkpoint(path: str | os.PathLike, named_params: dict[str, torch.nn.Parameter],
                     optimizer: torch.optim.Optimizer, generators: dict[str, torch.Generator] | None = None,
                     restore_rng: bool = True) -> dict[str, Any]:
-    """Restore parameters, optimizer and RNG states in place; returns the trainer state dict."""
+    """Restore parameters, optimizer and RNG states in place; returns the trainer state dict.
+
+    A damaged checkpoint (malformed state, a file whose size or sha256 differs from the recorded one, an
+    unreadable safetensors file) or one of another trainable set raises :class:`fbs.model.CheckpointError`."""
     path = Path(path)
-    params = load_file(str(path / "trainable.safetensors"))
+    state = _read_state(path)
+    params = _read_tensors(path / "trainable.safetensors")
     missing, unexpected = sorted(set(named_params) - set(params)), sorted(set(params) - set(named_params))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the trainable set: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]} (same trainable/lora settings needed to resume)")
+    shapes = [f"{k}: checkpoint {tuple(params[k].shape)}, model {tuple(p.shape)}" for k, p in named_params.items()
+              if k in params and params[k].shape != p.shape]
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"checkpoint {path} does not match the trainable set: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}, shape mismatches {shapes[:5]} (same model, "
+                              "trainable and lora settings needed to resume; or start a new out_dir)")
     with torch.no_grad():
         for k, p in named_params.items():
             p.copy_(params[k].to(p.device, p.dtype))
-    state = json.loads((path / "trainer_state.json").read_text())
-    _load_optimizer(optimizer, load_file(str(path / "optimizer.safetensors")), state["optimizer"])
+    _load_optimizer(optimizer, _read_tensors(path / "optimizer.safetensors"), state["optimizer"])
     if restore_rng:
-        rng = load_file(str(path / "rng.safetensors"))
+        rng = _read_tensors(path / "rng.safetensors")
         torch.set_rng_state(rng["torch"])
         if torch.cuda.is_available():
             cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
@@ -169,6 +181,33 @@ def load_checkpoint(path: str | os.PathLike, named_params: dict[str, torch.nn.Pa
                 g.set_state(rng[f"gen.{name}"])
         random.setstate(_to_tuple(state["python_random"]))
     return state
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of the checkpoint at ``path``, after checking its tensor files against the sizes
+    and sha256s it records (checkpoints written before the record existed are not checked)."""
+    state_file = path / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text())
+        files = state.get("files", {})
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{state_file} is missing or malformed ({e!r}); resume from an earlier checkpoint "
+                              f"(point {path.parent / LATEST} at it) or start a new out_dir") from e
+    for name, rec in sorted(files.items()):
+        f = path / name
+        if not f.is_file() or f.stat().st_size != rec["bytes"] or sha256_file(f) != rec["sha256"]:
+            raise CheckpointError(f"{f} is missing, truncated or modified (its size or sha256 differs from "
+                                  f"{state_file.name}); resume from an earlier checkpoint (point "
+                                  f"{path.parent / LATEST} at it) or start a new out_dir")
+    return state
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, FileNotFoundError) as e:
+        raise CheckpointError(f"{file} is missing or not a readable safetensors file ({e}); resume from an earlier "
+                              "checkpoint or start a new out_dir") from e
 
 
 def _py_random_state() -> list:

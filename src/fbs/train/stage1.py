@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import FBSForCausalLM
 from ..loading import load_checkpoint, load_fbs
-from ..model import BACKBONE_NAME, SkipTraining
+from ..model import BACKBONE_NAME, SkipTraining, write_manifest
 from ..modules.gate import relative_updates
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -767,6 +767,7 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
                 if p.requires_grad and id(p) not in fbs_ids and "lora_" not in n}
     if backbone:
         save_file(backbone, str(path / BACKBONE_NAME))
+    write_manifest(path)  # the integrity record covers the adapters / backbone tensors written after the FBS weights
     (path / META_NAME).write_text(json.dumps({"config": cfg.to_dict(), "eval": results or []}, indent=1))
     return path
 
