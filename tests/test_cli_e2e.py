@@ -1,0 +1,331 @@
+"""The ``fbs`` command line end to end through ``fbs.cli.main``: ``info``, ``generate``, ``serve``, ``bench`` and
+``bench serve`` on a tiny model saved to disk (an HF directory with a one-character-per-id tokenizer and chat
+template, and an FBS checkpoint over it), and ``info`` / ``generate`` on the real SmolLM2 (slow).
+
+Oracles: the in-memory model the files were written from, through the API (``model.generate`` on the prompt ids
+built by hand from the chat template), and hand-computed parameter counts. With one character per token id,
+equal text means equal tokens.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+import urllib.request
+
+import pytest
+import torch
+
+from fbs.cli import main
+from fbs.quant import FORMATS
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+from test_serve import char_tokenizer, tiny_model  # noqa: E402  (the served tiny model and its tokenizer)
+
+PROMPT = "Where do rivers go?"
+TEMPLATE = "<|user|>{}\n<|assistant|>"  # test_serve's chat template for one user message
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Llama (random, with gates that skip) saved as an HF directory plus an FBS checkpoint; the model
+    object itself is the oracle. One torch thread for the module (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("cli")
+    model = tiny_model(positions=256)
+    model.base.hf.save_pretrained(root / "base")
+    model.tokenizer.save_pretrained(root / "base")
+    model.save_pretrained(root / "ckpt")
+    try:
+        yield types.SimpleNamespace(model=model, base=str(root / "base"), ckpt=str(root / "ckpt"),
+                                    args=["--model", str(root / "base"), "--checkpoint", str(root / "ckpt")])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def chat_ids(text: str = PROMPT) -> list[int]:
+    return char_tokenizer()(TEMPLATE.format(text))["input_ids"]
+
+
+def api_text(model, ids, **opts) -> tuple[object, str]:
+    res = model.generate([ids], **opts)
+    return res, model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
+
+
+def run_cli(capsys, argv, stdin: str | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --------------------------------------------------------------------------- fbs info
+def test_info_json_counts_and_config(saved, capsys):
+    code, out, _ = run_cli(capsys, ["info", *saved.args, "--json"])
+    assert code == 0
+    info = json.loads(out)
+    m = saved.model
+    base = sum(p.numel() for p in {p.data_ptr(): p for p in m.base.hf.parameters()}.values())  # tied: once
+    paw, ch, sg = (sum(p.numel() for p in mod.parameters()) for mod in (m.paw, m.ch, m.gates))
+    assert info["base"] == base and (info["added_paw"], info["added_ch"], info["added_sg"]) == (paw, ch, sg)
+    assert info["added"] == paw + ch + sg and info["added_fraction"] == pytest.approx((paw + ch + sg) / base)
+    cfg = info["config"]
+    assert cfg["base_fingerprint"] == m.config.base_fingerprint and cfg["tau"] == m.config.tau
+    assert cfg["paw_layers"] == [1] and cfg["ch_layers"] == [3] and cfg["k_max"] == 6
+
+    code, out, _ = run_cli(capsys, ["info", *saved.args, "--tau", "0.25", "--kv-policy", "hole"])
+    assert code == 0
+    rows = dict(line.split("  ", 1) for line in out.splitlines())
+    assert rows["PAW layers"].strip() == "(1,)" and rows["CH layers"].strip() == "(3,)"
+    assert rows["tau / KV policy"].strip() == "0.25 / hole" and rows["base parameters"].strip() == f"{base:,}"
+
+
+def test_missing_checkpoint_is_a_clear_error(saved, capsys, tmp_path):
+    code, out, err = run_cli(capsys, ["info", "--model", saved.base, "--checkpoint", str(tmp_path / "none")])
+    assert code == 2 and out == ""
+    assert "is not an FBS checkpoint: expected fbs_config.json and fbs_model.safetensors" in err
+
+
+# --------------------------------------------------------------------------- fbs generate
+def test_generate_from_stdin_json_and_trace_equal_the_api(saved, capsys, monkeypatch):
+    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW)
+    code, out, _ = run_cli(capsys, ["generate", *saved.args, "--max-new-tokens", str(NEW), "--json", "--trace"],
+                           stdin=PROMPT, monkeypatch=monkeypatch)
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["text"] == text and doc["new_tokens"] == len(ref.new_tokens[0])
+    assert 0 < doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio)
+    assert doc["tflops_rel"] == pytest.approx(ref.trace.tflops_rel) and doc["tflops_rel"] < 1
+    assert doc["tau"] == saved.model.config.tau and doc["kv_policy"] == saved.model.config.kv_policy
+    want = ref.trace.to_dict()
+    for key in ("executed", "intended_skip", "window_k", "chunk_boundary", "context_len"):
+        assert doc["trace"][key] == want[key], key
+    torch.testing.assert_close(torch.tensor(doc["trace"]["gate_p"]), torch.tensor(want["gate_p"]))
+    code, out, _ = run_cli(capsys, ["generate", *saved.args, "--max-new-tokens", str(NEW), "--json"],
+                           stdin=PROMPT, monkeypatch=monkeypatch)
+    assert "trace" not in json.loads(out)  # --trace adds it
+
+
+def test_generate_options_reach_the_engine(saved, capsys):
+    """The prompt as an argument, raw text (no chat template), tau / KV policy / force-compute / never-skip."""
+    raw = char_tokenizer()(PROMPT)["input_ids"]
+    cases = [(["--no-chat-template", "--tau", "0.3", "--kv-policy", "hole"], raw, dict(tau=0.3, kv_policy="hole")),
+             (["--force-compute"], chat_ids(), dict(force_compute=True)),
+             (["--never-skip", "2", "--never-skip", "3"], chat_ids(), dict(never_skip=(2, 3)))]
+    for argv, ids, opts in cases:
+        ref, text = api_text(saved.model, ids, max_new_tokens=NEW, **opts)
+        code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json", *argv])
+        doc = json.loads(out)
+        assert code == 0 and doc["text"] == text, argv
+        assert doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio), argv
+    assert doc["skip_ratio"] < json.loads(run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens",
+                                                           str(NEW), "--json"])[1])["skip_ratio"]
+
+
+def test_generate_stop_string_ends_at_the_string(saved, capsys):
+    """``--stop``: generation ends with the token that completes the stop string; oracle: the output without
+    stop strings, cut by hand after the string's first occurrence."""
+    _, full = api_text(saved.model, chat_ids(), max_new_tokens=NEW, ignore_eos=True)
+    stop = full[9:11]
+    want = full[:full.find(stop) + len(stop)]
+    assert len(want) < len(full)
+    code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
+                                    "--stop", stop, "--stop", "never-there"])
+    doc = json.loads(out)
+    assert code == 0 and doc["text"] == want and doc["new_tokens"] == len(want)
+
+
+def test_engine_stop_strings_stop_at_the_string(saved):
+    """``stop_strings`` in the engine: the tokens are the greedy ones up to the token that completes the first
+    stop string to occur, for each row of a batch; without a tokenizer it is refused."""
+    model, tok = saved.model, saved.model.tokenizer
+    prompts = [chat_ids(), chat_ids("Name a colour."), chat_ids("Count to ten")]
+    full = model.generate(prompts, max_new_tokens=40, ignore_eos=True)
+    texts = [tok.decode(t) for t in full.new_tokens]
+    stops = [texts[0][20:23], texts[1][5:7]]
+    res = model.generate(prompts, max_new_tokens=40, ignore_eos=True, stop_strings=stops, tokenizer=tok)
+    for r, text in enumerate(texts):
+        ends = [text.find(s) + len(s) for s in stops if s in text]
+        cut = min(ends) if ends else len(text)
+        assert res.new_tokens[r] == full.new_tokens[r][:cut], r
+    assert len(res.new_tokens[1]) < 40  # the cases stop early
+    bare = type(model).from_base(model.base.hf, config=model.config)
+    with pytest.raises(ValueError, match=r"stop_strings need a tokenizer \(pass tokenizer=\)"):
+        bare.generate(prompts, max_new_tokens=4, stop_strings=stops)
+
+
+def test_generate_stream_prints_the_non_streamed_text(saved, capsys):
+    argv = ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW)]
+    code, plain, _ = run_cli(capsys, argv)
+    assert code == 0
+    code, streamed, _ = run_cli(capsys, argv + ["--stream"])
+    assert code == 0
+    ref, want = api_text(saved.model, chat_ids(), max_new_tokens=NEW)
+    text, summary = plain.rsplit("\n[", 1)
+    assert text == want and summary.startswith(f"{len(ref.new_tokens[0])} tokens | decode")
+    text, summary = streamed.rsplit("\n[", 1)
+    assert text == want and summary.startswith(f"{len(ref.new_tokens[0])} tokens in ")
+
+
+@pytest.mark.parametrize("weights", ("hf",) + FORMATS)
+def test_generate_weights_equal_the_api(saved, capsys, weights):
+    if weights == "fp32-onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("needs torch built with oneDNN")
+    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, weights=weights)
+    code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
+                                    "--weights", weights])
+    doc = json.loads(out)
+    assert code == 0 and doc["text"] == text and doc["new_tokens"] == len(ref.new_tokens[0])
+    assert doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio)
+
+
+def test_generate_rejects_an_empty_prompt(saved, capsys, monkeypatch):
+    code, out, err = run_cli(capsys, ["generate", *saved.args], stdin="  \n", monkeypatch=monkeypatch)
+    assert code == 2 and out == "" and "empty prompt (pass it as an argument or on stdin)" in err
+
+
+# --------------------------------------------------------------------------- fbs serve
+def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
+    """``fbs serve`` with every option: the app it would run (captured instead of binding the port) serves under
+    the given name with the given limits, defaults and model settings; the output of a request equals the API's
+    with those settings."""
+    import openai
+
+    import fbs.serve.app
+    from fbs.serve.app import ServerThread
+
+    captured = {}
+    monkeypatch.setattr(fbs.serve.app, "run", lambda app, host, port, log_level: captured.update(
+        app=app, host=host, port=port, log_level=log_level))
+    threads = torch.get_num_threads()
+    try:
+        code, out, _ = run_cli(capsys, [
+            "serve", *saved.args, "--served-model-name", "tiny", "--max-concurrent", "2", "--max-queue", "5",
+            "--timeout", "90", "--max-tokens", "40", "--context-length", "100", "--batch-policy", "majority",
+            "--weights", "bf16", "--threads", "2", "--tau", "0.4", "--kv-policy", "hole", "--host", "127.0.0.2",
+            "--port", "8123", "--log-level", "warning"])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights bf16, 2 slots, "
+                           "context 100 tokens) at http://127.0.0.2:8123/v1")
+    assert (captured["host"], captured["port"], captured["log_level"]) == ("127.0.0.2", 8123, "warning")
+    with ServerThread(captured["app"]) as srv:
+        with urllib.request.urlopen(srv.url + "/models", timeout=30) as r:
+            assert json.loads(r.read())["data"] == [{"id": "tiny", "object": "model", "created": 0,
+                                                     "owned_by": "fbs", "max_model_len": 100}]
+        with urllib.request.urlopen(srv.url + "/fbs/status", timeout=30) as r:
+            status = json.loads(r.read())
+        assert status["slots"]["max"] == 2 and status["queue"]["max"] == 5
+        cl = openai.OpenAI(base_url=srv.url, api_key="-", max_retries=0, timeout=120)
+        ids = chat_ids()
+        got = cl.completions.create(model="tiny", prompt=ids, max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError, match="this server allows at most 40"):
+            cl.completions.create(model="tiny", prompt=ids, max_tokens=41)
+    ref, text = api_text(saved.model, ids, max_new_tokens=20, ignore_eos=True, tau=0.4, kv_policy="hole",
+                         weights="bf16", batch_policy="majority")
+    assert got.choices[0].text == text
+    fbs_usage = got.usage.model_extra["fbs"]
+    assert fbs_usage["tau"] == 0.4 and fbs_usage["kv_policy"] == "hole"
+    assert fbs_usage["skip_ratio"] == pytest.approx(ref.trace.skip_ratio)
+
+
+# --------------------------------------------------------------------------- fbs bench, fbs bench serve
+def test_bench_quick_writes_its_table_and_json(saved, capsys, monkeypatch, tmp_path):
+    """The smallest benchmark (HF greedy, FBS full depth and at one tau; 8-token prompts, 4 new tokens, --quick):
+    bench.json and bench.md are written and printed; each FBS row's token and exact match against HF greedy are
+    those of the API's outputs on the benchmark's prompts (the checkpoint's PAW and CH change the full-depth
+    model, so they are not 100 %). The machine's peak measurements (a 256 MB stream and a 2048^2 matmul) are
+    replaced by fixed numbers: they are not what this test checks and would load the shared machine."""
+    import fbs.bench.runner
+    from fbs.bench.harness import build_prompts, match_rates
+    from fbs.bench.roofline import MachinePeaks
+
+    monkeypatch.setattr(fbs.bench.runner, "measure_machine",
+                        lambda *a, **k: MachinePeaks(read_gbs=10.0, copy_gbs=10.0, gemv_gbs=10.0,
+                                                     matmul_gflops=100.0, threads=1))
+    out_dir = tmp_path / "bench"
+    code, out, _ = run_cli(capsys, ["bench", *saved.args, "--systems", "hf-greedy,fbs-full,fbs-tau", "--taus", "0.4",
+                                    "--prompt-len", "8", "--new-tokens", "4", "--num-prompts", "2", "--quick",
+                                    "--out-dir", str(out_dir)])
+    assert code == 0
+    doc = json.loads((out_dir / "bench.json").read_text())
+    rows = {r["system"]: r for r in doc["results"]}
+    assert {"hf-greedy", "fbs-full-compute", "fbs-tau0.4"} <= set(rows), sorted(rows)
+    assert all(r["status"] == "ok" for r in rows.values())
+    m = saved.model
+    prompts = build_prompts(m.tokenizer, 2, 8)
+    greedy = torch.cat([m.base.hf.generate(p[None], attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=4,
+                                           min_new_tokens=4, do_sample=False, pad_token_id=0)[:, 8:] for p in prompts])
+    for name, opts in (("fbs-full-compute", dict(force_compute=True)), ("fbs-tau0.4", dict(tau=0.4))):
+        api = torch.tensor(m.generate(prompts, max_new_tokens=4, ignore_eos=True, **opts).new_tokens)
+        assert (rows[name]["token_match_pct"], rows[name]["exact_match_pct"]) == match_rates(api, greedy), name
+    assert rows["hf-greedy"]["exact_match_pct"] == 100.0 and rows["fbs-tau0.4"]["layer_skip_ratio"] > 0
+    assert doc["protocol"]["warmup"] == 1 and doc["protocol"]["runs"] == 3
+    assert doc["protocol"]["prompt_len"] == 8 and doc["protocol"]["new_tokens"] == 4
+    assert len(rows["hf-greedy"]["latency_ms"]["total"]["runs"]) == 3
+    table = (out_dir / "bench.md").read_text()
+    assert table in out and all(name in table for name in rows)
+    assert f"json: {out_dir / 'bench.json'}" in out
+
+
+def test_bench_serve_against_a_running_server(saved, capsys, tmp_path):
+    """``fbs bench serve --url``: every request of every cell is answered in full; serve.json and serve.md are
+    written; the server's counters agree with the cells."""
+    from fbs.serve.app import ServerThread, create_app
+    from fbs.serve.batcher import Limits
+
+    app = create_app(saved.model, saved.model.tokenizer, "tiny", Limits(max_concurrent=2, context_length=64))
+    out_dir = tmp_path / "load"
+    with ServerThread(app) as srv:
+        code, out, _ = run_cli(capsys, ["bench", "serve", "--url", srv.url, "--model", saved.base, "--clients", "1,2",
+                                        "--modes", "skip,full", "--requests", "3", "--max-tokens", "5",
+                                        "--prompt-len", "8", "--num-prompts", "2", "--warmup", "0",
+                                        "--out-dir", str(out_dir)])
+    assert code == 0
+    doc = json.loads((out_dir / "serve.json").read_text())
+    assert doc["model"] == "tiny" and doc["errors"] == 0 and not doc["server_started"]
+    assert [(c["mode"], c["clients"]) for c in doc["cells"]] == [("skip", 1), ("skip", 2), ("full", 1), ("full", 2)]
+    assert all(c["requests"] == 3 and c["tokens"] == 15 for c in doc["cells"])
+    assert doc["server_status"]["counts"]["completed"] == 12
+    assert doc["server_status"]["counts"]["generated_tokens"] == 60
+    assert (out_dir / "serve.md").read_text().strip().endswith(out.split("json: ")[0].strip().splitlines()[-1])
+
+
+def test_bench_serve_refuses_a_remote_url(capsys):
+    code, _, err = run_cli(capsys, ["bench", "serve", "--url", "http://10.1.2.3:8000/v1"])
+    assert code == 2 and "only targets loopback addresses" in err
+
+
+# --------------------------------------------------------------------------- the real SmolLM2
+@pytest.mark.slow
+def test_smollm2_info_and_generate_equal_the_api(capsys, monkeypatch):
+    """The bundled model with its shipped FBS weights: ``info --json`` and ``generate`` (chat template from stdin,
+    --json, --stream) equal the API's ``load_fbs`` model."""
+    from fbs.loading import load_fbs
+
+    model = load_fbs("smollm2-135m").eval()
+    code, out, _ = run_cli(capsys, ["info", "--json"])
+    info = json.loads(out)
+    assert code == 0 and info["base"] == 134_515_008 and info["config"]["tau"] == model.config.tau
+    assert info["added"] == model.param_counts()["added"]
+    tok = model.tokenizer
+    text = "Name three primary colours."
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+    ref = model.generate([list(ids)], max_new_tokens=20, tokenizer=tok)
+    want = tok.decode(ref.new_tokens[0], skip_special_tokens=True)
+    code, out, _ = run_cli(capsys, ["generate", "--max-new-tokens", "20", "--json"], stdin=text,
+                           monkeypatch=monkeypatch)
+    doc = json.loads(out)
+    assert code == 0 and doc["text"] == want and doc["new_tokens"] == len(ref.new_tokens[0])
+    assert doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio) and doc["skip_ratio"] > 0
+    code, out, _ = run_cli(capsys, ["generate", text, "--max-new-tokens", "20", "--stream"])
+    assert code == 0 and out.rsplit("\n[", 1)[0] == want
