@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,6 +219,13 @@ def test_kangaroo_adapter_mismatches(tmp_path):
     with pytest.raises(CheckpointError, match=r"records no base_fingerprint .*check_base=False"):
         KangarooAdapter.load(bare, model)
     assert KangarooAdapter.load(bare, model, check_base=False).exit_layer == 4
+    from fbs.cli import _lossless_options, build_parser  # fbs generate --kangaroo: the same refusal and opt-out
+
+    def cli(*flags):
+        return _lossless_options(build_parser().parse_args(["generate", "hi", "--kangaroo", str(bare), *flags]), model)
+    with pytest.raises(CheckpointError, match="records no base_fingerprint"):
+        cli()
+    assert cli("--no-base-check")["draft_adapter"].exit_layer == 4
     file = path / "kangaroo.safetensors"
     file.write_bytes(file.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=r"not a readable safetensors file .*truncated or damaged"):
@@ -282,3 +291,52 @@ def test_assembled_parts_with_another_sha256_are_refused(monkeypatch, tmp_path):
     (tmp_path / "part02.bin").write_bytes(b"b" * 199)  # a truncated part
     with pytest.raises(BaseModelError, match=r"has sha256 [0-9a-f]{64}, expected .*corrupt or not the pinned version"):
         models._assemble_gguf(spec, work)
+
+
+@pytest.fixture
+def converted(monkeypatch, tmp_path):
+    """A converted bundled model as resolve_base leaves it in the cache (tiny Llama, character tokenizer,
+    fbs_base.json with the fingerprint and the files' sha256s), under a temporary $FBS_CACHE_DIR."""
+    from test_data_corpus import char_tokenizer
+
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    monkeypatch.setitem(models.BUNDLED, "fake", models.BundledModel("fake", "a fake model", (), ()))
+    target = tmp_path / "models" / "fake"
+    hf = tiny_hf()
+    hf.save_pretrained(target)
+    char_tokenizer(["abc"]).save_pretrained(target)
+    meta = {"name": "fake", "fingerprint": models.base_fingerprint(hf), "files": models.sha256_record(target)}
+    (target / "fbs_base.json").write_text(json.dumps(meta))
+    return target, meta
+
+
+def test_converted_base_is_verified_before_use_and_remembered(converted, monkeypatch):
+    target, meta = converted
+    model, _ = models.load_base("fake")
+    assert model.fbs_base_fingerprint == meta["fingerprint"]
+    assert (target / models.VERIFIED_NAME).is_file()
+    hashed, real = [], models.sha256_file
+    monkeypatch.setattr(models, "sha256_file", lambda f, **kw: hashed.append(Path(f).name) or real(f, **kw))
+    models.load_base("fake")
+    assert hashed == []  # unchanged files are not hashed again
+    weights = target / "model.safetensors"
+    st = weights.stat()
+    _flip_last_byte(weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later edit has a later mtime
+    with pytest.raises(BaseModelError, match=r"converted copy of fake in .* is damaged: model.safetensors differs "
+                                             r"from the size and sha256 recorded at conversion; delete .* converts "
+                                             r"it again"):
+        models.load_base("fake")
+    assert hashed == ["model.safetensors"]
+
+
+def test_converted_base_without_sha256s_is_checked_by_fingerprint(converted):
+    target, meta = converted
+    legacy = {k: v for k, v in meta.items() if k != "files"}
+    (target / "fbs_base.json").write_text(json.dumps(legacy))
+    models.load_base("fake")  # the weights match the fingerprint: their sha256s are recorded now
+    assert json.loads((target / "fbs_base.json").read_text())["files"] == meta["files"]
+    (target / "fbs_base.json").write_text(json.dumps({**legacy, "fingerprint": "0" * 32}))
+    with pytest.raises(BaseModelError, match=r"is damaged: its weights have fingerprint [0-9a-f]{32}, 0{32} at "
+                                             r"conversion; delete"):
+        models.load_base("fake")

@@ -126,7 +126,7 @@ def _lossless_options(args, model) -> dict:
     if args.kangaroo:
         from .kangaroo import KangarooAdapter
 
-        opts["draft_adapter"] = KangarooAdapter.load(args.kangaroo, model)
+        opts["draft_adapter"] = KangarooAdapter.load(args.kangaroo, model, check_base=not args.no_base_check)
     return opts
 
 

@@ -286,7 +286,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tau", type=float, help="skip threshold (default: the checkpoint's operating point)")
     p.add_argument("--kv-policy", choices=("hole", "project"), help="KV cache policy for skipped layers")
     p.add_argument("--no-base-check", action="store_true",
-                   help="load a checkpoint that records no base-model fingerprint, or another base's (unsafe)")
+                   help="load a checkpoint (or Kangaroo adapter) that records no base-model fingerprint, or "
+                        "another base's (unsafe)")
     p.add_argument("--no-integrity-check", action="store_true",
                    help="load a checkpoint whose weights files do not match (or lack) its sha256 record (unsafe)")
 

@@ -42,11 +42,9 @@ class CheckpointError(ValueError):
 def manifest_of(path: str | os.PathLike) -> dict:
     """The integrity record of the checkpoint directory ``path``: every ``*.safetensors`` file in it with its
     size in bytes and sha256."""
-    from .models import sha256_file
+    from .models import sha256_record
 
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-             for f in sorted(Path(path).glob("*.safetensors"))}
-    return {"format": "fbs-manifest/1", "files": files}
+    return {"format": "fbs-manifest/1", "files": sha256_record(path)}
 
 
 def write_manifest(path: str | os.PathLike) -> Path:

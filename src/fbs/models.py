@@ -3,7 +3,8 @@
 There is no model hub on the machines this library targets, so the bundled base models come from Python
 packages that ship GGUF files. Dequantizing a GGUF takes ~20 s, so the first load converts the model
 once into plain safetensors under ``$FBS_CACHE_DIR/models/<name>`` (default ``~/.cache/fbs``); later
-loads read that copy in a few seconds.
+loads read that copy in a few seconds. Every GGUF is checked against its pinned sha256 before use, and the
+converted copy against the sha256s recorded at conversion before each load (:class:`BaseModelError` otherwise).
 
 Public entry points:
     resolve_base(name_or_path) -> Path of an HF-format model directory (converting if needed)
@@ -11,6 +12,7 @@ Public entry points:
     load_tokenizer(name_or_path)
     bundled_gguf(name)         -> Path of the single GGUF file a bundled model ships in (llama.cpp reads it)
     base_fingerprint(model)    -> content hash identifying a base model's weights
+    sha256_file(path) / sha256_record(directory)   -> a file's sha256 / size and sha256 of each weights file
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable overriding the cache root (models, data, checkpoints).
 CACHE_ENV = "FBS_CACHE_DIR"
+#: In a converted model's directory: (size, mtime, inode) of each weights file when its sha256 last matched the
+#: record written at conversion, so later loads do not hash unchanged files again.
+VERIFIED_NAME = ".fbs_verified.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +170,18 @@ def sha256_file(path: str | os.PathLike, remember: bool = False, chunk: int = 1 
     return h.hexdigest()
 
 
+def sha256_record(directory: str | os.PathLike) -> dict[str, dict]:
+    """Size (``bytes``) and ``sha256`` of every ``*.safetensors`` file in ``directory``, by file name."""
+    return {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+            for f in sorted(Path(directory).glob("*.safetensors"))}
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
 def _verify_gguf(spec: BundledModel, gguf: Path) -> None:
     """Refuse a GGUF whose sha256 is not the one pinned for ``spec`` (corrupt, truncated or another version)."""
     if spec.sha256 is None:
@@ -231,9 +248,10 @@ def _convert_bundled(spec: BundledModel, target: Path) -> None:
         out = tmp / "hf"
         clean.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
-        meta = {"name": spec.name, "description": spec.description,
-                "fingerprint": base_fingerprint(clean), "source": [rel for _, rel in spec.parts]}
+        meta = {"name": spec.name, "description": spec.description, "fingerprint": base_fingerprint(clean),
+                "source": [rel for _, rel in spec.parts], "files": sha256_record(out)}
         (out / "fbs_base.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _write_json(out / VERIFIED_NAME, {name: _stat_key(out / name) for name in sorted(meta["files"])})
         if target.exists():
             shutil.rmtree(target)
         os.replace(out, target)
@@ -271,13 +289,70 @@ def load_base(name_or_path: str | os.PathLike = DEFAULT_BASE, dtype: torch.dtype
     from transformers import AutoModelForCausalLM
 
     path = resolve_base(name_or_path)
+    meta_file = path / "fbs_base.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+    if meta is not None and "files" in meta:
+        _verify_converted(path, meta)  # before use: the recorded fingerprint stands for these files
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
-    meta = path / "fbs_base.json"
-    model.fbs_base_name = json.loads(meta.read_text())["name"] if meta.is_file() else str(path)
-    if meta.is_file():
-        model.fbs_base_fingerprint = json.loads(meta.read_text())["fingerprint"]
+    model.fbs_base_name = meta["name"] if meta is not None else str(path)
+    if meta is not None:
+        if "files" not in meta:
+            _record_converted(path, meta, model, dtype)
+        model.fbs_base_fingerprint = meta["fingerprint"]
     return model, load_tokenizer(path)
+
+
+def _damaged(path: Path, meta: dict, what: str) -> BaseModelError:
+    return BaseModelError(f"the converted copy of {meta.get('name')} in {path} is damaged: {what}; delete {path} and "
+                          "the next load converts it again from its package")
+
+
+def _stat_key(f: Path) -> list[int] | None:
+    try:
+        st = f.stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _verify_converted(path: Path, meta: dict) -> None:
+    """Check a converted bundled model's weights files against the sizes and sha256s recorded at conversion. A
+    success is remembered in :data:`VERIFIED_NAME` by each file's (size, mtime, inode): later loads hash only
+    files that changed since (a change that keeps all three is not seen)."""
+    files = meta["files"]
+    stamp = {name: _stat_key(path / name) for name in sorted(files)}
+    try:
+        if json.loads((path / VERIFIED_NAME).read_text()) == stamp:
+            return
+    except (OSError, json.JSONDecodeError):
+        pass
+    for name, rec in sorted(files.items()):
+        if stamp[name] is None:
+            raise _damaged(path, meta, f"{name} is missing")
+        if stamp[name][0] != rec["bytes"] or sha256_file(path / name) != rec["sha256"]:
+            raise _damaged(path, meta, f"{name} differs from the size and sha256 recorded at conversion")
+    try:
+        _write_json(path / VERIFIED_NAME, stamp)
+    except OSError:  # a read-only cache is verified again next time
+        pass
+
+
+def _record_converted(path: Path, meta: dict, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A copy converted before sha256s were recorded: check its weights against the recorded fingerprint (computed
+    at conversion, in fp32), then record the files' sizes and sha256s for the next loads."""
+    if dtype != torch.float32:
+        logger.warning("%s: converted before sha256s were recorded; loading it once in float32 records them", path)
+        return
+    actual = base_fingerprint(model)
+    if actual != meta["fingerprint"]:
+        raise _damaged(path, meta, f"its weights have fingerprint {actual}, {meta['fingerprint']} at conversion")
+    meta = {**meta, "files": sha256_record(path)}
+    try:
+        _write_json(path / "fbs_base.json", meta)
+        _write_json(path / VERIFIED_NAME, {name: _stat_key(path / name) for name in sorted(meta["files"])})
+    except OSError:
+        logger.warning("%s: cannot record the sha256s of its weights files (read-only cache)", path)
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:

@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..model import CheckpointError
-from ..models import sha256_file
+from ..models import sha256_file, sha256_record
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, params: dict[str, torch.
     opt_tensors, opt_meta = _optimizer_tensors(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(rng["tensors"], str(tmp / "rng.safetensors"))
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.glob("*.safetensors"))}
-    state = {**trainer_state, "step": step, "optimizer": opt_meta, "python_random": rng["python"], "files": files}
+    state = {**trainer_state, "step": step, "optimizer": opt_meta, "python_random": rng["python"],
+             "files": sha256_record(tmp)}
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
