@@ -49,13 +49,15 @@ def decoder_spec(hf_config) -> DecoderSpec:
         )
     layer_types = getattr(hf_config, "layer_types", None) or []
     window = getattr(hf_config, "sliding_window", None)
-    uses_window = any(t != "full_attention" for t in layer_types) or (
-        model_type == "mistral" and window is not None and window < hf_config.max_position_embeddings
-    )
-    if uses_window and getattr(hf_config, "use_sliding_window", True):
+    # what HF's modules run: Qwen2/Qwen3 attend per layer_types (built from use_sliding_window); HF's Mistral
+    # attends within sliding_window whenever it is set (use_sliding_window does not switch it off)
+    mistral_window = model_type == "mistral" and window is not None and window < hf_config.max_position_embeddings
+    if mistral_window or any(t != "full_attention" for t in layer_types):
+        fix = ("a Mistral config without sliding_window (null, or at least max_position_embeddings)"
+               if model_type == "mistral" else "use_sliding_window=False and only full_attention layer_types")
         raise UnsupportedArchitectureError(
             f"{model_type} checkpoint uses sliding-window attention (window {window}); FBS supports full "
-            "causal attention only — load a checkpoint with use_sliding_window=False"
+            f"causal attention only — load a checkpoint with {fix}"
         )
     heads = hf_config.num_attention_heads
     return DecoderSpec(
