@@ -21,6 +21,7 @@
     fbs eval mechanism --checkpoint CKPT --items heldout.jsonl --out results/mechanism
     fbs eval ch --corpus corpus --seq-len 512 --eval-seqs 0 --idiom-items 500 --out results/probe/ch.json
     fbs eval ch-table results/probe/probe.json results/probe/ch.json --base results/probe/probe.json
+    fbs eval tolerance --model qwen2.5-coder-0.5b --out results/tolerance_qwen2.5-coder-0.5b.json
     fbs eval list
 
 Only this module prints; the handlers are plain functions returning an exit code.
@@ -802,6 +803,10 @@ def register(subparsers) -> None:
     from fbs.eval.ch_table import add_parser as add_ch_table_parser  # `fbs eval ch-table`: CIs of the CH table
 
     add_ch_table_parser(sub)
+
+    from fbs.eval.tolerance import add_parser as add_tolerance_parser  # `fbs eval tolerance`: skip tolerance profile
+
+    add_tolerance_parser(sub)
 
     sf = sub.add_parser("safety", help="appendix E.9 safety knobs on structured-output prompts: validity, Skip %%, "
                                        "latency with and without never-skip, structure protection, fallback rerun")
