@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 
 import pytest
 import torch
@@ -79,3 +80,42 @@ def recorded_fused_calls(ops, names=("ffn", "block", "attention")):
     finally:
         for name in names:
             delattr(ops, name)
+
+
+def cpu_isas() -> set[str]:
+    """The native kernels' code paths this CPU can run, from what it reports: "avx2" (AVX2 + FMA) and "avx512"
+    (AVX-512F + FMA); read from /proc/cpuinfo, else from torch's CPU capability."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        pass
+    if not flags:
+        cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx512", "avx2", "default", ...
+        return {"avx512": {"avx2", "avx512"}, "avx2": {"avx2"}}.get(cap, set())
+    return {name for name, need in (("avx2", {"avx2", "fma"}), ("avx512", {"avx512f", "fma"})) if need <= flags}
+
+
+def require_native(isa: str | None = None):
+    """The native extension (:mod:`fbs.native`) for a test, and with ``isa`` its int8 kernel on that code path.
+
+    Skips only where the machine cannot run it: no C++ compiler, or a CPU that does not report ``isa``. Everywhere
+    else a missing kernel fails the test (a build error, ``FBS_NATIVE=0``, or a kernel that does not run an
+    instruction set the CPU reports), so native tests cannot pass by skipping on a machine that should run them."""
+    from fbs import native
+
+    if native.module() is None:
+        if not native.enabled():
+            pytest.fail("FBS_NATIVE=0 disables the native kernels these tests check; unset it")
+        if shutil.which("c++") is None and shutil.which("g++") is None:
+            pytest.skip("no C++ compiler here: the engine uses the PyTorch ops")
+        pytest.fail(f"the native kernels did not build although a C++ compiler exists: {native._failed}")
+    cpu = cpu_isas()
+    widest = "avx512" if "avx512" in cpu else "avx2" if "avx2" in cpu else None
+    runs = {2: "avx512", 1: "avx2"}.get(native.module().int8_isa())  # the kernel's own pick, FBS_NATIVE_ISA aside
+    if runs != widest:
+        pytest.fail(f"this CPU reports {widest or 'neither AVX2 nor AVX-512'} but the native int8 kernel runs {runs}")
+    if isa is not None and isa not in cpu:
+        pytest.skip(f"this CPU does not report {isa}")
+    return native.module()

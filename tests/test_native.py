@@ -2,13 +2,12 @@
 (:func:`fbs.fused._gate_logit`) and int8 weight-only products (the dequantized matrix, in fp64)."""
 
 import logging
-import shutil
 
 import pytest
 import torch
 
 import fbs.fused
-from conftest import fbs_tiny, randomize, tiny_config, tiny_hf
+from conftest import fbs_tiny, randomize, require_native, tiny_config, tiny_hf
 from fbs import FBSForCausalLM, native
 from fbs.quant import dequantize, quantize_int8
 
@@ -17,12 +16,8 @@ PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(
 
 @pytest.fixture(scope="module")
 def kernel():
-    """The extension; skips only where there is no C++ compiler (a build that fails where one exists fails)."""
-    if native.module() is None:
-        if shutil.which("c++") is None and shutil.which("g++") is None:
-            pytest.skip("no C++ toolchain here: the engine uses the PyTorch ops")
-        pytest.fail(f"the native kernels did not build: {native._failed}")
-    return native.module()
+    """The extension; skips only where there is no C++ compiler (see :func:`conftest.require_native`)."""
+    return require_native()
 
 
 @pytest.mark.parametrize("gy", [0, 16])
@@ -93,15 +88,10 @@ def test_a_failed_build_falls_back_to_the_pytorch_ops(monkeypatch, caplog):
 
 
 # --------------------------------------------------------------------------- int8 weight-only products
-def _isas():
-    have = native.int8_isa()
-    return [] if have is None else ["avx2"] if have == "avx2" else ["avx2", "avx512"]
-
-
 @pytest.fixture(params=["avx2", "avx512"])
 def isa(request, kernel, monkeypatch):
-    if request.param not in _isas():
-        pytest.skip(f"no {request.param} on this CPU")
+    """Each code path of the int8 kernel in turn; skips only where the CPU does not report it."""
+    require_native(request.param)
     monkeypatch.setenv("FBS_NATIVE_ISA", request.param)
     assert native.int8_isa() == request.param
     return request.param
@@ -132,9 +122,8 @@ def test_int8_kernel_equals_the_dequantized_product(isa, n, k, rows):
     assert torch.allclose(native.int8_linear(view, p, s).double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_int8_kernel_refuses_a_mismatched_packing(kernel):
-    if native.int8_isa() is None:
-        pytest.skip("no AVX2 here")
+def test_int8_kernel_refuses_a_mismatched_packing():
+    require_native("avx2")
     q, s = torch.ones(8, 32, dtype=torch.int8), torch.ones(8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="packed size"):
         native.int8_linear(torch.randn(1, 48), native.int8_pack(q), s)
@@ -350,10 +339,9 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
     assert torch.allclose(new[1:], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_qwen3_layers_stay_per_op(kernel):
+def test_qwen3_layers_stay_per_op():
     """Qwen3's per-head Q/K norms are not in the native layer: every Qwen3 layer runs the per-op step."""
-    if native.int8_isa() is None:
-        pytest.skip("no AVX2 here")
+    require_native("avx2")
     layers = fbs.fused.decode_ops(fbs_tiny("qwen3"), "int8").native_layers
     assert layers is None or all(n is None for n in layers)
 

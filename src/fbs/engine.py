@@ -287,6 +287,9 @@ class _Decoder:
         self.plan = None
         if opts.skip_plan is not None:
             plan = torch.as_tensor(opts.skip_plan, dtype=torch.bool)
+            if plan.dim() not in (1, 2):
+                raise ValueError(f"skip_plan must be (L,) or (N, L), one plan for every row, got shape "
+                                 f"{tuple(plan.shape)}; run rows with different plans as separate calls")
             if plan.shape[-1] != self.L:
                 raise ValueError(f"skip_plan's last dimension must be {self.L} layers, got {tuple(plan.shape)}")
             if plan.dim() == 1:
