@@ -29,6 +29,22 @@ def tiny_hf(family: str = "llama", layers: int = 6, seed: int = 0):
     return model_cls(cfg).eval()
 
 
+def int8_exact_(hf) -> None:
+    """Round every Linear weight of an HF model to q * s, per output row with a bf16 scale s and max |q| = 127: the
+    int8 format (symmetric per output channel, bf16 scales) then stores it without loss, so the int8 engine runs on
+    exactly the HF model's weights."""
+    with torch.no_grad():
+        for mod in hf.modules():
+            if isinstance(mod, torch.nn.Linear):
+                w = mod.weight
+                s = (w.abs().amax(1, keepdim=True) / 127).to(torch.bfloat16).float()
+                s[s == 0] = 1.0  # a zero row (the padding token's tied embedding) stays zero
+                q = (w / s).round().clamp(-127, 127)
+                top = w.abs().argmax(1, keepdim=True)
+                q.scatter_(1, top, 127 * w.gather(1, top).sign())
+                w.copy_(q * s)
+
+
 def tiny_config(**kw) -> FBSConfig:
     base = dict(k_max=6, preview_vocab_size=48, preview_top_k=8, preview_rank=16, chunk_rank=16, chunk_cache_size=4,
                 gate_rank=8, gate_width=8, paw_layers=(1,), ch_layers=(3,), never_skip_first=1, never_skip_last=1)
@@ -119,3 +135,14 @@ def require_native(isa: str | None = None):
     if isa is not None and isa not in cpu:
         pytest.skip(f"this CPU does not report {isa}")
     return native.module()
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request, monkeypatch):
+    """Each code path of the native int8 kernel in turn (``FBS_NATIVE_ISA``); skips only where the CPU lacks it."""
+    from fbs import native
+
+    require_native(request.param)
+    monkeypatch.setenv("FBS_NATIVE_ISA", request.param)
+    assert native.int8_isa() == request.param
+    return request.param

