@@ -329,3 +329,110 @@ def test_smollm2_info_and_generate_equal_the_api(capsys, monkeypatch):
     assert doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio) and doc["skip_ratio"] > 0
     code, out, _ = run_cli(capsys, ["generate", text, "--max-new-tokens", "20", "--stream"])
     assert code == 0 and out.rsplit("\n[", 1)[0] == want
+
+
+# --------------------------------------------------------------------------- fbs data, fbs train (drafts), lossless
+def test_data_build_writes_the_corpus(saved, capsys, tmp_path):
+    """``data build`` of the offline standard-library source: the options reach the manifest, every record's
+    token count is its character count (one character per token), and the splits hold what was kept."""
+    out = tmp_path / "corpus"
+    code, text, _ = run_cli(capsys, ["data", "build", "--out", str(out), "--tokenizer", saved.base, "--sources",
+                                     "py_stdlib", "--max-docs-per-source", "6", "--min-tokens", "50",
+                                     "--val-fraction", "0.3", "--test-fraction", "0.2"])
+    assert code == 0 and f"corpus written to {out}" in text
+    manifest = json.loads((out / "manifest.json").read_text())
+    st = manifest["sources"]["py_stdlib"]
+    assert manifest["tokenizer"] == saved.base and st["documents_read"] == 6
+    assert (manifest["config"]["min_tokens"], manifest["config"]["val_fraction"]) == (50, 0.3)
+    assert st["kept"] + st["too_short"] + st["exact_duplicates"] + st["near_duplicates"] == 6
+    records = [json.loads(line) for s in ("train", "validation", "test")
+               for line in (out / f"{s}.jsonl").read_text().splitlines()]
+    assert len(records) == st["kept"] > 0 and all(r["n_tokens"] == len(r["text"]) >= 50 for r in records)
+    assert sum(r["n_tokens"] for r in records) == st["tokens_kept"]
+    assert f"{'py_stdlib':<15}{6:>8}" in text
+
+
+def test_data_label_and_stats_of_a_chinese_corpus(saved, capsys, tmp_path):
+    """``data label`` (pkuseg, no idiom lexicon) then ``data stats``: the statistics count the Chinese documents'
+    characters, and their B/I/O shares are those of the chunk spans the label command wrote (a span of n
+    characters is one B and n - 1 I, the rest O); a corpus without labels is refused with the fix."""
+    pytest.importorskip("datasketch")
+    pytest.importorskip("pkuseg")
+    from fbs.data.corpus import CorpusConfig, build_corpus
+    from fbs.data.sources import Document
+
+    zh = ["他做事一丝不苟，我们工作认真。" * 5, "我们坚持解放思想，实事求是。" * 5, "今天天气很好，我们去公园散步。" * 5]
+    docs = [Document("zh", f"z{i}", "zh", t) for i, t in enumerate(zh)] + [Document("en", "e", "en", "plain text " * 9)]
+    build_corpus(tmp_path, char_tokenizer(), "char", CorpusConfig(min_tokens=20, val_fraction=0, test_fraction=0),
+                 documents=docs)
+    stats = ["data", "stats", "--corpus", str(tmp_path), "--tokenizer", saved.base, "--splits", "train",
+             "--block-size", "32", "--out", str(tmp_path / "stats.json")]
+    code, _, err = run_cli(capsys, stats)
+    assert code == 2 and f"has no labels: run `fbs data label --corpus {tmp_path}`" in err
+    code, out, _ = run_cli(capsys, ["data", "label", "--corpus", str(tmp_path), "--tokenizer", saved.base,
+                                    "--no-idioms", "--splits", "train"])
+    assert code == 0 and json.loads(out)["splits"]["train"]["documents"] == 3
+    assert run_cli(capsys, stats)[0] == 0
+    got = json.loads((tmp_path / "stats.json").read_text())["splits"]["train"]
+    spans = [c for line in (tmp_path / "train.bios.jsonl").read_text().splitlines()
+             for c in json.loads(line)["chunks"]]
+    n = sum(map(len, zh))
+    assert got["tokens"] == n and got["coverage_q"] == 1.0 and spans
+    b = sum(1 for s, e, _ in spans if e - s > 1)
+    i = sum(e - s - 1 for s, e, _ in spans)
+    single = sum(1 for s, e, _ in spans if e - s == 1)
+    share = got["label_share"]
+    assert share == pytest.approx({"B": b / n, "I": i / n, "S": single / n, "O": (n - b - i - single) / n})
+
+
+def test_data_chat_splits_the_items(capsys, tmp_path):
+    from fbs.data import chat
+
+    code, out, _ = run_cli(capsys, ["data", "chat", "--out", str(tmp_path), "--answers", "0", "--langs", "en"])
+    assert code == 0
+    read = lambda name: [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    train, held = read("train.jsonl"), read("heldout.jsonl")
+    ids = lambda rows: {r["id"] for r in rows}  # noqa: E731
+    assert ids(train) | ids(held) == {it.id for it in chat.load_items(["en"])} and not ids(train) & ids(held)
+    assert f"{len(train)} training items (0 with the base model's answer), {len(held)} held-out prompts" in out
+
+
+def test_lossless_generate_equals_full_depth(saved, capsys, tmp_path):
+    """``--lossless``, ``--draft-layers`` and ``--kangaroo`` (an adapter trained by ``train kangaroo`` on a corpus
+    from ``data build``): the text is the full-depth model's (``force_compute``), whatever drafts it."""
+    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, force_compute=True)
+    gated = api_text(saved.model, chat_ids(), max_new_tokens=NEW)[1]
+    assert gated != text  # the skipping model alone writes something else: the verifier is needed
+    corpus, adapter = tmp_path / "corpus", tmp_path / "kangaroo"
+    assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
+                            "--max-docs-per-source", "6", "--val-fraction", "0.5", "--test-fraction", "0"])[0] == 0
+    code, out, err = run_cli(capsys, ["train", "kangaroo", *saved.args, "--data", str(corpus), "--block-size", "32",
+                                      "--eval-blocks", "2", "--max-train-blocks", "8", "--exit-layer", "2", "--steps",
+                                      "3", "--batch-size", "2", "--out-dir", str(adapter), "--no-progress"])
+    assert code == 0 and f"adapter saved to {adapter}" in out, err
+    meta = json.loads((adapter / "kangaroo.json").read_text())
+    assert meta["shape"]["exit_layer"] == 2 and meta["base_fingerprint"] == saved.model.config.base_fingerprint
+    for argv in (["--lossless"], ["--draft-layers", "2,3", "--draft-tokens", "3"], ["--kangaroo", str(adapter)]):
+        code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
+                                        *argv])
+        doc = json.loads(out)
+        assert code == 0 and doc["text"] == text and doc["new_tokens"] == len(ref.new_tokens[0]), argv
+        assert doc["speculative"]["proposed"] > 0, argv
+
+
+@pytest.mark.slow
+def test_draft_search_writes_a_skip_set_that_decodes_losslessly(saved, capsys, tmp_path):
+    corpus, out_json = tmp_path / "corpus", tmp_path / "set.json"
+    assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
+                            "--max-docs-per-source", "6", "--val-fraction", "0.5", "--test-fraction", "0"])[0] == 0
+    code, out, _ = run_cli(capsys, ["train", "draft-search", *saved.args, "--data", str(corpus), "--block-size", "32",
+                                    "--eval-blocks", "2", "--prompts", "2", "--prompt-len", "16", "--new-tokens", "6",
+                                    "--max-layers", "2", "--out", str(out_json), "--no-progress"])
+    assert code == 0 and f"skip set saved to {out_json}" in out
+    found = json.loads(out_json.read_text())
+    assert found["prompts"] == 2 and found["evaluated"] >= 1 and 0 <= found["acceptance"] <= 1
+    assert set(found["layers"]) <= set(saved.model.layers_cfg.gated)
+    _, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, force_compute=True)
+    code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
+                                    "--draft-layers", str(out_json)])
+    assert code == 0 and json.loads(out)["text"] == text
