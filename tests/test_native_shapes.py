@@ -129,9 +129,9 @@ def _decoder(family: str, hd: int, heads: int, kv_heads: int, inter: int):
 
 @pytest.mark.parametrize("family, hd, heads, kv_heads, inter", LAYERS)
 def test_native_layers_at_model_head_dims(isa, family, hd, heads, kv_heads, inter):
-    """The int8 step with every layer one native call (norms, K/V + gate, attention, FFN) on weights the int8
-    format stores exactly: each row's tokens are HF's greedy choices and its logits HF's (teacher-forced on the
-    generated sequence) to float32 rounding; prompts of 40, 17 and 5 tokens."""
+    """The int8 step with all layers in one native call per token (norms, K/V, the gate of layer 1, attention,
+    FFN) on weights the int8 format stores exactly: each row's tokens are HF's greedy choices and its logits HF's
+    (teacher-forced on the generated sequence) to float32 rounding; prompts of 40, 17 and 5 tokens."""
     hf, model = _decoder(family, hd, heads, kv_heads, inter)
     ops = decode_ops(model, "int8")
     assert ops.native_layers is not None and all(n is not None for n in ops.native_layers)
