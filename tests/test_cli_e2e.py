@@ -352,37 +352,72 @@ def test_data_build_writes_the_corpus(saved, capsys, tmp_path):
     assert f"{'py_stdlib':<15}{6:>8}" in text
 
 
-def test_data_label_and_stats_of_a_chinese_corpus(saved, capsys, tmp_path):
-    """``data label`` (pkuseg, no idiom lexicon) then ``data stats``: the statistics count the Chinese documents'
-    characters, and their B/I/O shares are those of the chunk spans the label command wrote (a span of n
-    characters is one B and n - 1 I, the rest O); a corpus without labels is refused with the fix."""
+ZH = ["他做事一丝不苟，我们工作认真。" * 5, "我们坚持解放思想，实事求是。" * 5, "今天天气很好，我们去公园散步。" * 5]
+
+
+@pytest.fixture(scope="module")
+def zh_corpus(saved, tmp_path_factory):
+    """A corpus of three Chinese documents and an English one (built in-process), labelled by ``fbs data label``
+    (pkuseg, no idiom lexicon); returns its directory and the command's JSON report."""
+    import contextlib
+
     pytest.importorskip("datasketch")
     pytest.importorskip("pkuseg")
     from fbs.data.corpus import CorpusConfig, build_corpus
     from fbs.data.sources import Document
 
-    zh = ["他做事一丝不苟，我们工作认真。" * 5, "我们坚持解放思想，实事求是。" * 5, "今天天气很好，我们去公园散步。" * 5]
-    docs = [Document("zh", f"z{i}", "zh", t) for i, t in enumerate(zh)] + [Document("en", "e", "en", "plain text " * 9)]
-    build_corpus(tmp_path, char_tokenizer(), "char", CorpusConfig(min_tokens=20, val_fraction=0, test_fraction=0),
+    path = tmp_path_factory.mktemp("zh")
+    docs = [Document("zh", f"z{i}", "zh", t) for i, t in enumerate(ZH)] + [Document("en", "e", "en", "plain text " * 9)]
+    build_corpus(path, char_tokenizer(), "char", CorpusConfig(min_tokens=20, val_fraction=0, test_fraction=0),
                  documents=docs)
-    stats = ["data", "stats", "--corpus", str(tmp_path), "--tokenizer", saved.base, "--splits", "train",
-             "--block-size", "32", "--out", str(tmp_path / "stats.json")]
-    code, _, err = run_cli(capsys, stats)
-    assert code == 2 and f"has no labels: run `fbs data label --corpus {tmp_path}`" in err
-    code, out, _ = run_cli(capsys, ["data", "label", "--corpus", str(tmp_path), "--tokenizer", saved.base,
-                                    "--no-idioms", "--splits", "train"])
-    assert code == 0 and json.loads(out)["splits"]["train"]["documents"] == 3
-    assert run_cli(capsys, stats)[0] == 0
+    stats = ["data", "stats", "--corpus", str(path), "--tokenizer", saved.base, "--splits", "train"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        refused = main(stats)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["data", "label", "--corpus", str(path), "--tokenizer", saved.base, "--no-idioms", "--splits", "train"])
+    assert code == 0
+    return types.SimpleNamespace(path=path, report=json.loads(out.getvalue()), refused=(refused, err.getvalue()))
+
+
+def test_data_label_and_stats_of_a_chinese_corpus(saved, zh_corpus, capsys, tmp_path):
+    """``data label`` then ``data stats``: the statistics count the Chinese documents' characters, and their
+    B/I/O shares are those of the chunk spans the label command wrote (a span of n characters is one B and
+    n - 1 I, the rest O); before labelling, the corpus is refused with the fix."""
+    path = zh_corpus.path
+    code, err = zh_corpus.refused
+    assert code == 2 and f"has no labels: run `fbs data label --corpus {path}`" in err
+    assert zh_corpus.report["splits"]["train"]["documents"] == 3
+    code, _, _ = run_cli(capsys, ["data", "stats", "--corpus", str(path), "--tokenizer", saved.base, "--splits",
+                                  "train", "--block-size", "32", "--out", str(tmp_path / "stats.json")])
+    assert code == 0
     got = json.loads((tmp_path / "stats.json").read_text())["splits"]["train"]
-    spans = [c for line in (tmp_path / "train.bios.jsonl").read_text().splitlines()
-             for c in json.loads(line)["chunks"]]
-    n = sum(map(len, zh))
+    spans = [c for line in (path / "train.bios.jsonl").read_text().splitlines() for c in json.loads(line)["chunks"]]
+    n = sum(map(len, ZH))
     assert got["tokens"] == n and got["coverage_q"] == 1.0 and spans
     b = sum(1 for s, e, _ in spans if e - s > 1)
     i = sum(e - s - 1 for s, e, _ in spans)
     single = sum(1 for s, e, _ in spans if e - s == 1)
     share = got["label_share"]
     assert share == pytest.approx({"B": b / n, "I": i / n, "S": single / n, "O": (n - b - i - single) / n})
+    assert got["per_block"]["block_size"] == 32 and got["per_block"]["blocks"] == n // 32
+
+
+def test_probe_on_the_labelled_corpus(saved, zh_corpus, capsys, tmp_path):
+    """``fbs probe`` of the saved base on the labelled corpus: the options reach the record (default layer: half
+    the decoder's depth; sequence counts and lengths), and the F1 scores are scores."""
+    out = tmp_path / "probe.json"
+    code, text, _ = run_cli(capsys, ["probe", "--model", saved.base, "--corpus", str(zh_corpus.path), "--train-split",
+                                     "train", "--eval-split", "train", "--seq-len", "16", "--train-seqs", "6",
+                                     "--eval-seqs", "4", "--idiom-items", "0", "--epochs", "1", "--batch-size", "4",
+                                     "--threads", "1", "--out", str(out)])
+    assert code == 0 and text.startswith("layer 3: BIOS-F1 ")
+    rec = json.loads(out.read_text())
+    assert rec["layer"] == 3 and rec["seq_len"] == 16 and rec["model"] == saved.base
+    assert (rec["n_train_sequences"], rec["n_eval_sequences"]) == (6, 4)
+    assert 80 < rec["n_train_tokens"] <= 6 * 16  # the labelled tokens of six 16-token blocks (separators are not)
+    assert 0 <= rec["bios"]["bios_f1"] <= 1 and set(rec["bios"]["per_class_f1"]) <= set("BIOS")
 
 
 def test_data_chat_splits_the_items(capsys, tmp_path):
@@ -436,3 +471,87 @@ def test_draft_search_writes_a_skip_set_that_decodes_losslessly(saved, capsys, t
     code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
                                     "--draft-layers", str(out_json)])
     assert code == 0 and json.loads(out)["text"] == text
+
+
+# --------------------------------------------------------------------------- fbs eval make-tasks / pareto
+def test_eval_make_tasks_writes_the_run_selection(capsys, monkeypatch, tmp_path):
+    """``eval make-tasks``: the JSONL holds the items ``fbs eval run`` selects (same limit and seed) with their
+    context, options and gold answer; the YAML points at it; the usage line names the task."""
+    from fbs.eval import tasks as T
+    from fbs.eval.datasets import MCExample
+
+    items = [MCExample(f"toy/{i}", (f"Q{i}: ",) * 3, ("a", "b", "c"), gold=i % 3) for i in range(10)]
+    monkeypatch.setitem(T.TASKS, "toy", T.TaskSpec("toy", "mc", lambda: items, "toy"))
+    code, out, _ = run_cli(capsys, ["eval", "make-tasks", "--out-dir", str(tmp_path), "--tasks", "toy", "--limit", "4",
+                                    "--seed", "7"])
+    assert code == 0
+    rows = [json.loads(x) for x in (tmp_path / "toy.jsonl").read_text().splitlines()]
+    want = T.select(items, 4, 7)
+    assert rows == [{"id": ex.id, "context": ex.contexts[0], "choices": list(ex.continuations), "gold": ex.gold}
+                    for ex in want] and len(rows) == 4
+    assert str(tmp_path / "toy.jsonl") in (tmp_path / "fbs_toy.yaml").read_text()
+    assert out.strip().endswith(f"--include_path {tmp_path} --tasks fbs_toy")
+
+
+def test_eval_pareto_plots_sweeps(capsys, tmp_path):
+    """``eval pareto`` of two sweep files (``run_sweep`` rows of a tiny model): one PNG per held-out text; as
+    many labels as files, else a clear error."""
+    from test_eval_sweep import _docs
+
+    from conftest import fbs_tiny, randomize
+    from fbs.eval.sweep import run_sweep
+
+    res = run_sweep(randomize(fbs_tiny(), gate_bias=0.0), fbs_tiny(), _docs(), taus=[0.9, 0.5], progress=False,
+                    gate_from=2)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"texts": {"in": res, "ood": res}}))
+    files = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    code, out, _ = run_cli(capsys, ["eval", "pareto", *files, "--labels", "A,B", "--out-prefix", str(tmp_path / "p")])
+    assert code == 0
+    pngs = [tmp_path / "p_in.png", tmp_path / "p_ood.png"]
+    assert out.split() == [w for p in pngs for w in ("wrote", str(p))]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    with pytest.raises(SystemExit, match="1 labels for 2 sweep files"):
+        main(["eval", "pareto", *files, "--labels", "A", "--out-prefix", str(tmp_path / "q")])
+
+
+# --------------------------------------------------------------------------- fbs train stage1
+def test_train_stage1_from_yaml_trains_exports_and_resumes(saved, capsys, tmp_path):
+    """``train stage1`` on the saved base with a YAML recipe, ``--set`` and ``--max-steps``: two steps logged, the
+    final export is a checkpoint of that base (``fbs info`` reads it), and a rerun resumes after the last step
+    instead of training again."""
+    import dataclasses
+
+    import yaml
+
+    from conftest import tiny_config
+
+    corpus = tmp_path / "corpus"
+    assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
+                            "--max-docs-per-source", "6", "--val-fraction", "0.5", "--test-fraction", "0"])[0] == 0
+    recipe = dict(fbs=dataclasses.asdict(tiny_config()), trainable="adapters", block_size=32, eval_blocks=2,
+                  batch_tokens=128, micro_batch_size=2, lr=3e-3, fbs_lr=1e-2, eval_every=0, save_every=1,
+                  tensorboard=False, lora_rank=4, skip_every=2)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    run = tmp_path / "run"
+    argv = ["train", "stage1", "--config", str(tmp_path / "recipe.yaml"), "--model", saved.base, "--data", str(corpus),
+            "--out-dir", str(run), "--max-steps", "2", "--set", "fbs.tau=0.45", "--set", "threads=1", "--no-progress"]
+    threads = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(capsys, argv)
+        assert code == 0, err
+        assert f"exported to {run}/final" in out
+        trained = [r["step"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if "lm" in r]
+        assert trained == [1, 2]
+        used = json.loads((run / "train_config.json").read_text())
+        assert (used["max_steps"], used["lr"], used["fbs"]["tau"], used["model"]) == (2, 3e-3, 0.45, saved.base)
+        cfg = json.loads((run / "final" / "fbs_config.json").read_text())
+        assert cfg["base_fingerprint"] == saved.model.config.base_fingerprint and cfg["paw_layers"] == [1]
+        code, out, _ = run_cli(capsys, ["info", "--model", saved.base, "--checkpoint", str(run / "final"), "--json"])
+        assert code == 0 and json.loads(out)["config"]["base_fingerprint"] == cfg["base_fingerprint"]
+        log_lines = (run / "log.jsonl").read_text()
+        code, _, err = run_cli(capsys, argv)
+        assert code == 0, err
+        assert (run / "log.jsonl").read_text().count('"lm":') == log_lines.count('"lm":') == 2  # nothing retrained
+    finally:
+        torch.set_num_threads(threads)
