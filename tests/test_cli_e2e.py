@@ -516,15 +516,17 @@ def test_eval_pareto_plots_sweeps(capsys, tmp_path):
 
 
 # --------------------------------------------------------------------------- fbs train stage1
-def test_train_stage1_from_yaml_trains_exports_and_resumes(saved, capsys, tmp_path):
+def test_train_stage1_then_stage2_and_its_report(saved, capsys, tmp_path):
     """``train stage1`` on the saved base with a YAML recipe, ``--set`` and ``--max-steps``: two steps logged, the
-    final export is a checkpoint of that base (``fbs info`` reads it), and a rerun resumes after the last step
-    instead of training again."""
+    config used, the final export is a checkpoint of that base (``fbs info`` reads it), and a rerun resumes after
+    the last step instead of training again. ``train stage2`` from that export on a prompt pool file: two PPO steps
+    whose logged reward is compute term minus quality penalty, an export; ``train stage2-report`` tables them."""
     import dataclasses
 
     import yaml
 
     from conftest import tiny_config
+    from fbs.rl.pool import PoolItem
 
     corpus = tmp_path / "corpus"
     assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
@@ -553,5 +555,22 @@ def test_train_stage1_from_yaml_trains_exports_and_resumes(saved, capsys, tmp_pa
         code, _, err = run_cli(capsys, argv)
         assert code == 0, err
         assert (run / "log.jsonl").read_text().count('"lm":') == log_lines.count('"lm":') == 2  # nothing retrained
+
+        pool, rl = tmp_path / "pool.jsonl", tmp_path / "stage2"
+        items = [PoolItem(f"t/{i}", "mmlu", f"Q{i}?", ("x", "y", "z", "w"), i % 4, f"Q{i}?\nA. x\nB. y\n",
+                          f"Answer: {'ABCD'[i % 4]}. {'xyzw'[i % 4]}") for i in range(4)]
+        pool.write_text("".join(json.dumps(it.to_dict()) + "\n" for it in items))
+        code, out, err = run_cli(capsys, ["train", "stage2", "--init-from", str(run / "final"), "--pool", str(pool),
+                                          "--out-dir", str(rl), "--max-steps", "2", "--batch-size", "2",
+                                          "--max-new-tokens", "4", "--threads", "1", "--no-progress"])
+        assert code == 0, err
+        assert json.loads(out)["steps"] == 2
+        log = [json.loads(x) for x in (rl / "log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log] == [0, 1]
+        assert all(r["reward"] == pytest.approx(r["compute_term"] - r["quality_penalty"], abs=1e-6) for r in log)
+        assert (rl / "final" / "fbs_model.safetensors").is_file()
+        code, out, _ = run_cli(capsys, ["train", "stage2-report", str(rl), "--out-dir", str(tmp_path / "report")])
+        assert code == 0 and f"## {rl}: reward decomposition over 2 PPO steps" in out
+        assert (tmp_path / "report" / "stage2_report.md").read_text() in out
     finally:
         torch.set_num_threads(threads)
