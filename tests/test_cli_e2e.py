@@ -14,6 +14,7 @@ import json
 import sys
 import types
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -574,3 +575,39 @@ def test_train_stage1_then_stage2_and_its_report(saved, capsys, tmp_path):
         assert (tmp_path / "report" / "stage2_report.md").read_text() in out
     finally:
         torch.set_num_threads(threads)
+
+
+def test_train_flexidepth_reports_the_base_perplexity(saved, capsys, tmp_path):
+    """``train flexidepth`` on the saved (frozen) base: two steps, an export, and the printed base PPL is HF's own
+    perplexity on the held-out blocks (exp of the mean next-token NLL over every position)."""
+    import math
+
+    import yaml
+
+    from fbs.train.data import corpus_blocks
+
+    corpus = tmp_path / "corpus"
+    assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
+                            "--max-docs-per-source", "6", "--val-fraction", "0.5", "--test-fraction", "0"])[0] == 0
+    recipe = dict(block_size=32, eval_blocks=2, batch_tokens=128, micro_batch_size=2, eval_every=0, save_every=1,
+                  threads=1)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    threads = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(capsys, ["train", "flexidepth", "--config", str(tmp_path / "recipe.yaml"), "--model",
+                                          saved.base, "--data", str(corpus), "--out-dir", str(tmp_path / "run"),
+                                          "--max-steps", "2", "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    summary = json.loads(out[:out.rindex("}") + 1])
+    assert summary["steps"] == 2 and summary["final"] == str(tmp_path / "run" / "final")
+    ids = corpus_blocks(corpus, char_tokenizer(), 32, 2).eval_ids
+    with torch.no_grad():
+        logits = saved.model.base.hf(ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert summary["eval"]["ppl_base"] == pytest.approx(math.exp(nll.item()), rel=1e-4)
+    assert f"base {summary['eval']['ppl_base']:.2f}" in out and f"exported to {summary['final']}" in out
+    from fbs.baselines.flexidepth import CONFIG_NAME, WEIGHTS_NAME
+
+    assert all((Path(summary["final"]) / name).is_file() for name in (CONFIG_NAME, WEIGHTS_NAME))
