@@ -1,10 +1,14 @@
-"""The ``fbs`` command line end to end through ``fbs.cli.main``: ``info``, ``generate``, ``serve``, ``bench`` and
-``bench serve`` on a tiny model saved to disk (an HF directory with a one-character-per-id tokenizer and chat
-template, and an FBS checkpoint over it), and ``info`` / ``generate`` on the real SmolLM2 (slow).
+"""The ``fbs`` command line end to end through ``fbs.cli.main`` on a tiny model saved to disk (an HF directory
+with a one-character-per-id tokenizer and chat template, and an FBS checkpoint over it): ``info``, ``generate``,
+``serve``, ``bench``, ``bench serve``, ``data build / label / stats / chat``, ``probe``, ``eval make-tasks``,
+``eval pareto``, ``train stage1 / stage2 / stage2-report / stage2-accept / flexidepth / kangaroo /
+draft-search``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
+table / merge / sweep / group-b / chat / mechanism / ch / ch-table / safety / list``, ``analyze``,
+``bench recompute``, ``train ablations``) run end to end in their own modules' tests.
 
 Oracles: the in-memory model the files were written from, through the API (``model.generate`` on the prompt ids
-built by hand from the chat template), and hand-computed parameter counts. With one character per token id,
-equal text means equal tokens.
+built by hand from the chat template; full-depth output for lossless decoding), HF's own perplexity, and
+hand-computed counts. With one character per token id, equal text means equal tokens.
 """
 
 from __future__ import annotations
@@ -517,11 +521,13 @@ def test_eval_pareto_plots_sweeps(capsys, tmp_path):
 
 
 # --------------------------------------------------------------------------- fbs train stage1
-def test_train_stage1_then_stage2_and_its_report(saved, capsys, tmp_path):
+def test_train_stage1_then_stage2_report_and_acceptance(saved, capsys, tmp_path):
     """``train stage1`` on the saved base with a YAML recipe, ``--set`` and ``--max-steps``: two steps logged, the
     config used, the final export is a checkpoint of that base (``fbs info`` reads it), and a rerun resumes after
     the last step instead of training again. ``train stage2`` from that export on a prompt pool file: two PPO steps
-    whose logged reward is compute term minus quality penalty, an export; ``train stage2-report`` tables them."""
+    whose logged reward is compute term minus quality penalty, an export; ``train stage2-report`` tables them;
+    ``train stage2-accept`` with one grid point of one step writes its report, whose verdict says one step is
+    too few."""
     import dataclasses
 
     import yaml
@@ -573,6 +579,20 @@ def test_train_stage1_then_stage2_and_its_report(saved, capsys, tmp_path):
         code, out, _ = run_cli(capsys, ["train", "stage2-report", str(rl), "--out-dir", str(tmp_path / "report")])
         assert code == 0 and f"## {rl}: reward decomposition over 2 PPO steps" in out
         assert (tmp_path / "report" / "stage2_report.md").read_text() in out
+
+        accept = tmp_path / "accept"
+        code, out, err = run_cli(capsys, [
+            "train", "stage2-accept", "--init-from", str(run / "final"), "--out-dir", str(accept),
+            "--config", str(Path(__file__).parents[1] / "configs" / "stage2_smollm2.yaml"), "--set", f"pool={pool}",
+            "--set", "batch_size=2", "--set", "max_new_tokens=4", "--set", "threads=1", "--set", "progress=false",
+            "--grid", "0.1:0.1", "--steps", "1", "--corpus", str(corpus), "--split", "validation", "--per-lang", "2",
+            "--max-tokens", "64", "--taus", "0.5", "--gate-from", "8", "--resamples", "20", "--threads", "1"])
+        assert code == 0, err
+        doc = json.loads((accept / "acceptance.json").read_text())
+        assert doc["primary_tau"] == 0.5 and [r["run"] for r in doc["results"]] == [str(accept / "a0.1_b0.1")]
+        assert doc["verdict"].startswith("inconclusive") and "1 steps per grid point are below the 30" in doc["verdict"]
+        assert len((accept / "a0.1_b0.1" / "log.jsonl").read_text().splitlines()) == 1
+        assert (accept / "acceptance.md").read_text() in out
     finally:
         torch.set_num_threads(threads)
 
