@@ -148,18 +148,19 @@ def test_generate_stop_string_ends_at_the_string(saved, capsys):
 
 def test_engine_stop_strings_stop_at_the_string(saved):
     """``stop_strings`` in the engine: the tokens are the greedy ones up to the token that completes the first
-    stop string to occur, for each row of a batch; without a tokenizer it is refused."""
+    stop string to occur, for each row of a batch, a stop string longer than 16 tokens included; without a
+    tokenizer it is refused."""
     model, tok = saved.model, saved.model.tokenizer
     prompts = [chat_ids(), chat_ids("Name a colour."), chat_ids("Count to ten")]
     full = model.generate(prompts, max_new_tokens=40, ignore_eos=True)
     texts = [tok.decode(t) for t in full.new_tokens]
-    stops = [texts[0][20:23], texts[1][5:7]]
+    stops = [texts[0][20:23], texts[1][5:7], texts[2][4:28]]
     res = model.generate(prompts, max_new_tokens=40, ignore_eos=True, stop_strings=stops, tokenizer=tok)
     for r, text in enumerate(texts):
         ends = [text.find(s) + len(s) for s in stops if s in text]
         cut = min(ends) if ends else len(text)
         assert res.new_tokens[r] == full.new_tokens[r][:cut], r
-    assert len(res.new_tokens[1]) < 40  # the cases stop early
+    assert len(res.new_tokens[1]) < 40 and len(res.new_tokens[2]) == 28  # the cases stop early, row 2 at 28 tokens
     bare = type(model).from_base(model.base.hf, config=model.config)
     with pytest.raises(ValueError, match=r"stop_strings need a tokenizer \(pass tokenizer=\)"):
         bare.generate(prompts, max_new_tokens=4, stop_strings=stops)
@@ -303,6 +304,22 @@ def test_bench_serve_against_a_running_server(saved, capsys, tmp_path):
     assert doc["server_status"]["counts"]["completed"] == 12
     assert doc["server_status"]["counts"]["generated_tokens"] == 60
     assert (out_dir / "serve.md").read_text().strip().endswith(out.split("json: ")[0].strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_bench_serve_starts_its_own_server(saved, capsys, tmp_path):
+    """Without ``--url``, ``fbs bench serve`` starts ``fbs serve`` as a subprocess with its options, loads it and
+    stops it; every request is answered in full."""
+    out_dir = tmp_path / "load"
+    code, _, err = run_cli(capsys, ["bench", "serve", *saved.args, "--threads", "1", "--clients", "1,2", "--modes",
+                                    "skip", "--requests", "2", "--max-tokens", "3", "--prompt-len", "8",
+                                    "--num-prompts", "2", "--warmup", "0", "--out-dir", str(out_dir)])
+    assert code == 0, err
+    doc = json.loads((out_dir / "serve.json").read_text())
+    assert doc["server_started"] and doc["errors"] == 0 and doc["model"] == "base"
+    assert doc["server_args"][:4] == ["--model", saved.base, "--max-concurrent", "2"]
+    assert "--checkpoint" in doc["server_args"] and saved.ckpt in doc["server_args"]
+    assert [c["tokens"] for c in doc["cells"]] == [6, 6] and doc["server_status"]["counts"]["completed"] == 4
 
 
 def test_bench_serve_refuses_a_remote_url(capsys):

@@ -634,7 +634,10 @@ class _Decoder:
         if token in self.eos:
             return True
         if o.stop_strings and self.tok is not None:
-            tail = self.tok.decode(self.out[row][-16:], skip_special_tokens=False)
+            # a tail long enough for the longest stop string: a character may take up to 4 byte-level tokens,
+            # and the string may start inside the tail's first token
+            window = max(16, 4 * max(map(len, o.stop_strings)) + 1)
+            tail = self.tok.decode(self.out[row][-window:], skip_special_tokens=False)
             return any(s in tail for s in o.stop_strings)
         return False
 
