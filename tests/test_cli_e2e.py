@@ -477,7 +477,6 @@ def test_lossless_generate_equals_full_depth(saved, capsys, tmp_path):
         assert doc["speculative"]["proposed"] > 0, argv
 
 
-@pytest.mark.slow
 def test_draft_search_writes_a_skip_set_that_decodes_losslessly(saved, capsys, tmp_path):
     corpus, out_json = tmp_path / "corpus", tmp_path / "set.json"
     assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
