@@ -118,10 +118,17 @@ def test_generate_from_stdin_json_and_trace_equal_the_api(saved, capsys, monkeyp
 
 
 def test_generate_options_reach_the_engine(saved, capsys):
-    """The prompt as an argument, raw text (no chat template), tau / KV policy / force-compute / never-skip."""
+    """The prompt as an argument, raw text (no chat template), tau / KV policy / force-compute / never-skip,
+    seeded sampling (temperature, top-k, top-p), min-new-tokens, structure protection and a validator."""
     raw = char_tokenizer()(PROMPT)["input_ids"]
+    tok = saved.model.tokenizer
     cases = [(["--no-chat-template", "--tau", "0.3", "--kv-policy", "hole"], raw, dict(tau=0.3, kv_policy="hole")),
              (["--force-compute"], chat_ids(), dict(force_compute=True)),
+             (["--do-sample", "--seed", "3", "--temperature", "0.7", "--top-k", "20", "--top-p", "0.9",
+               "--min-new-tokens", "5"], chat_ids(),
+              dict(do_sample=True, seed=3, temperature=0.7, top_k=20, top_p=0.9, min_new_tokens=5)),
+             (["--protect-structure"], chat_ids(), dict(protect_structure=True, tokenizer=tok)),
+             (["--validator", "json"], chat_ids(), dict(validator="json", tokenizer=tok)),
              (["--never-skip", "2", "--never-skip", "3"], chat_ids(), dict(never_skip=(2, 3)))]
     for argv, ids, opts in cases:
         ref, text = api_text(saved.model, ids, max_new_tokens=NEW, **opts)
@@ -129,6 +136,9 @@ def test_generate_options_reach_the_engine(saved, capsys):
         doc = json.loads(out)
         assert code == 0 and doc["text"] == text, argv
         assert doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio), argv
+        assert doc["fallback"] == ref.trace.fallback[0], argv
+    assert doc["fallback"] is False and json.loads(run_cli(capsys, [
+        "generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json", "--validator", "json"])[1])["fallback"]
     assert doc["skip_ratio"] < json.loads(run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens",
                                                            str(NEW), "--json"])[1])["skip_ratio"]
 
