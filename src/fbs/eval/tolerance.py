@@ -40,9 +40,9 @@ largest share (``censored``).
 
 **Why not** :class:`fbs.FBSForCausalLM`'s ``gate_mode="plan"``: its plans skip whole layers or FFNs by the model's
 ``skip_granularity``, not attention alone, and the FBS model adds its PAW / CH modules to the residual stream. The
-masked forward here (:func:`masked_forward`) runs the same per-layer pieces (:class:`fbs.layer.HFOps` over
-:class:`fbs.hf_adapter.BaseDecoder`, attention through :class:`fbs.layer.SequenceContext` with ``project`` K/V)
-with one skip mask per unit.
+masked forward here (:func:`masked_forward`) runs the per-layer pieces of :class:`fbs.hf_adapter.BaseDecoder` (the
+HF modules) with one skip mask per unit; since the prompt is never skipped, its K/V are computed once per document
+and every masked forward runs the decoded positions only.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ import numpy as np
 import torch
 
 from ..hf_adapter import BaseDecoder
-from ..layer import HFOps, SequenceContext
 from ..modules.gate import relative_update
 from .stats import bootstrap_ci, bootstrap_indices, paired_bootstrap
 
@@ -68,7 +67,9 @@ logger = logging.getLogger(__name__)
 
 UNITS = ("layer", "ffn", "attn")
 MASKS = ("oracle", "static", "random")
-DEFAULT_SHARES = (0.05, 0.1, 0.2, 0.3, 0.4)
+DEFAULT_SHARES = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4)
+#: shares of the static and random masks in ``fbs eval tolerance`` (both fall off long before the oracle does)
+DEFAULT_BASELINE_SHARES = (0.05, 0.1, 0.15, 0.2)
 DEFAULT_TOLERANCE = 1.05
 #: (prompt, scored) characters per document of each kind: a few hundred tokens for every tokenizer here
 CHARS = {"en": (200, 500), "code": (160, 400), "zh": (60, 160)}
@@ -91,7 +92,7 @@ def build_texts(docs_per_kind: int = 4, seed: int = 0, chars: dict[str, tuple[in
                 sources: dict | None = None) -> list[TextDoc]:
     """``docs_per_kind`` documents of each kind of ``chars`` (default :data:`CHARS`), from the readers of
     :data:`fbs.eval.ood.SOURCES` (or ``sources``, the same shape): each kind's entries sorted by id, shuffled with
-    ``random.Random(f"{seed}-{kind}")``, sources interleaved, and consumed in order into documents of exactly
+    ``random.Random(f"{seed}-{kind}-{source}")``, the sources interleaved, and consumed in order into documents of exactly
     prompt + scored characters (an entry longer than the rest of a document is cut there, its rest dropped)."""
     if sources is None:
         from .ood import SOURCES as sources
@@ -157,22 +158,27 @@ def tokenize(tokenizer, docs: Sequence[TextDoc]) -> list[TokenDoc]:
 @dataclasses.dataclass
 class ForwardOut:
     logits: torch.Tensor                         # (B, T - P, V): predictions of tokens P .. T-1
-    updates: dict[str, torch.Tensor] | None      # unit -> (B, T, L) relative update of the unit, when asked
-    hidden_states: list[torch.Tensor] | None     # L + 1 tensors (B, T, d), when asked
+    updates: dict[str, torch.Tensor] | None      # unit -> (B, S, L) relative update of the unit, when asked
+    hidden_states: list[torch.Tensor] | None     # L + 1 tensors (B, S, d), when asked
+    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer K, V (B, Hkv, P - 1, hd), when asked
 
 
 @torch.no_grad()
 def masked_forward(base: BaseDecoder, input_ids: torch.Tensor, prompt_len: int,
                    skips: dict[str, torch.Tensor] | None = None, want_updates: bool = False,
-                   output_hidden_states: bool = False) -> ForwardOut:
+                   output_hidden_states: bool = False, prompt_kv: list | None = None,
+                   keep_prompt_kv: bool = False) -> ForwardOut:
     """One teacher-forced forward of the base decoder with (token, unit) skips.
 
     ``skips``: unit (``layer``, ``ffn``, ``attn``) -> bool (B, T, L) or (T, L), True = skip that unit of that token
     at that layer. K/V of every token come from its layer input (``project``). ``want_updates``: every unit's
-    relative update ||f(x) - x|| / ||x|| of its own input, as run."""
+    relative update ||f(x) - x|| / ||x|| of its own input, as run. The S positions run are all T, or, given
+    ``prompt_kv`` (the K/V of positions 0 .. P-2 that ``keep_prompt_kv`` returns from an earlier forward of the
+    same ids; the prompt is never skipped, so they are the same in every forward), positions P-1 .. T-1 only."""
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]
     b, t = ids.shape
     n_layers = base.spec.num_layers
+    start = prompt_len - 1 if prompt_kv is not None else 0
     masks = {}
     for unit, m in (skips or {}).items():
         if unit not in UNITS:
@@ -182,20 +188,29 @@ def masked_forward(base: BaseDecoder, input_ids: torch.Tensor, prompt_len: int,
             raise ValueError(f"{unit} mask must end in (T, L) = ({t}, {n_layers}), got {tuple(m.shape)}")
         if m[..., :prompt_len, :].any():
             raise ValueError(f"{unit} mask skips a prompt position (< {prompt_len}): the prompt is never gated")
-        masks[unit] = m.expand(b, t, n_layers)
-    ops = HFOps(base)
-    x = base.embed(ids)  # (B, T, d)
-    positions = torch.arange(t, device=ids.device).expand(b, t)
-    cos, sin = base.rope(x, positions)
-    ctx = SequenceContext(base, cos, sin, None, "project", False)
-    updates = {u: x.new_zeros(b, t, n_layers) for u in UNITS} if want_updates else None
+        masks[unit] = m.expand(b, t, n_layers)[:, start:]  # (B, S, L)
+    x = base.embed(ids[:, start:])  # (B, S, d)
+    s = t - start
+    cos, sin = base.rope(x, torch.arange(start, t, device=ids.device).expand(b, s))
+    # position start + i attends to every position <= start + i (cached prompt K/V first)
+    attn_mask = None if start == 0 else torch.ones(s, t, dtype=torch.bool, device=ids.device).tril(start)[None, None]
+    updates = {u: x.new_zeros(b, s, n_layers) for u in UNITS} if want_updates else None
     hidden = [x] if output_hidden_states else None
+    kept = [] if keep_prompt_kv else None
     for l in range(n_layers):
-        xn = ops.norm1(l, x)
-        h = ops.attention(l, x, xn, ctx)  # x + Attn(xn); K/V of every token from xn
+        xn = base.norm1(l, x)
+        q = base.query(l, xn, cos, sin)  # (B, H, S, hd)
+        k, v = base.key_value(l, xn, cos, sin)  # (B, Hkv, S, hd), from every token's layer input
+        if kept is not None:
+            kept.append((k[:, :, :prompt_len - 1], v[:, :, :prompt_len - 1]))
+        if prompt_kv is not None:
+            pk, pv = prompt_kv[l]
+            k = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)  # (B, Hkv, T, hd)
+            v = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
+        h = x + base.attn_out(l, base.attend(q, k, v, attn_mask, causal=True))
         if "attn" in masks:
             h = torch.where(masks["attn"][..., l, None], x, h)
-        delta = ops.ffn_delta(l, h)  # MLP(RMSNorm_2(h))
+        delta = base.mlp(l, base.norm2(l, h))
         out = h + delta
         if "ffn" in masks:
             out = torch.where(masks["ffn"][..., l, None], h, out)
@@ -208,8 +223,8 @@ def masked_forward(base: BaseDecoder, input_ids: torch.Tensor, prompt_len: int,
         x = out
         if hidden is not None:
             hidden.append(x)
-    logits = base.head(x[:, prompt_len - 1:-1])  # (B, T - P, V)
-    return ForwardOut(logits, updates, hidden)
+    logits = base.head(x[:, prompt_len - 1 - start:-1])  # (B, T - P, V)
+    return ForwardOut(logits, updates, hidden, kept)
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -305,24 +320,26 @@ class ProfileOptions:
 
 
 def base_pass(base: BaseDecoder, docs: Sequence[TokenDoc], units: Sequence[str] = UNITS,
-              progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, dict[str, list[torch.Tensor]]]:
-    """The unskipped forward of every document: NLL sums (N,) and, per unit, each document's (T, L) relative
-    updates (the oracle's and the static order's signal)."""
+              progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, dict[str, list[torch.Tensor]], list]:
+    """The unskipped forward of every document: NLL sums (N,), per unit each document's (T, L) relative updates
+    (the oracle's and the static order's signal), and each document's prompt K/V (for :func:`score_setting`)."""
     dev = base.embedding_weight.device
-    nll, updates = [], {u: [] for u in units}
+    nll, updates, prompt_kv = [], {u: [] for u in units}, []
     for d in docs:
         ids = d.input_ids.to(dev)
-        out = masked_forward(base, ids, d.prompt_len, want_updates=True)
+        out = masked_forward(base, ids, d.prompt_len, want_updates=True, keep_prompt_kv=True)
         nll.append(float(token_nll(out.logits, ids, d.prompt_len).sum()))
         for u in units:
             updates[u].append(out.updates[u][0].cpu())
+        prompt_kv.append(out.prompt_kv)
         if progress is not None:
             progress(1)
-    return np.asarray(nll), updates
+    return np.asarray(nll), updates, prompt_kv
 
 
 def score_setting(base: BaseDecoder, docs: Sequence[TokenDoc], mask: str, unit: str, updates: Sequence[torch.Tensor],
-                  shares: Sequence[float], seed: int = 0, progress: Callable[[int], None] | None = None) -> DocScores:
+                  shares: Sequence[float], seed: int = 0, progress: Callable[[int], None] | None = None,
+                  prompt_kv: Sequence | None = None) -> DocScores:
     """One (mask, unit) at every share: one forward per document with the shares as a batch."""
     dev = base.embedding_weight.device
     n_layers = base.spec.num_layers
@@ -335,7 +352,8 @@ def score_setting(base: BaseDecoder, docs: Sequence[TokenDoc], mask: str, unit: 
                  else static_masks(d, order, shares) if mask == "static"
                  else random_masks(d, n_layers, shares, gen))  # (S, T, L)
         ids = d.input_ids.to(dev)
-        out = masked_forward(base, ids.expand(len(plans), -1), d.prompt_len, {unit: plans.to(dev)})
+        out = masked_forward(base, ids.expand(len(plans), -1), d.prompt_len, {unit: plans.to(dev)},
+                             prompt_kv=None if prompt_kv is None else prompt_kv[j])
         nll[:, j] = token_nll(out.logits, ids, d.prompt_len).sum(-1).double().cpu().numpy()
         skipped[:, j] = plans.flatten(1).sum(-1).numpy()
         if progress is not None:
@@ -348,12 +366,12 @@ def run_profile(base: BaseDecoder, docs: Sequence[TokenDoc], options: ProfileOpt
                 on_setting: Callable[[np.ndarray, dict], None] | None = None) -> tuple[np.ndarray, dict, dict]:
     """Base NLL sums (N,), {(mask, unit): DocScores} and {unit: static layer order}; ``progress(k)`` after each
     forward, ``on_setting(base_nll, results so far)`` after each (mask, unit)."""
-    base_nll, updates = base_pass(base, docs, options.units, progress)
+    base_nll, updates, prompt_kv = base_pass(base, docs, options.units, progress)
     results = {}
     for mask in options.masks:
         for unit in options.units:
             results[(mask, unit)] = score_setting(base, docs, mask, unit, updates[unit], options.shares_of(mask),
-                                                  options.seed, progress)
+                                                  options.seed, progress, prompt_kv)
             if on_setting is not None:
                 on_setting(base_nll, results)
     return base_nll, results, {u: static_layer_order(docs, updates[u]) for u in options.units}
@@ -467,6 +485,26 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def scaling_table(profiles: Sequence[dict]) -> str:
+    """One row per model: size, depth, base PPL and nats/char, and the reachable share of each (mask, unit)."""
+    profiles = sorted(profiles, key=lambda p: p["params"])
+    series = [(m, u) for m in MASKS for u in UNITS
+              if any((r["mask"], r["unit"]) == (m, u) for p in profiles for r in p["reachable"])]
+    lines = ["| model | params | layers | docs | base PPL | base nats/char | "
+             + " | ".join(f"{m} {u}" for m, u in series) + " |", "|---" * (6 + len(series)) + "|"]
+    for p in profiles:
+        cells = []
+        for m, u in series:
+            r = next((r for r in p["reachable"] if (r["mask"], r["unit"]) == (m, u)), None)
+            cells.append("" if r is None else f"{'>=' if r['censored'] else ''}{100 * r['share']:.1f} "
+                                              f"[{100 * r['ci95'][0]:.1f}, {100 * r['ci95'][1]:.1f}]")
+        b = p["base"]
+        lines.append(f"| {p['model']} | {p['params'] / 1e6:.0f}M | {p['layers']} | {len(p['texts']['docs'])} | "
+                     f"{b['ppl']:.2f} | {b['nats_per_char']:.3f} | " + " | ".join(cells) + " |")
+    tol = profiles[0]["options"]["tolerance"] if profiles else DEFAULT_TOLERANCE
+    return "\n".join(lines) + f"\n\nSkip share (%) reachable at <= {tol:g}x the unskipped PPL [95 % CI over documents]."
+
+
 def plot_scaling(profiles: Sequence[dict], out: Path) -> Path | None:
     """Reachable share (oracle, static, random; each unit) against parameter count and against depth, and the
     oracle whole-layer ratio curves; None when matplotlib is missing."""
@@ -479,37 +517,49 @@ def plot_scaling(profiles: Sequence[dict], out: Path) -> Path | None:
         logger.warning("matplotlib is not installed: no scaling plot")
         return None
     profiles = sorted(profiles, key=lambda p: p["params"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    styles = {"oracle": "-", "static": "--", "random": ":"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    styles = {"oracle": ("-", "o"), "static": ("--", "s"), "random": (":", "x")}
     colors = {"layer": "C0", "ffn": "C1", "attn": "C2"}
+    series = [(m, u) for m in MASKS for u in UNITS]
     for ax, key, label in ((axes[0], "params", "parameters"), (axes[1], "layers", "layers (depth)")):
-        for mask in MASKS:
-            for unit in UNITS:
-                pts = [(p[key], r) for p in profiles for r in p["reachable"] if (r["mask"], r["unit"]) == (mask, unit)]
-                if not pts:
-                    continue
-                xs = [x for x, _ in pts]
-                ys = [100 * r["share"] for _, r in pts]
-                err = [[100 * (r["share"] - r["ci95"][0]) for _, r in pts],
-                       [100 * (r["ci95"][1] - r["share"]) for _, r in pts]]
-                ax.errorbar(xs, ys, yerr=np.clip(err, 0, None), ls=styles[mask], color=colors[unit], marker="o",
-                            capsize=3, label=f"{mask}, {unit}")
+        for k, (mask, unit) in enumerate(series):
+            pts = [(p[key], r) for p in profiles for r in p["reachable"] if (r["mask"], r["unit"]) == (mask, unit)]
+            if not pts:
+                continue
+            # small horizontal offsets keep the error bars of the nine series apart
+            off = (k - len(series) / 2) * 0.012
+            xs = [x * (1 + off) if key == "params" else x + 6 * off for x, _ in pts]
+            ys = [100 * r["share"] for _, r in pts]
+            err = np.clip([[y - 100 * r["ci95"][0] for y, (_, r) in zip(ys, pts)],
+                           [100 * r["ci95"][1] - y for y, (_, r) in zip(ys, pts)]], 0, None)
+            ls, marker = styles[mask]
+            ax.errorbar(xs, ys, yerr=err, ls=ls if key == "params" else "none", marker=marker, color=colors[unit],
+                        capsize=2, lw=1, ms=4, label=f"{mask}, {unit}")
+        for p in profiles:
+            ax.annotate(p["model"], (p[key], 1), xycoords=("data", "axes fraction"), textcoords="offset points",
+                        xytext=(0, -10), ha="center", fontsize=7)
         ax.set_xlabel(label)
         ax.set_ylabel(f"skip share at <= {profiles[0]['options']['tolerance']:g}x PPL (%)")
         ax.grid(alpha=0.3)
     axes[0].set_xscale("log")
-    axes[0].legend(fontsize=7, ncol=3)
+    axes[0].legend(fontsize=7, ncol=3, loc="center left")
     for p in profiles:
-        rs = [r for r in p["rows"] if (r["mask"], r["unit"]) == ("oracle", "layer")]
-        if rs:
+        for mask, ls in (("oracle", "-"), ("static", "--")):
+            rs = [r for r in p["rows"] if (r["mask"], r["unit"]) == (mask, "layer")]
+            if not rs:
+                continue
             axes[2].errorbar([0] + [100 * r["share"] for r in rs], [1] + [r["ratio"] for r in rs],
-                             yerr=np.clip([[0] + [r["ratio"] - r["ratio_ci95"][0] for r in rs],
-                                           [0] + [r["ratio_ci95"][1] - r["ratio"] for r in rs]], 0, None),
-                             marker="o", capsize=3, label=f"{p['model']} ({p['params'] / 1e6:.0f}M, {p['layers']} L)")
+                                    yerr=np.clip([[0] + [r["ratio"] - r["ratio_ci95"][0] for r in rs],
+                                                  [0] + [r["ratio_ci95"][1] - r["ratio"] for r in rs]], 0, None),
+                                    ls=ls, marker="o", ms=3, capsize=2, lw=1,
+                                    color=f"C{profiles.index(p) + 3}",
+                                    label=f"{p['model']} ({p['params'] / 1e6:.0f}M, {p['layers']} L), {mask}")
     axes[2].axhline(profiles[0]["options"]["tolerance"], color="grey", lw=0.8)
     axes[2].set_yscale("log")
-    axes[2].set_xlabel("skipped (token, layer) pairs (%), oracle")
-    axes[2].set_ylabel("PPL / base")
+    axes[2].yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[2].yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[2].set_xlabel("skipped (token, layer) pairs (%)")
+    axes[2].set_ylabel("PPL / unskipped PPL (log)")
     axes[2].legend(fontsize=7)
     axes[2].grid(alpha=0.3)
     fig.suptitle("Training-free skip tolerance on the same prose, code and Chinese text")
@@ -530,6 +580,7 @@ def cmd_tolerance(args) -> int:
         profiles = [json.loads(Path(p).read_text()) for p in args.plot]
         for p in profiles:
             print(markdown(p) + "\n")
+        print(scaling_table(profiles) + "\n")
         path = plot_scaling(profiles, Path(args.plot_out))
         print(f"wrote {path}" if path else "matplotlib is missing: no plot (pip install matplotlib)")
         return 0
@@ -597,7 +648,8 @@ def add_parser(sub) -> None:
     p.add_argument("--docs-per-kind", type=int, default=4, help="documents of each kind (en, code, zh)")
     p.add_argument("--shares", default=",".join(f"{s:g}" for s in DEFAULT_SHARES),
                    help="skip shares of (token, unit) pairs, increasing, comma list")
-    p.add_argument("--baseline-shares", help="skip shares of the static and random masks (default: --shares)")
+    p.add_argument("--baseline-shares", default=",".join(f"{s:g}" for s in DEFAULT_BASELINE_SHARES),
+                   help="skip shares of the static and random masks")
     p.add_argument("--masks", default=",".join(MASKS), help=f"comma list of {', '.join(MASKS)}")
     p.add_argument("--units", default=",".join(UNITS), help=f"comma list of {', '.join(UNITS)}")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
