@@ -657,3 +657,65 @@ def test_train_flexidepth_reports_the_base_perplexity(saved, capsys, tmp_path):
     from fbs.baselines.flexidepth import CONFIG_NAME, WEIGHTS_NAME
 
     assert all((Path(summary["final"]) / name).is_file() for name in (CONFIG_NAME, WEIGHTS_NAME))
+
+
+def test_eval_tolerance_profile_and_plot(saved, capsys, tmp_path):
+    """``eval tolerance`` on the saved base with one share, two masks and whole layers: the options and the
+    model's facts reach the JSON (parameters counted by hand), a markdown table is written next to it, and with
+    one character per token each kind's nats per character is the log of its perplexity; ``--plot`` of the
+    profile prints it and draws the scaling plot."""
+    import math
+
+    out = tmp_path / "tol.json"
+    threads = torch.get_num_threads()
+    try:
+        code, text, err = run_cli(capsys, ["eval", "tolerance", "--model", saved.base, "--docs-per-kind", "1",
+                                           "--shares", "0.2", "--baseline-shares", "0.2", "--masks", "oracle,static",
+                                           "--units", "layer", "--threads", "1", "--out", str(out), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    opts = doc["options"]
+    assert (opts["shares"], opts["baseline_shares"], opts["masks"], opts["units"]) == ([0.2], [0.2],
+                                                                                      ["oracle", "static"], ["layer"])
+    hf = saved.model.base.hf
+    assert doc["layers"] == 6 and doc["hidden_size"] == 64
+    assert doc["params"] == sum(p.numel() for p in {p.data_ptr(): p for p in hf.parameters()}.values())
+    assert all(d["scored_tokens"] == d["scored_chars"] for d in doc["texts"]["docs"])
+    for kind, res in doc["base_by_kind"].items():
+        assert res["nats_per_char"] == pytest.approx(math.log(res["ppl"]), rel=1e-6), kind
+    assert {(r["mask"], r["unit"]) for r in doc["rows"]} >= {("oracle", "layer"), ("static", "layer")}
+    assert out.with_suffix(".md").is_file() and f"wrote {out} and {out.with_suffix('.md')}" in text
+    code, text, _ = run_cli(capsys, ["eval", "tolerance", "--plot", str(out), "--plot-out", str(tmp_path / "s.png")])
+    assert code == 0 and text.strip().endswith(f"wrote {tmp_path / 's.png'}")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------- every command has a test
+def test_every_command_is_run_by_a_test():
+    """Each leaf command of the ``fbs`` parser appears at the head of an argv list in some test
+    (``["eval", "merge", ...``), or its handler is called directly; a new command without a test fails here."""
+    import argparse
+    import re
+
+    from fbs.cli import build_parser
+
+    def leaves(parser, path=()):
+        func = parser.get_default("func")
+        if func is not None:
+            yield path, func
+        for action in parser._actions:  # argparse has no public accessor for sub-parsers
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from leaves(sub, path + (name,))
+
+    texts = [p.read_text() for p in Path(__file__).parent.glob("test_*.py")]
+    commands = dict(leaves(build_parser()))
+    assert len(commands) > 30 and ("eval", "run") in commands and ("serve",) in commands
+    missing = []
+    for path, func in commands.items():
+        head = re.compile(r"\[\s*" + r",\s*".join(re.escape(f'"{w}"') for w in path) + r"\s*[,\]]")
+        if not any(head.search(t) or f"{func.__name__}(" in t for t in texts):
+            missing.append(" ".join(path))
+    assert not missing, f"commands without a test: {missing}"
