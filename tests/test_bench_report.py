@@ -86,7 +86,9 @@ def test_document_contents(document):
     assert plan["bytes_rel"] < full["bytes_rel"] and plan["skip_saving"]["reference"] == "fbs-full-compute"
     assert plan["skip_saving"]["predicted"] == pytest.approx(1 - plan["bytes_rel"] / full["bytes_rel"])
     assert full["skip_saving"] is None and base["skip_saving"] is None
-    assert by[("llama-cpp", 1)]["status"] == "unavailable" and "GGUF" in by[("llama-cpp", 1)]["note"]
+    for fmt in ("q4_1", "q8_0", "q4_0", "f16"):  # the llama-cpp alias: no GGUF for a model that is not bundled
+        row = by[(f"llama-cpp-{fmt}", 1)]
+        assert row["status"] == "unavailable" and "GGUF" in row["note"] and "build_llama_cpp.sh" in row["note"]
     assert {r["prompt_len"] for r in doc["long_context"]} == {64, 90}  # 128 clipped to 96 - 6 positions
     assert {r["system"] for r in doc["long_context"]} == {"hf-greedy", "fbs-full-compute", "fbs-tau0.5"}
     assert "| hf-greedy | 1 |" in paths["markdown"].read_text()

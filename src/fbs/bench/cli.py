@@ -68,14 +68,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from fbs.bench.harness import BenchConfig
-    from fbs.bench.runner import GROUPS, RunSpec
+    from fbs.bench.runner import ALIASES, GROUPS, RunSpec
 
     d, s = BenchConfig(), RunSpec()
+    aliases = "; ".join(f"{a} = {','.join(g)}" for a, g in ALIASES.items())
     p.add_argument("--model", default=s.base, help="base model: bundled name or HF directory")
     p.add_argument("--checkpoint", help="FBS checkpoint directory (default: the weights shipped for --model)")
     p.add_argument("--fresh", action="store_true", help="untrained FBS modules even if weights are shipped")
     p.add_argument("--systems", type=_strs, default=s.systems,
-                   help=f"comma list from: all, {', '.join(GROUPS)} (default: all)")
+                   help=f"comma list from: all, {', '.join(GROUPS)}, or the aliases {aliases} (default: all)")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="exactly this many (EOS ignored)")
     p.add_argument("--batch-sizes", type=_ints, default=s.batch_sizes, help="comma list, e.g. 1,4,8")

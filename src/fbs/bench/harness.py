@@ -19,7 +19,7 @@ Public entry points:
     measure_interleaved(systems, ...) -> the same for several systems, round by round (pairable runs)
     paired_ratio(a_runs, b_runs)      per-round ratio of two interleaved systems' times, with a bootstrap CI
     paired_decode(a, b)               the same for two SystemResults' decode times, or None if not pairable
-    environment()                     CPU/GPU, threads, library versions, load average
+    environment()                     provenance (commit, CPU, threads, versions), GPU, load average
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from fbs.bench.accounting import speculative_ratios_from_counts
+from fbs.provenance import provenance
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +123,15 @@ def batches(prompts: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 class GenOutput:
     """What a system returns from one generate call."""
 
-    sequences: torch.Tensor  # (B, T + N)
+    sequences: torch.Tensor | None  # (B, T + N); None: the system produces no ids (an external timing tool)
     prefill_s: float
     decode_s: float
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # probe statistics (see systems.py)
+    total_s: float | None = None
+    """The system's own total time; None: the wall-clock around the call (a subprocess's start-up and model
+    loading are not the generation's)."""
+    peak_rss_mb: float | None = None
+    """Peak RSS of the process that generated, when that is not this one (a subprocess)."""
 
 
 @dataclasses.dataclass
@@ -254,11 +259,13 @@ def probe(system, prompt_batches: list[torch.Tensor], new_tokens: int) -> tuple[
     outs, stats = [], []
     for ids in prompt_batches:
         out = system.generate(ids, new_tokens, probe=True)
+        stats.append(out.stats)
+        if out.sequences is None:  # no ids to match (an external timing tool)
+            continue
         gen = out.sequences[:, ids.shape[1]:]
         if gen.shape[1] != new_tokens:
             raise RuntimeError(f"{system.name}: generated {gen.shape[1]} tokens, expected exactly {new_tokens}")
         outs.append(gen)
-        stats.append(out.stats)
     avg = _average_stats(stats)
     if avg.get("passes"):  # speculative: pool the counts over prompts (Eqs. accept / verify-advance are sums)
         pooled = speculative_ratios_from_counts(avg["passes"], avg["proposed"], new_tokens)
@@ -266,7 +273,7 @@ def probe(system, prompt_batches: list[torch.Tensor], new_tokens: int) -> tuple[
         avg.update(pooled)
         avg["method_ratio"] = pooled.get({"acceptance": "acceptance_rate",
                                           "verified_advance": "verified_advance_ratio"}.get(kind, ""), None)
-    return torch.cat(outs), avg
+    return (torch.cat(outs) if outs else None), avg
 
 
 def _average_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -336,12 +343,21 @@ class _Session:
             out, wall = timed_call(self.system, self.pbs[i % len(self.pbs)], self.cfg.new_tokens)
         if device.type == "cuda":
             self.peak_device_mb = max(self.peak_device_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
-        if self.before_mb is None:
+        if out.peak_rss_mb is None and self.before_mb is None:
             self.before_mb = mem.before_mb
-        self.peak_mb = max(self.peak_mb, mem.peak_mb)
+        self._record(out, wall, mem.peak_mb)
+
+    def timed_many(self) -> None:
+        """All measured runs in one ``system.generate_runs`` call (a tool that repeats and warms up itself)."""
+        for out in self.system.generate_runs(self.pbs[0], self.cfg.new_tokens, self.cfg.runs):
+            self._record(out, None, 0.0)
+
+    def _record(self, out: GenOutput, wall: float | None, peak_mb: float) -> None:
+        """One measured run: the system's own total and peak RSS where it reports them (a subprocess's)."""
+        self.peak_mb = max(self.peak_mb, out.peak_rss_mb if out.peak_rss_mb is not None else peak_mb)
         self.pre.append(out.prefill_s)
         self.dec.append(out.decode_s)
-        self.tot.append(wall)
+        self.tot.append(out.total_s if out.total_s is not None else wall)
 
     def finish(self) -> SystemResult:
         res = self.res
@@ -360,6 +376,10 @@ def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
     Failures are recorded, not raised. Peak RSS is the maximum over the measured runs."""
     s = _Session(system, prompts, cfg)
     s.guarded(s.probe)
+    if hasattr(system, "generate_runs"):  # it warms up and repeats itself, in one process (llama-bench -r N)
+        s.res.budget["warmup"] = 0
+        s.guarded(s.timed_many)
+        return s.finish()
     for i in range(s.cfg.warmup):
         s.guarded(s.warm, i)
     for i in range(s.cfg.runs):
@@ -476,30 +496,12 @@ def match_rates(outputs: torch.Tensor, reference: torch.Tensor) -> tuple[float, 
 # ----------------------------------------------------------------------------------------------- environment
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Facts that decide the numbers: hardware, threads, versions, and how busy the machine was."""
-    import transformers
-
+    """Facts that decide the numbers: the record's provenance (commit, CPU and its flags, threads, versions, native
+    kernels), the thread environment, the device, and how busy the machine was."""
     env: dict[str, Any] = {
-        "cpu": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
+        **provenance(),
         "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ},
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
         "platform": platform.platform(),
         "device": str(device),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

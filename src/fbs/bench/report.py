@@ -34,7 +34,9 @@ TOP_KEYS: dict[str, str] = {
     "model": "base model: name, fingerprint, layers, parameters",
     "protocol": "prompt_len, new_tokens, warmup, runs, num_prompts, batch_sizes, greedy, eos_ignored, "
                 "prompt_source, prompts_sha256, timing notes",
-    "environment": "cpu, threads, python/torch/transformers versions, load average at start and end, native kernels used",
+    "environment": "fbs.provenance.provenance() (git commit and dirty flag, cpu and its ISA flags, threads, "
+                   "python/torch/transformers versions, native kernels' build key and use), load average at start "
+                   "and end",
     "machine": "measured read/copy/GEMV bandwidth (GB/s) and fp32 matmul throughput (GFLOP/s)",
     "results": "list of per-system records (RESULT_KEYS)",
     "long_context": "list of long-context records (LONG_KEYS); empty when not run",
@@ -50,7 +52,10 @@ RESULT_KEYS: dict[str, str] = {
     "params": "the system's knobs",
     "latency_ms": "{prefill, decode, total}: each {median, mean, std, min, max} in ms over the measured runs, and "
                   "runs: every measured run's value in ms, in run order (round order when interleaved)",
-    "decode_tok_s": "batch x (N-1) / median decode time: tokens after the first, per second",
+    "decode_tok_s": "batch x (N-1) / median decode time: tokens after the first, per second (llama.cpp rows: "
+                    "llama-bench's tg rate after prompt_len tokens of context)",
+    "prefill_tok_s": "batch x prompt_len / median prefill time (prefill includes the first token's logits; llama.cpp "
+                     "rows: llama-bench's pp rate from an empty context)",
     "throughput_tok_s": "batch x N / median total time",
     "speedup": "baseline median total latency / this system's, same batch size (ratio measured in one run)",
     "tflops_rel": "paper Eq. (tflops-rel): executed decode layer invocations / plain decoding's",
@@ -80,7 +85,13 @@ RESULT_KEYS: dict[str, str] = {
     "probe": "raw statistics of the untimed probe run (passes, proposed, accepted, engine cross-checks, ...)",
     "budget": "{warmup, runs, probe_prompts} this system actually used: the protocol's, or the reduced budget "
               "of a slow system (--draft-runs: no warm-up, N runs, match rates over the first N prompts)",
+    "llama_cpp": "llama.cpp rows: {source, version, build_flags, model_file, model_sha256, model_bytes, pp_avg_ts, "
+                 "pp_stddev_ts, tg_avg_ts, tg_stddev_ts, samples} (build facts, and llama-bench's mean and std of the "
+                 "per-run rates over the measured runs); null for other systems",
 }
+
+#: Result keys added after documents were first written: validate() accepts documents without them.
+LATER_RESULT_KEYS = frozenset({"prefill_tok_s", "llama_cpp"})
 
 #: Keys of every record in ``long_context``.
 LONG_KEYS: dict[str, str] = {
@@ -118,10 +129,16 @@ def summary_from_ms(d: dict[str, Any] | None) -> Summary | None:
 def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | None,
                   match: tuple[float, float] | None, roofline: dict[str, Any] | None,
                   skip_saving: dict[str, Any] | None = None,
-                  decode_vs_ref_paired: dict[str, Any] | None = None) -> dict[str, Any]:
+                  decode_vs_ref_paired: dict[str, Any] | None = None,
+                  prompt_len: int | None = None) -> dict[str, Any]:
     ok = res.status == "ok"
     B = res.batch_size
-    probe = res.probe or {}
+    probe = dict(res.probe or {})
+    llama = probe.pop("llama_cpp", None)
+    if llama is not None and ok and prompt_len:
+        from fbs.bench.llama_cpp import rates
+
+        llama = {**llama, **rates(res.prefill_s.runs, res.decode_s.runs, prompt_len, new_tokens)}
     kind = res.ratio_kind or "none"
     return {
         "system": res.name,
@@ -133,6 +150,8 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "latency_ms": {"prefill": _summary_ms(res.prefill_s), "decode": _summary_ms(res.decode_s),
                        "total": _summary_ms(res.total_s)},
         "decode_tok_s": B * (new_tokens - 1) / res.decode_s.median if ok and res.decode_s.median > 0 else None,
+        "prefill_tok_s": (B * prompt_len / res.prefill_s.median
+                          if ok and prompt_len and res.prefill_s.median > 0 else None),
         "throughput_tok_s": B * new_tokens / res.total_s.median if ok else None,
         "speedup": baseline_total_s / res.total_s.median if ok and baseline_total_s else None,
         "tflops_rel": probe.get("tflops_rel"),
@@ -151,6 +170,7 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "roofline": roofline,
         "probe": probe,
         "budget": res.budget,
+        "llama_cpp": llama,
     }
 
 
@@ -182,7 +202,7 @@ def validate(doc: dict[str, Any]) -> None:
         problems.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA_VERSION!r}")
     problems += [f"missing top-level key {k!r}" for k in TOP_KEYS if k not in doc]
     for i, rec in enumerate(doc.get("results", [])):
-        problems += [f"results[{i}] lacks {k!r}" for k in RESULT_KEYS if k not in rec]
+        problems += [f"results[{i}] lacks {k!r}" for k in RESULT_KEYS if k not in rec and k not in LATER_RESULT_KEYS]
     for i, rec in enumerate(doc.get("long_context", [])):
         problems += [f"long_context[{i}] lacks {k!r}" for k in LONG_KEYS if k not in rec]
     if problems:
@@ -250,7 +270,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{p['runs']} runs after {p['warmup']} warm-up"
             f"{' (systems interleaved round by round)' if p.get('interleave') else ''}; {doc['environment']['cpu']}, "
             f"{doc['environment']['torch_threads']} threads, torch {doc['environment']['torch']}")
-    cols = ["System", "B", "Latency (ms)", "± std", "Prefill (ms)", "Decode (ms)", "Decode tok/s", "Speed-up",
+    cols = ["System", "B", "Latency (ms)", "± std", "Prefill (ms)", "Decode (ms)", "Prefill tok/s", "Decode tok/s",
+            "Speed-up",
             "TFLOPs (rel)", "TFLOPs (rel, exact)", "Bytes (rel)", "Ratio (%)", "Ratio kind", "Token-match (%)",
             "Exact-match (%)", "Peak RSS (MB)", "Roofline (%)"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -268,7 +289,8 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"{b['probe_prompts']} prompt{'s' if b['probe_prompts'] != 1 else ''} matched)"
         lines.append("| " + " | ".join([
             name, str(r["batch_size"]), _f(lat["total"]["median"], ".0f"), _f(lat["total"]["std"], ".0f"),
-            _f(lat["prefill"]["median"], ".0f"), _f(lat["decode"]["median"], ".0f"), _f(r["decode_tok_s"], ".1f"),
+            _f(lat["prefill"]["median"], ".0f"), _f(lat["decode"]["median"], ".0f"), _f(r.get("prefill_tok_s"), ".0f"),
+            _f(r["decode_tok_s"], ".1f"),
             _f(r["speedup"], ".2f"), _f(r["tflops_rel"], ".2f"), _f(r["tflops_rel_exact"], ".2f"),
             _f(r.get("bytes_rel"), ".2f"), _f(r["method_ratio"], ".1f", 100), r["method_ratio_kind"], _f(r["token_match_pct"], ".1f"),
             _f(r["exact_match_pct"], ".1f"), _f(r["peak_rss_mb"], ".0f"),

@@ -24,17 +24,22 @@ from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_p
                                measure, measure_interleaved, paired_decode, prompts_digest)
 from fbs import native
 from fbs.fused import WEIGHTS
+from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS, LlamaBenchSystem, system_name
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
-                               hf_early_exit, hf_greedy, hf_prompt_lookup, llama_cpp_system, lossless_systems)
+                               hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
 from fbs.flops import LayerCost
 
 logger = logging.getLogger(__name__)
 
+#: llama.cpp's formats, one group each (llama-bench on the GGUF of that format).
+LLAMA_CPP_GROUPS = tuple(system_name(f) for f in LLAMA_CPP_FORMATS)
 #: System groups accepted by ``RunSpec.systems`` (``all`` = every group).
-GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "llama-cpp", "fbs-bare", "fbs-full", "fbs-tau",
-          "fbs-hole", "fbs-protect", "fbs-plan", "ffn-skipllm", "flexidepth", "fbs-lossless", "draft-verify",
-          "kangaroo")
+GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", *LLAMA_CPP_GROUPS, "fbs-bare", "fbs-full",
+          "fbs-tau", "fbs-hole", "fbs-protect", "fbs-plan", "ffn-skipllm", "flexidepth", "fbs-lossless",
+          "draft-verify", "kangaroo")
+#: Names that stand for several groups.
+ALIASES = {"llama-cpp": LLAMA_CPP_GROUPS}
 #: The lossless speculative groups (fbs.speculative), run on the FBS model.
 LOSSLESS_GROUPS = ("fbs-lossless", "draft-verify", "kangaroo")
 
@@ -99,9 +104,11 @@ class RunSpec:
     """More ``fbs-lossless`` rows, one per draft tau (``fbs-lossless-tau<t>``), besides the checkpoint's tau."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.systems) - set(GROUPS) - {"all"}
+        unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}
         if unknown:
-            raise ValueError(f"unknown systems {sorted(unknown)}; choose from all, {', '.join(GROUPS)}")
+            aliases = "; ".join(f"{a} = {','.join(g)}" for a, g in ALIASES.items())
+            raise ValueError(f"unknown systems {sorted(unknown)}; choose from all, {', '.join(GROUPS)} "
+                             f"(aliases: {aliases})")
         if any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if set(self.weights) - set(WEIGHTS) or not self.weights:
@@ -115,7 +122,8 @@ class RunSpec:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
     def wants(self, group: str) -> bool:
-        return "all" in self.systems or group in self.systems
+        return ("all" in self.systems or group in self.systems
+                or any(group in ALIASES.get(name, ()) for name in self.systems))
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -145,8 +153,8 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
         systems.append(hf_early_exit(model, spec.early_exit_layer or L // 2, spec.num_assistant_tokens))
     if spec.wants("assisted"):
         systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens, spec.draft_runs))
-    if spec.wants("llama-cpp"):
-        systems.append(llama_cpp_system(spec.base, tok))
+    systems += [LlamaBenchSystem(fmt, spec.base) for fmt, group in zip(LLAMA_CPP_FORMATS, LLAMA_CPP_GROUPS)
+                if spec.wants(group)]
     if spec.wants("ffn-skipllm"):
         systems += ffn_skip_systems(model, tok, spec.ffn_skip_thresholds)
     if spec.wants("flexidepth"):
@@ -402,7 +410,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
             _full_compute_match(r, results)
             rec = report.result_record(r, cfg.new_tokens, base.total_s.median if base else None, match,
                                        _roofline(r, cost, peaks, cfg, extra_bytes), skip_saving(r, results),
-                                       decode_vs_ref(r, ref))
+                                       decode_vs_ref(r, ref), cfg.prompt_len)
             records.append(rec)
 
     long_records = _long_context(spec, bench, model, tok, systems, progress)

@@ -1,4 +1,5 @@
-"""The systems compared side by side: HF greedy decoding, HF's speculative variants, llama.cpp and the FBS engine.
+"""The systems compared side by side: HF greedy decoding, HF's speculative variants and the FBS engine (llama.cpp's
+rows are :class:`fbs.bench.llama_cpp.LlamaBenchSystem`).
 
 Every system has the same small interface (the lm-evaluation-harness style: a name, a family, and one method):
 
@@ -14,7 +15,7 @@ preparation, the prompt forward and, for speculative methods, the first draft + 
 token -> end. No extra run and no subtraction of a separate ``max_new_tokens=1`` run is needed. Exactly N new
 tokens: ``min_new_tokens = max_new_tokens = N`` (HF masks EOS until N tokens exist).
 
-The FBS engine times prefill and decode itself (``res.timings``); llama.cpp is timed around its own calls.
+The FBS engine times prefill and decode itself (``res.timings``); llama.cpp's ``llama-bench`` times itself.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -336,150 +335,6 @@ def flexidepth_systems(model, tokenizer, checkpoint: str | None, taus=()) -> lis
     fd = FlexiDepth.from_pretrained(checkpoint, base=model, tokenizer=tokenizer)
     return [BaselineSystem(f"flexidepth-tau{t:g}", fd.host, {"skip_policy": fd.policy(t)})
             for t in (tuple(taus) or (fd.config.tau,))]
-
-
-# ------------------------------------------------------------------------------------------ llama.cpp
-
-LLAMA_CPP_VERSION = "0.3.36"
-LLAMA_CPP_INSTALL = (
-    "FBS_BENCH_LLAMA_CPP=1 bash scripts/install_bench_deps.sh .venv/bin/python (builds llama-cpp-python=="
-    f"{LLAMA_CPP_VERSION} from source, ~6 min on 2 cores, with AVX-512/AMX off: the native build crashes in some VMs)"
-)
-
-
-def _llama_class():
-    """``llama_cpp.Llama``, or None when llama-cpp-python is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    return Llama
-
-
-@dataclasses.dataclass
-class LlamaCppSystem:
-    """llama.cpp (through llama-cpp-python) on the GGUF the base model ships in: the CPU engine a user would pick
-    instead. Greedy and exactly N tokens: ``eval(prompt)``, then ``sample(temp=0)`` / ``eval([token])`` per
-    token, never stopping at EOS. Prefill = prompt evaluation + the first token's sampling, decode = the N-1
-    later tokens, as for HF. Batch 1 only (``Llama`` holds one sequence).
-
-    It is fed the HF tokenizer's ids, so prompts are identical and outputs compare id by id, provided the
-    GGUF's vocabulary is the tokenizer's (checked on first use: same size, each id's text compared; a
-    different vocabulary makes the system unavailable). ``probe`` stats report how many vocabulary entries
-    render differently and how many generated tokens are among them (0: text match equals token match).
-    ``llama_factory(model_path=..., n_ctx=..., n_threads=..., n_batch=..., verbose=False)`` builds the engine
-    (default ``llama_cpp.Llama``; tests pass a double); ``missing`` says why it cannot run."""
-
-    model_path: str | None
-    tokenizer: Any
-    n_threads: int | None = None  # None: torch's thread count (the benchmark's --threads)
-    n_batch: int = 512
-    llama_factory: Any = None
-    missing: str = ""
-    name: str = "llama-cpp"
-    family: str = "external"
-    ratio_kind: str | None = None
-    max_runs: int | None = None
-
-    def __post_init__(self) -> None:
-        self._llm = None
-        self._n_ctx = 0
-        self._finalizer: weakref.finalize | None = None
-        self.vocab: dict[str, Any] | None = None
-        if self.llama_factory is None and not self.missing:
-            self.llama_factory = _llama_class()
-            if self.llama_factory is None:
-                self.missing = f"llama-cpp-python is not installed; install it with {LLAMA_CPP_INSTALL}"
-
-    @property
-    def params(self) -> dict[str, Any]:
-        return {"gguf": Path(self.model_path).name if self.model_path else None, "n_batch": self.n_batch,
-                "n_threads": self.n_threads or torch.get_num_threads(), "sampling": "greedy (temp=0)"}
-
-    def unavailable(self, batch_size: int) -> str:
-        if self.missing:
-            return self.missing
-        if batch_size != 1:
-            return "llama-cpp-python's Llama decodes one sequence at a time: batch size 1 only"
-        if self.vocab is None:
-            try:
-                self._engine(256)
-            except Exception as e:  # a broken build or GGUF must not stop the other systems
-                self.missing = f"llama.cpp could not load {self.model_path}: {type(e).__name__}: {e}"
-        return self.missing
-
-    def _engine(self, n_ctx: int):
-        """The Llama object, rebuilt only when a longer context is needed; checks the vocabulary once."""
-        if self._llm is None or n_ctx > self._n_ctx:
-            self.close()  # free the old context first
-            self._llm = self.llama_factory(model_path=self.model_path, n_ctx=n_ctx, n_batch=self.n_batch,
-                                           n_threads=self.n_threads or torch.get_num_threads(), verbose=False)
-            self._n_ctx = n_ctx
-            if hasattr(self._llm, "close"):  # close before interpreter teardown (Llama.__del__ fails late)
-                self._finalizer = weakref.finalize(self, self._llm.close)
-        if self.vocab is None:
-            self.vocab = vocab_agreement(self._llm, self.tokenizer)
-            if not self.vocab["same_size"]:
-                self.missing = (f"the GGUF's vocabulary ({self.vocab['gguf_size']} ids) is not the HF tokenizer's "
-                                f"({self.vocab['hf_size']}): prompts and outputs cannot be compared id by id")
-        return self._llm
-
-    def close(self) -> None:
-        """Free the llama.cpp model and context (also done at exit)."""
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        self._llm = None
-
-    def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False) -> GenOutput:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"{self.name} runs batch size 1 only, got {input_ids.shape[0]} rows")
-        prompt = input_ids[0].tolist()
-        llm = self._engine(len(prompt) + new_tokens)
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        tok = int(llm.sample(temp=0.0))
-        t1 = time.perf_counter()
-        out = [tok]
-        for _ in range(new_tokens - 1):
-            llm.eval([tok])
-            tok = int(llm.sample(temp=0.0))
-            out.append(tok)
-        t2 = time.perf_counter()
-        seqs = torch.cat([input_ids.cpu(), torch.tensor([out], dtype=input_ids.dtype)], dim=1).to(input_ids.device)
-        stats: dict[str, Any] = {}
-        if probe:
-            differ = set(self.vocab["differing_ids"]) if self.vocab else set()
-            stats = {"vocab_size": self.vocab["gguf_size"] if self.vocab else None,
-                     "vocab_pieces_differ": len(differ), "generated_pieces_differ": sum(t in differ for t in out),
-                     "layer_skip_ratio": None, "method_ratio": None}
-        return GenOutput(seqs, prefill_s=t1 - t0, decode_s=t2 - t1, stats=stats)
-
-
-def vocab_agreement(llm, tokenizer) -> dict[str, Any]:
-    """Does the GGUF's vocabulary match the HF tokenizer's? Sizes, and the ids whose text differs (llama.cpp
-    renders special tokens with ``special=True``; byte fragments that are not valid UTF-8 compare as the
-    replacement character, as HF decodes them)."""
-    gguf_size, hf_size = int(llm.n_vocab()), len(tokenizer)
-    differ = []
-    if gguf_size == hf_size:
-        for i in range(gguf_size):
-            mine = llm.detokenize([i], special=True).decode("utf-8", errors="replace")
-            if mine != tokenizer.decode([i]):
-                differ.append(i)
-    return {"same_size": gguf_size == hf_size, "gguf_size": gguf_size, "hf_size": hf_size, "differing_ids": differ}
-
-
-def llama_cpp_system(base: str, tokenizer, n_threads: int | None = None) -> LlamaCppSystem:
-    """llama.cpp on the GGUF that ships ``base`` (a bundled name); unavailable, with the reason, otherwise."""
-    from fbs.models import BaseModelError, bundled_gguf
-
-    try:
-        path = str(bundled_gguf(base))
-    except BaseModelError as e:
-        return LlamaCppSystem(None, tokenizer, n_threads, missing=f"no GGUF to run: {e}")
-    return LlamaCppSystem(path, tokenizer, n_threads)
 
 
 def forced_plan(num_layers: int, fraction: float, never_skip: set[int] | frozenset[int] = frozenset()) -> torch.Tensor:
