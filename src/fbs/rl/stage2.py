@@ -30,6 +30,7 @@ import yaml
 from .. import FBSConfig, FBSForCausalLM
 from ..loading import load_fbs
 from ..model import write_manifest
+from ..provenance import provenance
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
 from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
@@ -398,7 +399,8 @@ class Stage2Trainer:
                 if f.is_file() and f.name.endswith(".safetensors") and not (path / f.name).exists():
                     shutil.copy2(f, path / f.name)
             write_manifest(path)  # the integrity record covers the copied backbone files
-        (path / "stage2_meta.json").write_text(json.dumps({"config": self.cfg.to_dict(), "steps": self.step}, indent=1))
+        (path / "stage2_meta.json").write_text(json.dumps({"config": self.cfg.to_dict(), "steps": self.step,
+                                                                   "provenance": provenance()}, indent=1))
         return path
 
 

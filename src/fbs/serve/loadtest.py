@@ -314,10 +314,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.__exit__()
+    from fbs.provenance import provenance
+
     doc = {"command": shlex.join(sys.argv), "url": url, "model": model, "server_started": server is not None,
            "server_args": serve_args if server is not None else None, "config": dataclasses.asdict(cfg),
            "cells": cells, "speedups": speedups(cells), "server_status": status,
-           "errors": sum(c["errors"] for c in cells)}
+           "errors": sum(c["errors"] for c in cells), "provenance": provenance()}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(doc, indent=2))

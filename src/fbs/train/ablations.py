@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..provenance import provenance
 from .config import TrainConfig
 
 #: ``never_skip_first`` of ``-sg``: deeper than any base, so every layer is a never-skip layer and there is no gate
@@ -202,7 +203,8 @@ def train_variant(v: Variant, cfg: TrainConfig, data: Callable, base_fn: Callabl
         raise KeyboardInterrupt(f"{v.name} stopped at step {summary['step']} of {cfg.max_steps}")
     rec = {"variant": v.name, "steps": summary["step"], "tokens": summary["tokens"], "wall_s": sum(sessions),
            "sessions": len(sessions), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "final": str(run_dir / "final"), "config": json.loads(json.dumps(cfg.to_dict()))}
+           "final": str(run_dir / "final"), "config": json.loads(json.dumps(cfg.to_dict())),
+           "provenance": provenance()}
     _write_json(run_dir / TRAIN_RECORD, rec)
     log(f"{head}: trained {rec['steps']} steps, {rec['tokens']:,} tokens in {rec['wall_s'] / 60:.1f} min")
     return rec

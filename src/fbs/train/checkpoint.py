@@ -5,8 +5,9 @@ A checkpoint is a directory ``step-{step:08d}`` holding
 * ``trainable.safetensors``  the trainable parameters by name (``model.named_parameters()``),
 * ``optimizer.safetensors``  the optimizer's per-parameter tensors, keyed ``{index}.{name}``,
 * ``rng.safetensors``        torch CPU (and CUDA) RNG states plus named ``torch.Generator`` states,
-* ``trainer_state.json``     step, data position, optimizer param groups, Python RNG state, config, and the
-                             size and sha256 of each ``.safetensors`` file (verified on load).
+* ``trainer_state.json``     step, data position, optimizer param groups, Python RNG state, config, the
+                             size and sha256 of each ``.safetensors`` file (verified on load), and the
+                             :func:`fbs.provenance.provenance` of the run (commit, machine, versions).
 
 It is written into a temporary sibling and renamed into place, then ``latest`` (a one-line file naming
 the directory) is replaced atomically, so a crash at any moment leaves the previous checkpoint intact.
@@ -32,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from ..model import CheckpointError
 from ..models import sha256_file, sha256_record
+from ..provenance import provenance
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, params: dict[str, torch.
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     save_file(rng["tensors"], str(tmp / "rng.safetensors"))
     state = {**trainer_state, "step": step, "optimizer": opt_meta, "python_random": rng["python"],
-             "files": sha256_record(tmp)}
+             "files": sha256_record(tmp), "provenance": provenance()}
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:

@@ -104,6 +104,7 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
     import torch
 
     from ..loading import load_from_args
+    from ..provenance import provenance
     from .speculative import train_kangaroo_adapter
 
     torch.manual_seed(args.seed)
@@ -113,7 +114,7 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
                                               batch_size=args.batch_size, eval_blocks=eval_ids, seed=args.seed,
                                               progress=not args.no_progress)
     meta = {"training": {k: v for k, v in summary.items() if k != "curve"}, "data": args.data,
-            "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped")}
+            "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"), "provenance": provenance()}
     path = adapter.save(args.out_dir, model.config.base_fingerprint, meta)
     (path / "curve.json").write_text(json.dumps(summary["curve"]))
     print(json.dumps(meta["training"], indent=1))
@@ -123,6 +124,7 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
 
 def cmd_draft_search(args: argparse.Namespace) -> int:
     from ..loading import load_from_args
+    from ..provenance import provenance
     from .speculative import save_skip_set, search_draft_layers
 
     model = load_from_args(args).eval()
@@ -133,7 +135,7 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
                                         progress=not args.no_progress)
     meta = {"prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "data": args.data, "evaluated": len(history)}
-    path = save_skip_set(best, args.out, meta)
+    path = save_skip_set(best, args.out, {**meta, "provenance": provenance()})
     print(json.dumps({**meta, "best": best.__dict__}, indent=1))
     print(f"skip set saved to {path}; decode with: fbs generate --draft-layers {path} --draft-stop 0.5 \"PROMPT\"")
     return 0

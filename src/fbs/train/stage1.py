@@ -37,6 +37,7 @@ from .. import FBSForCausalLM
 from ..loading import load_checkpoint, load_fbs
 from ..model import BACKBONE_NAME, SkipTraining, write_manifest
 from ..modules.gate import relative_updates
+from ..provenance import provenance
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
@@ -768,7 +769,8 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
     if backbone:
         save_file(backbone, str(path / BACKBONE_NAME))
     write_manifest(path)  # the integrity record covers the adapters / backbone tensors written after the FBS weights
-    (path / META_NAME).write_text(json.dumps({"config": cfg.to_dict(), "eval": results or []}, indent=1))
+    (path / META_NAME).write_text(json.dumps({"config": cfg.to_dict(), "eval": results or [],
+                                                     "provenance": provenance()}, indent=1))
     return path
 
 

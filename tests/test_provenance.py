@@ -1,0 +1,169 @@
+"""Provenance of records: the fields, the commit against git itself, the dirty flag in a scratch repository, and
+one writer of each family (bench document, eval record, training checkpoint and metadata) carrying them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import fbs
+from fbs import native
+from fbs import provenance as prov
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def git_head(root: Path) -> str:
+    """The oracle: what git itself says HEAD is."""
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def assert_provenance(d: dict) -> None:
+    """Every field, with its type, and the values this process can check independently."""
+    assert set(prov.FIELDS) <= set(d)
+    assert isinstance(d["git_commit"], str) and re.fullmatch(r"[0-9a-f]{40}", d["git_commit"])
+    assert d["git_commit"] == git_head(Path(fbs.__file__).parent)
+    assert isinstance(d["git_dirty"], bool)
+    assert d["fbs_version"] is None or isinstance(d["fbs_version"], str)
+    assert isinstance(d["cpu"], str) and d["cpu"]
+    assert isinstance(d["cpu_flags"], list) and all(isinstance(f, str) for f in d["cpu_flags"])
+    assert d["logical_cpus"] == os.cpu_count()
+    assert d["torch_threads"] == 1  # the one_thread fixture: read when the record is written
+    assert isinstance(d["torch_interop_threads"], int) and d["torch_interop_threads"] >= 1
+    assert d["torch"] == torch.__version__ and d["transformers"] == transformers.__version__
+    assert isinstance(d["python"], str) and re.fullmatch(r"\d+\.\d+\.\d+.*", d["python"])
+    assert re.fullmatch(r"fbs-[0-9a-f]{12}", d["native_build"])
+    assert set(d["native"]) >= {"enabled", "loaded", "int8_isa", "build_error"}
+
+
+@needs_git
+def test_fields_and_the_commit_git_reports():
+    d = prov.provenance()
+    assert_provenance(d)
+    assert d["native_build"] == native._build_dir().name  # the extension's build directory: sources + torch
+    json.dumps(d)  # every value serializes as it is
+
+
+def test_cpu_flags_are_the_isa_flags_proc_cpuinfo_lists():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        pytest.skip("no /proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines()
+    flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
+    model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    wanted = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni"}
+    expected = {f for f in flags if f in wanted or f.startswith("amx_")}
+    cpu, got = prov.cpu_info()
+    assert cpu == model and set(got) == expected and len(got) == len(expected)
+    assert "sse2" not in got  # only the flags that choose kernels
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, check=True,
+                   capture_output=True)
+
+
+@pytest.fixture
+def scratch_repo(tmp_path):
+    """A git repository holding a copy of this package's provenance module, committed."""
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    shutil.copy(prov.__file__, root / "pkg" / "provenance.py")
+    _git(root, "init", "-q")
+    _git(root, "add", "pkg/provenance.py")
+    _git(root, "commit", "-q", "-m", "one")
+    return root
+
+
+@needs_git
+def test_dirty_flag_follows_tracked_files(scratch_repo):
+    module = scratch_repo / "pkg" / "provenance.py"
+    assert prov.source_root(module) == scratch_repo.resolve()
+    assert prov.git_state(scratch_repo) == (git_head(scratch_repo), False)
+    (scratch_repo / "pkg" / "untracked.py").write_text("x = 1\n")
+    assert prov.git_state(scratch_repo)[1] is False  # untracked files do not make the tree dirty
+    module.write_text(module.read_text() + "\n# edited\n")
+    assert prov.git_state(scratch_repo) == (git_head(scratch_repo), True)
+    _git(scratch_repo, "commit", "-q", "-am", "two")
+    assert prov.git_state(scratch_repo) == (git_head(scratch_repo), False)
+
+
+def test_outside_git_or_without_git_the_fields_are_null(tmp_path, monkeypatch):
+    loose = tmp_path / "site-packages" / "fbs" / "provenance.py"  # as installed from a wheel
+    loose.parent.mkdir(parents=True)
+    loose.write_text("")
+    assert prov.source_root(loose) is None
+    monkeypatch.setattr(prov, "source_root", lambda start=None: None)
+    d = prov.provenance()
+    assert d["git_commit"] is None and d["git_dirty"] is None
+    assert d["fbs_version"] == prov.package_version("fbs") and d["fbs_version"]  # identifies the code instead
+    monkeypatch.undo()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git executable: the run goes on, the fields are null
+    assert prov.git_state(Path(fbs.__file__).parent) == (None, None)
+
+
+# ------------------------------------------------------------------------------------------- writers
+
+
+@needs_git
+def test_bench_document_records_provenance(tmp_path):
+    from fbs.bench.harness import BenchConfig
+    from fbs.bench.runner import RunSpec, run, write_outputs
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_bench_report import CFG, ByteTokenizer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CFG)).eval()
+    spec = RunSpec(base="/no/such/tiny-model", systems=("hf-greedy",), batch_sizes=(1,), long_context=(),
+                   machine_mb=8, matmul_n=64)
+    doc = run(spec, BenchConfig(prompt_len=8, new_tokens=3, warmup=0, runs=1, num_prompts=1), command="test",
+              model=model, tok=ByteTokenizer())
+    written = json.loads(write_outputs(doc, tmp_path)["json"].read_text())
+    assert_provenance(written["environment"])
+
+
+@needs_git
+def test_eval_record_records_provenance(tmp_path, monkeypatch):
+    from fbs.cli import main
+    from fbs.eval import tasks as T
+    from fbs.eval.datasets import MCExample
+    from fbs.eval.report import load_record
+    from test_eval_adaptive import _patch_base, cli_ffn_scorer
+
+    items = [MCExample(f"toy/{i}", ("the quick brown",) * 2, (" fox", " cat"), gold=i % 2) for i in range(2)]
+    monkeypatch.setitem(T.TASKS, "toy", T.TaskSpec("toy", "mc", lambda: items, "toy"))
+    scorer = cli_ffn_scorer()
+    _patch_base(monkeypatch, scorer.model.base.hf)
+    out = tmp_path / "run.json"
+    assert main(["eval", "run", "--tasks", "toy", "--no-progress", "--threads", "1", "--system", "ffn-skipllm",
+                 "--out", str(out)]) == 0
+    rec = load_record(out)
+    assert_provenance(rec["runtime"])
+    assert rec["runtime"]["seed"] == 42 and "numpy" in rec["runtime"]["versions"]
+
+
+@needs_git
+def test_training_checkpoint_and_metadata_record_provenance(tmp_path):
+    from fbs.train.stage1 import META_NAME, Trainer, export
+    from conftest import tiny_hf
+    from test_train_stage1 import tiny_data, tiny_train_config
+
+    cfg = tiny_train_config(tmp_path, max_steps=1, save_every=1)
+    tr = Trainer(cfg, tiny_data(), base=tiny_hf())
+    tr.run()
+    states = sorted((tmp_path / "run").rglob("trainer_state.json"))
+    assert states, "the run saved no checkpoint"
+    assert_provenance(json.loads(states[-1].read_text())["provenance"])
+    meta = json.loads((export(tr.model, cfg, tmp_path / "final") / META_NAME).read_text())
+    assert_provenance(meta["provenance"])
