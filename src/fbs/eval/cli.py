@@ -417,8 +417,8 @@ def _write_sweep(args, res: dict, start: float, label: str, **meta) -> int:
 
 
 def _calibrate(args, model, texts: dict) -> int:
-    from fbs.eval.report import runtime_info
     from fbs.eval.sweep import calibrate_tau, write_tau
+    from fbs.provenance import provenance
 
     name = next(iter(texts))
     docs = texts[name]
@@ -426,7 +426,7 @@ def _calibrate(args, model, texts: dict) -> int:
           f"gates from token {args.gate_from})", flush=True)
     res = calibrate_tau(model, docs, args.target_skip, args.gate_from, args.batch_size, tol=args.calib_tol,
                         progress=lambda t, r: print(f"  tau={t:.6f}  skip={100 * r:.2f}%", flush=True))
-    res.update(text=name, checkpoint=args.checkpoint, runtime=runtime_info(args.seed))
+    res.update(text=name, checkpoint=args.checkpoint, provenance=provenance())
     print(f"tau={res['tau']:.6f} skips {100 * res['skip_ratio']:.2f}% (target {100 * args.target_skip:.2f}%)")
     out = Path(args.out or "results/tau_calibration.json")
     out.parent.mkdir(parents=True, exist_ok=True)
