@@ -100,10 +100,12 @@ def test_dirty_flag_follows_tracked_files(scratch_repo):
 
 
 def test_outside_git_or_without_git_the_fields_are_null(tmp_path, monkeypatch):
-    loose = tmp_path / "site-packages" / "fbs" / "provenance.py"  # as installed from a wheel
+    loose = tmp_path / "venv" / "site-packages" / "fbs" / "provenance.py"  # installed from a wheel into a venv
     loose.parent.mkdir(parents=True)
     loose.write_text("")
+    (tmp_path / ".git").mkdir()  # ... that sits inside a checkout: the checkout's commit is not the wheel's code
     assert prov.source_root(loose) is None
+    assert prov.source_root(tmp_path / "venv" / "x.py") == tmp_path.resolve()
     monkeypatch.setattr(prov, "source_root", lambda start=None: None)
     d = prov.provenance()
     assert d["git_commit"] is None and d["git_dirty"] is None

@@ -30,9 +30,12 @@ GIT_TIMEOUT_S = 10
 
 def source_root(start: str | os.PathLike | None = None) -> Path | None:
     """The git work tree the ``fbs`` package is imported from (the first parent of ``start`` holding ``.git``),
-    or None when it is not in one (installed from a wheel)."""
+    or None when it is not in one (installed from a wheel). An installed copy under ``site-packages`` is not the
+    tree's code even when a virtualenv sits inside a checkout, so the search stops there."""
     path = Path(start if start is not None else __file__).resolve()
     for parent in (path, *path.parents):
+        if parent.name in ("site-packages", "dist-packages"):
+            return None
         if (parent / ".git").exists():
             return parent
     return None
