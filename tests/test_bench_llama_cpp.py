@@ -217,3 +217,16 @@ def test_tool_peak_memory_is_the_childs_own():
 def test_a_non_bundled_base_has_no_formats(fake_root):
     reason = LlamaBenchSystem("Q4_1", base="/data/my-hf-model", root=fake_root).unavailable(1)
     assert "no llama.cpp GGUF for /data/my-hf-model" in reason and "build_llama_cpp.sh" in reason
+
+
+@pytest.mark.slow
+def test_real_llama_bench_under_the_harness():
+    """The real build (skipped without it): tiny pp / tg through the harness, rates as llama-bench reports them."""
+    sys_ = LlamaBenchSystem("Q4_0", n_threads=1)
+    if sys_.unavailable(1):
+        pytest.skip(sys_.unavailable(1))
+    res = measure(sys_, torch.zeros(1, 8, dtype=torch.long),
+                  BenchConfig(prompt_len=8, new_tokens=4, warmup=0, runs=2, num_prompts=1))
+    assert res.status == "ok", res.note
+    assert len(res.decode_s.runs) == 2 and min(res.decode_s.runs) > 0 and res.peak_rss_mb > 20
+    assert len(res.probe["llama_cpp"]["model_sha256"]) == 64
