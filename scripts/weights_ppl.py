@@ -20,7 +20,7 @@ import torch
 
 from fbs.engine import _start
 from fbs.eval.ood import ood_blocks
-from fbs.loading import load_fbs
+from fbs.model.loading import load_fbs
 
 
 def block_nll(model, ids: list[int], weights: str, gate_from: int) -> float:

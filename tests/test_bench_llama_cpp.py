@@ -141,7 +141,7 @@ def test_real_llama_cpp_on_the_shipped_gguf():
     """The real build on SmolLM2's Q4_1 GGUF: same vocabulary as the HF tokenizer, and the first greedy token of
     a factual prompt agrees with HF generate's on the dequantized weights."""
     pytest.importorskip("llama_cpp")
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     model, tok = load_base("smollm2-135m")
     sys_ = systems.llama_cpp_system("smollm2-135m", tok, n_threads=2)

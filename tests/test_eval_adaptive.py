@@ -198,9 +198,9 @@ def test_flexidepth_routing_the_prompt_changes_the_score_and_is_recorded():
 
 # ---------------------------------------------------------------------------- the commands
 def _patch_base(monkeypatch, hf):
-    import fbs.models
+    import fbs.model.bases
 
-    monkeypatch.setattr(fbs.models, "load_base", lambda name: (hf, ByteTokenizer()))
+    monkeypatch.setattr(fbs.model.bases, "load_base", lambda name: (hf, ByteTokenizer()))
 
 
 def test_sweep_command_for_both_baselines(tmp_path, monkeypatch, capsys):

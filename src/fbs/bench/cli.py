@@ -11,7 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fbs.fused import WEIGHTS
+from fbs.engine.fused import WEIGHTS
 
 #: ``--compile`` values -> RunSpec.compile
 COMPILE_MODES = {"off": False, "on": True, "both": (False, True)}

@@ -161,8 +161,8 @@ def _settings(model, bare, weights: list[str], compile_modes: list[bool]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..loading import load_fbs
-    from ..model import FBSForCausalLM
+    from ..model.loading import load_fbs
+    from ..model.causal_lm import FBSForCausalLM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="smollm2-135m")

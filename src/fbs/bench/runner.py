@@ -23,11 +23,11 @@ from fbs.bench import report
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, paired_decode, prompts_digest)
 from fbs import native
-from fbs.fused import WEIGHTS
+from fbs.engine.fused import WEIGHTS
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
                                hf_early_exit, hf_greedy, hf_prompt_lookup, llama_cpp_system, lossless_systems)
-from fbs.flops import LayerCost
+from fbs.engine.flops import LayerCost
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", "llama-cpp", "fbs-bare", "fbs-full", "fbs-tau",
           "fbs-hole", "fbs-protect", "fbs-plan", "ffn-skipllm", "flexidepth", "fbs-lossless", "draft-verify",
           "kangaroo")
-#: The lossless speculative groups (fbs.speculative), run on the FBS model.
+#: The lossless speculative groups (fbs.engine.speculative), run on the FBS model.
 LOSSLESS_GROUPS = ("fbs-lossless", "draft-verify", "kangaroo")
 
 
@@ -125,9 +125,9 @@ def load_fbs(model, tok, spec: RunSpec):
     """The FBS model over the already-loaded base, and a note on where its modules came from.
 
     Untrained modules share the base's weights. A trained checkpoint with Stage-1 adapters gets a private,
-    merged copy of the base (:func:`fbs.loading.load_checkpoint`), so the HF systems keep running the base model
+    merged copy of the base (:func:`fbs.model.loading.load_checkpoint`), so the HF systems keep running the base model
     and the FBS systems pay no adapter overhead; the FBS rows' peak RSS includes that copy."""
-    from fbs import loading
+    from fbs.model import loading
 
     ckpt = loading.choose_checkpoint(spec.base, spec.checkpoint, shipped=not spec.fresh)
     model = loading.load_fbs(model, ckpt, shipped=False, tokenizer=tok)
@@ -364,7 +364,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     ``model``/``tok`` (and ``fbs_model``, built over ``model``) may be passed preloaded; by default they are
     loaded from ``spec``. ``progress`` shows a progress bar per batch size on stderr.
     """
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     if bench.threads:
         torch.set_num_threads(bench.threads)

@@ -23,7 +23,7 @@ def _progress(it, desc: str = "", total: int | None = None, unit: str = "it"):
 
 
 def _load_tokenizer(name: str):
-    from fbs.models import load_tokenizer
+    from fbs.model.bases import load_tokenizer
 
     return load_tokenizer(name)
 
@@ -114,12 +114,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         if args.checkpoint:  # the backbone of a trained FBS model, its modules and adapters included
-            from fbs.loading import load_fbs
+            from fbs.model.loading import load_fbs
 
             model = load_fbs(args.model, args.checkpoint)
             tok, features = model.tokenizer, fbs_hidden_features
         else:
-            from fbs.models import load_base
+            from fbs.model.bases import load_base
 
             model, tok = load_base(args.model)
             features = hidden_features
@@ -196,7 +196,7 @@ def register(subparsers: Any) -> None:
 
     b = sub.add_parser("build", help="build the deduplicated, split corpus from the offline sources")
     b.add_argument("--out", required=True, type=Path, help="output directory")
-    b.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for the length filter (fbs.models name or path)")
+    b.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for the length filter (fbs.model.bases name or path)")
     b.add_argument("--sources", default=None, help=f"comma-separated subset of: {','.join(d.sources)}")
     b.add_argument("--min-tokens", type=int, default=d.min_tokens)
     b.add_argument("--near-dup", type=float, default=d.near_dup_threshold, help="drop above this MinHash similarity")
@@ -218,7 +218,7 @@ def register(subparsers: Any) -> None:
 
     st = sub.add_parser("stats", help="label statistics of a labelled corpus under any tokenizer (B/I/O/S, q, CE/CTC)")
     st.add_argument("--corpus", required=True, type=Path, help="directory labelled by `fbs data label`")
-    st.add_argument("--tokenizer", default="smollm2-135m", help="fbs.models name or HF directory")
+    st.add_argument("--tokenizer", default="smollm2-135m", help="fbs.model.bases name or HF directory")
     st.add_argument("--splits", default=None, help="comma-separated splits (default: all)")
     st.add_argument("--block-size", type=int, default=512, help="training block length for per-block coverage")
     st.add_argument("--out", type=Path, default=None, help="write the statistics as JSON")
@@ -237,7 +237,7 @@ def register(subparsers: Any) -> None:
     c.set_defaults(func=cmd_chat)
 
     p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
-    p.add_argument("--model", default="smollm2-135m", help="fbs.models name or HF directory")
+    p.add_argument("--model", default="smollm2-135m", help="fbs.model.bases name or HF directory")
     p.add_argument("--corpus", required=True, type=Path, help="labelled corpus directory")
     p.add_argument("--checkpoint", default=None,
                    help="probe a trained FBS checkpoint's hidden states instead of the frozen base's (e.g. a model "

@@ -149,7 +149,7 @@ def probe_eval_data(corpus_dir, split: str, tokenizer, seq_len: int, n: int | No
 def cmd_ch(args) -> int:
     from fbs.data.cli import _progress
     from fbs.data.sources import SourceError
-    from fbs.loading import choose_checkpoint, load_fbs
+    from fbs.model.loading import choose_checkpoint, load_fbs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,7 +190,7 @@ def cmd_ch(args) -> int:
 
 def add_parser(sub) -> None:
     """``fbs eval ch`` (registered by :func:`fbs.eval.cli.register`); data options as ``fbs probe``'s."""
-    from fbs.models import DEFAULT_BASE
+    from fbs.model.bases import DEFAULT_BASE
 
     p = sub.add_parser("ch", help="BIOS-F1 / boundary-F1 / idiom accuracy of a checkpoint's trained chunk head, "
                                   "on the data and metrics of `fbs probe`")

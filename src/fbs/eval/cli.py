@@ -50,20 +50,20 @@ def build_system(args):
     kw = {"max_length": args.max_length, "max_batch_tokens": args.max_batch_tokens}
     _check_baseline_args(args, args.system)
     if args.system == "base":
-        from fbs.models import load_base
+        from fbs.model.bases import load_base
 
         model, tok = load_base(args.model)
         return HFSystem(model, tok, name=args.name or f"{args.model} (base)", **kw)
     if args.system in ("ffn-skipllm", "flexidepth"):
         from fbs.eval.adaptive import AdaptiveSystem, build_scorer
-        from fbs.models import load_base
+        from fbs.model.bases import load_base
 
         model, tok = load_base(args.model)
         scorer = build_scorer(args.system, model, tok, threshold=args.ffn_skip_threshold, checkpoint=args.flexidepth,
                               tau=args.tau, route_prompt=args.flexidepth_prompt == "routed")
         return AdaptiveSystem(scorer, tok, name=args.name or f"{scorer.label} over {args.model}", **kw)
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_from_args
+    from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
@@ -316,8 +316,8 @@ def _sweep_texts(args, tok) -> dict:
 def cmd_sweep(args) -> int:
     from fbs import FBSForCausalLM
     from fbs.eval.sweep import DEFAULT_TAUS, run_sweep
-    from fbs.loading import load_checkpoint, load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_checkpoint, load_from_args
+    from fbs.model.bases import load_tokenizer
 
     _check_baseline_args(args, args.baseline)
     if args.baseline:
@@ -348,7 +348,7 @@ def cmd_sweep(args) -> int:
 def _baseline_sweep(args) -> int:
     """``fbs eval sweep --baseline``: the decode-faithful PPL front of an adaptive-depth baseline."""
     from fbs.eval.adaptive import build_scorer, run_baseline_sweep
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     refused = [flag for flag, given in (("--target-skip", args.target_skip is not None),
                                         ("--write-tau", args.write_tau), ("--control", args.control),
@@ -483,7 +483,7 @@ def cmd_pareto(args) -> int:
 
 
 def _checkpoint_path(args) -> Path | None:
-    from fbs.loading import choose_checkpoint
+    from fbs.model.loading import choose_checkpoint
 
     return choose_checkpoint(args.model, args.checkpoint, shipped=not args.fresh)
 
@@ -491,8 +491,8 @@ def _checkpoint_path(args) -> Path | None:
 def _load_chat_models(args):
     """(base model: a fresh FBS, tokenizer, {model key: loader}, the checkpoint's tau)."""
     from fbs import FBSConfig, FBSForCausalLM
-    from fbs.loading import load_checkpoint, load_from_args
-    from fbs.model import CONFIG_NAME
+    from fbs.model.loading import load_checkpoint, load_from_args
+    from fbs.model.causal_lm import CONFIG_NAME
 
     base = FBSForCausalLM.from_base(args.model)
     ckpt = _checkpoint_path(args)
@@ -568,8 +568,8 @@ def cmd_chat(args) -> int:
 
 def _load_safety_model(args):
     """(model, tokenizer) of ``fbs eval safety``."""
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_from_args
+    from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
     return model, getattr(model, "tokenizer", None) or load_tokenizer(args.model)
@@ -643,7 +643,7 @@ def cmd_list(args) -> int:
 
 def register(subparsers) -> None:
     from fbs.eval.safety import SETTINGS as SAFETY_SETTINGS
-    from fbs.loading import add_model_arguments
+    from fbs.model.loading import add_model_arguments
 
     p = subparsers.add_parser("eval", help="quality evaluation (perplexity, MMLU, ARC, GSM8K, HumanEval, MBPP ...)")
     sub = p.add_subparsers(dest="eval_command", required=True)

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from ..jsonl import iter_records
-from ..modules.gate import relative_updates
+from ..model.gate import relative_updates
 from .stats import N_RESAMPLES, bh_adjusted, bootstrap_indices
 
 logger = logging.getLogger(__name__)
@@ -1066,8 +1066,8 @@ def write_plots(res: dict, out_dir: Path) -> list[Path]:
 # ---------------------------------------------------------------------------- command line
 def _load_model(args):
     """(model, tokenizer) of ``fbs eval mechanism``."""
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_from_args
+    from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
     return model, getattr(model, "tokenizer", None) or load_tokenizer(args.model)
@@ -1131,7 +1131,7 @@ def _add_run_arguments(p, analyze: bool = False) -> None:
 
 def add_parser(sub) -> None:
     """``fbs eval mechanism`` (registered by :func:`fbs.eval.cli.register`)."""
-    from fbs.loading import add_model_arguments
+    from fbs.model.loading import add_model_arguments
 
     p = sub.add_parser("mechanism", help="appendix G mechanism statistics from decode traces: k(i) vs surprisal / "
                                          "entropy, skip rate by layer, position and token class, skip vs residual "
@@ -1151,7 +1151,7 @@ DECODE_OPTIONS = {"items": "--items", "limit": "--limit", "max_new_tokens": "--m
 def analyze_input(path: str | Path) -> tuple[str, Path]:
     """What ``fbs analyze PATH`` reads: ("trace", the trace file) for a trace file or a directory holding one
     (``fbs eval mechanism --out``), ("checkpoint", PATH) for an FBS checkpoint directory."""
-    from ..model import CONFIG_NAME, WEIGHTS_NAME
+    from ..model.causal_lm import CONFIG_NAME, WEIGHTS_NAME
 
     path = Path(path)
     expected = (f"expected a mechanism trace (*_tokens.jsonl: the {TRACE_NAME} of `fbs eval mechanism --out`), a "

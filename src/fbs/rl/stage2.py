@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from .. import FBSConfig, FBSForCausalLM
-from ..loading import load_fbs
+from ..model.loading import load_fbs
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
 from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract

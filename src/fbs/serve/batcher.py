@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..cache import KVCache
+from ..engine.cache import KVCache
 from ..engine import (CAPACITY_STEP, VALIDATORS, DecodeOptions, GenerationResult, _Decoder, _finish, _run, _start,
                       _TraceRecorder)
 

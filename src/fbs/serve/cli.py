@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..fused import WEIGHTS
-from ..loading import add_model_arguments, load_from_args
+from ..engine.fused import WEIGHTS
+from ..model.loading import add_model_arguments, load_from_args
 from .batcher import Limits
 
 

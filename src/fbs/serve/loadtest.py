@@ -274,7 +274,7 @@ class ServerProcess:
 def _prompts(model_arg: str, cfg: LoadConfig) -> list[list[int]]:
     """The benchmark's prompts (windows of CPython's bundled reference text) under the model's tokenizer."""
     from fbs.bench.harness import build_prompts
-    from fbs.models import load_tokenizer
+    from fbs.model.bases import load_tokenizer
 
     return build_prompts(load_tokenizer(model_arg), cfg.num_prompts, cfg.prompt_len).tolist()
 
@@ -337,7 +337,7 @@ def _strs(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from fbs.models import DEFAULT_BASE
+    from fbs.model.bases import DEFAULT_BASE
 
     d = LoadConfig()
     p.add_argument("--url", help="an fbs serve already running on loopback, e.g. http://127.0.0.1:8000/v1 "

@@ -362,7 +362,7 @@ def run_ablations(recipe: TrainConfig, variants: Sequence[Variant], out_dir: str
 
 
 def _tokenizer(model: str):
-    from ..models import load_tokenizer
+    from ..model.bases import load_tokenizer
 
     return load_tokenizer(model)
 

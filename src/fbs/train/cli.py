@@ -1,6 +1,6 @@
 """``fbs train stage1``: the Stage-1 recipe from a YAML config plus ``--set key=value`` overrides.
 
-``fbs train flexidepth``: the FlexiDepth baseline on the same data and budget (:mod:`fbs.baselines.train_flexidepth`).
+``fbs train flexidepth``: the FlexiDepth baseline on the same data and budget (:mod:`fbs.train.flexidepth`).
 
 ``fbs train ablations``: the module ablations of paper §4.3 (:mod:`fbs.train.ablations`).
 
@@ -76,7 +76,7 @@ def cmd_stage1(args: argparse.Namespace) -> int:
 
 
 def cmd_flexidepth(args: argparse.Namespace) -> int:
-    from ..baselines.train_flexidepth import FlexiDepthTrainConfig, train
+    from .flexidepth import FlexiDepthTrainConfig, train
 
     done = run_recipe(args, FlexiDepthTrainConfig, ("out_dir", "max_steps", "data", "model"), train)
     if isinstance(done, int):
@@ -103,7 +103,7 @@ def _blocks(args: argparse.Namespace, tokenizer):
 def cmd_kangaroo(args: argparse.Namespace) -> int:
     import torch
 
-    from ..loading import load_from_args
+    from ..model.loading import load_from_args
     from .speculative import train_kangaroo_adapter
 
     torch.manual_seed(args.seed)
@@ -122,7 +122,7 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_search(args: argparse.Namespace) -> int:
-    from ..loading import load_from_args
+    from ..model.loading import load_from_args
     from .speculative import save_skip_set, search_draft_layers
 
     model = load_from_args(args).eval()
@@ -140,7 +140,7 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
 
 
 def _draft_arguments(p: argparse.ArgumentParser) -> None:
-    from ..loading import add_model_arguments
+    from ..model.loading import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--data", default="wiki_demo", help="wiki_demo or a corpus directory from `fbs data build`")
@@ -187,7 +187,7 @@ def register(subparsers: Any) -> None:
     ablation_arguments(a)
     a.set_defaults(func=cmd_ablations)
     k = sub.add_parser("kangaroo", help="Kangaroo's draft adapter: distil the full model's next-token distribution "
-                                        "into one attention layer after the first N layers (fbs.kangaroo)")
+                                        "into one attention layer after the first N layers (fbs.baselines.kangaroo)")
     _draft_arguments(k)
     k.add_argument("--exit-layer", type=int, required=True, help="the draft runs layers 0..N-1, then the adapter")
     k.add_argument("--steps", type=int, default=300)

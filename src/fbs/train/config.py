@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ..config import FBSConfig
+from ..model.config import FBSConfig
 
 TRAINABLE = ("all", "fbs", "adapters")
 

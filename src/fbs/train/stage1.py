@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from .. import FBSForCausalLM
-from ..loading import load_checkpoint, load_fbs
-from ..model import BACKBONE_NAME, SkipTraining
-from ..modules.gate import relative_updates
+from ..model.loading import load_checkpoint, load_fbs
+from ..model.causal_lm import BACKBONE_NAME, SkipTraining
+from ..model.gate import relative_updates
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
-from .lora import LoRALinear, add_adapters, save_adapters
+from .adapters import LoRALinear, add_adapters, save_adapters
 from .losses import (BudgetThreshold, HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, distill_loss,
                      lm_loss, oracle_targets)
 
@@ -209,7 +209,7 @@ def build_model(cfg: TrainConfig, base: nn.Module | None = None) -> FBSForCausal
 
 
 def _backbone_delta_files(path: Path) -> list[Path]:
-    from .lora import ADAPTERS_NAME
+    from .adapters import ADAPTERS_NAME
 
     return [f for f in (path / ADAPTERS_NAME, path / BACKBONE_NAME) if f.is_file()]
 
@@ -773,7 +773,7 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
 
 def load_trained(path: str | Path, base: nn.Module | None = None) -> FBSForCausalLM:
     """Load an :func:`export` directory: FBS weights, adapters and trained backbone tensors
-    (:func:`fbs.loading.load_checkpoint` applies them)."""
+    (:func:`fbs.model.loading.load_checkpoint` applies them)."""
     return load_checkpoint(Path(path), base=base).eval()
 
 

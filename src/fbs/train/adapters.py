@@ -1,4 +1,4 @@
-"""Training's side of LoRA: the adapters themselves live in the core (:mod:`fbs.lora`, which loading needs);
+"""Training's side of LoRA: the adapters themselves live in the core (:mod:`fbs.model.lora`, which loading needs);
 this module adds saving them with an export. Stage-1 wraps the backbone with :func:`add_adapters`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..lora import (ADAPTERS_NAME, DEFAULT_TARGETS, LoRALinear, add_adapters, load_adapters,  # noqa: F401
+from ..model.lora import (ADAPTERS_NAME, DEFAULT_TARGETS, LoRALinear, add_adapters, load_adapters,  # noqa: F401
                     merge_adapters)
 
 

@@ -1,6 +1,6 @@
 """The engine's linear algebra: the HF modules (``weights="hf"``) or fused inference copies of the same weights.
 
-:func:`decode_ops` returns the ops object a :func:`fbs.layer.layer_step` runs with during decoding. Besides the
+:func:`decode_ops` returns the ops object a :func:`fbs.model.layer.layer_step` runs with during decoding. Besides the
 layer pieces it has ``pre``: RMSNorm_1, the layer's K/V and, for a gated layer, the gate logit.
 
 Fused copies (:class:`FusedOps`) are an inference-time view built once per model and weight format and
@@ -13,7 +13,7 @@ rebuilt when any source parameter changes (the HF modules stay the source of tru
   matmul per preview summary) and their constant relative-update terms (first layer, skipped previous layer),
   so that a gated layer adds few small ops to its ``pre`` (see :func:`_gate_logit`) and one host read;
 * the LM head (tied or not) in the same format;
-* weights in fp32, bf16 or int8 per output channel (:mod:`fbs.quant`); fp32 computes what the HF modules do.
+* weights in fp32, bf16 or int8 per output channel (:mod:`fbs.engine.quant`); fp32 computes what the HF modules do.
 
 One-token steps run two fixed-shape functions per layer, ``pre`` (norm, K/V, gate) and ``block`` (Q, cache
 write, attention over the static cache, O, FFN), optionally ``torch.compile``d: one artifact serves every
@@ -32,10 +32,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import native
+from .. import native
 from .cache import CacheContext
-from .layer import HFOps
-from .modules.gate import relative_update
+from ..model.layer import HFOps
+from ..model.gate import relative_update
 from .quant import FORMATS, Weight, matmul
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _source_stamp(model) -> tuple:
 
 # --------------------------------------------------------------------------- HF modules
 class HFDecodeOps(HFOps):
-    """The HF modules plus the algebraically fused gates (:class:`fbs.modules.gate.FusedGates`)."""
+    """The HF modules plus the algebraically fused gates (:class:`fbs.model.gate.FusedGates`)."""
 
     def __init__(self, model):
         super().__init__(model.base)
@@ -270,7 +270,7 @@ class _Gate(NamedTuple):
 
 
 def _compile_dir() -> str:
-    from .models import cache_root
+    from ..model.bases import cache_root
 
     return str(cache_root() / "inductor")
 
@@ -524,7 +524,7 @@ class FusedOps:
 
     def _slots(self, slots: torch.Tensor, rows: torch.Tensor | None, capacity: int):
         """The cache rows (b,) and the attention mask (b, 1, 1, C) of the slots ``slots`` (b,), made once per
-        distinct slot tensor (:meth:`fbs.cache.CacheContext.decode_slots` returns one per step and slot list)."""
+        distinct slot tensor (:meth:`fbs.engine.cache.CacheContext.decode_slots` returns one per step and slot list)."""
         key = (slots, rows, capacity)
         memo = self._slot_memo
         if memo[0] is not slots or memo[1] is not rows or memo[2] != capacity:

@@ -7,7 +7,7 @@ normalizations)::
     logits = LM_head(RMSNorm_out(h'))        the base model's LM head, shared and frozen
 
 ``h`` is the full model's hidden state after layer N-1 (the input of layer N), so the draft's first N layers
-are exactly the full model's and verification resumes at layer N (:mod:`fbs.speculative`). Training distills
+are exactly the full model's and verification resumes at layer N (:mod:`fbs.engine.speculative`). Training distills
 the full model's next-token distribution into the adapter (``fbs train kangaroo``,
 :func:`fbs.train.speculative.train_kangaroo_adapter`); decoding: ``model.generate(ids, lossless=True,
 draft_adapter=KangarooAdapter.load(path, model), draft_stop=0.6)``.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf_adapter import apply_rope
+from ..model.hf_adapter import apply_rope
 
 CONFIG_NAME = "kangaroo.json"
 WEIGHTS_NAME = "kangaroo.safetensors"

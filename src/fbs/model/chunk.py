@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..config import FBSConfig
+from .config import FBSConfig
 
 BIOS = ("B", "I", "O", "S")
 LABEL_I = BIOS.index("I")

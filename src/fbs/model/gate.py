@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import FBSConfig
+from .config import FBSConfig
 
 
 class SkipGates(nn.Module):

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from .hf_adapter import DecoderSpec, decoder_spec
+from ..model.hf_adapter import DecoderSpec, decoder_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class WeightFormat:
     Matrices cost ``weight`` bytes per element plus ``scale`` bytes per output channel (per-channel
     quantization scales); norm weights, biases, the K/V cache and the FBS modules are kept in the activation
     dtype (``activation`` bytes per element). The engine keeps those in the model's dtype whatever the weight
-    format (:mod:`fbs.quant`), fp32 for the shipped models; only the products' inputs are rounded to bf16 for the
+    format (:mod:`fbs.engine.quant`), fp32 for the shipped models; only the products' inputs are rounded to bf16 for the
     bf16 format and for int8 without the native kernel, which no bytes read depend on.
     """
 
@@ -133,7 +133,7 @@ class LayerCost:
 
     def counted_macs(self, tokens_per_layer, keys_per_layer, lm_rows: int) -> int:
         """MACs of counted layer calls: per layer the tokens it processed and the keys they attended, and the
-        LM-head rows (e.g. :class:`fbs.hf_adapter.DecodeCallCounter` around an HF ``generate``)."""
+        LM-head rows (e.g. :class:`fbs.model.hf_adapter.DecodeCallCounter` around an HF ``generate``)."""
         layers = sum(t * self.dense + k * self.per_key for t, k in zip(tokens_per_layer, keys_per_layer))
         return layers + lm_rows * self.lm_head
 

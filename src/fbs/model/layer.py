@@ -1,4 +1,4 @@
-"""One FBS decoder-layer step, shared by the parallel forward (:mod:`fbs.model`) and the engine (:mod:`fbs.engine`).
+"""One FBS decoder-layer step, shared by the parallel forward (:mod:`fbs.model.causal_lm`) and the engine (:mod:`fbs.engine`).
 
 For the rows ``x`` (B, T, d) given to it, a step computes
 
@@ -11,10 +11,10 @@ For the rows ``x`` (B, T, d) given to it, a step computes
 Two things vary and are passed in, so the step exists once:
 
 * ``ops``, the linear algebra: :class:`HFOps` calls the HF modules (the parallel forward, training, and the
-  engine's ``weights="hf"`` reference, where forward hooks see every call); :class:`fbs.fused.FusedOps` runs
+  engine's ``weights="hf"`` reference, where forward hooks see every call); :class:`fbs.engine.fused.FusedOps` runs
   fused, optionally bf16/int8 and compiled copies of the same weights (the engine's default).
 * ``ctx``, where K/V go: :class:`SequenceContext` attends over the given positions at once (causal, padding
-  and ``hole`` masks); the engine's :class:`fbs.cache.CacheContext` writes them into its KV cache and reads it.
+  and ``hole`` masks); the engine's :class:`fbs.engine.cache.CacheContext` writes them into its KV cache and reads it.
 
 Gate inputs for the next layer (relative update, previous skip) come from :func:`next_gate_inputs`.
 """
@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from .modules.chunk import ChunkOut
-from .modules.gate import relative_update
-from .modules.preview import PreviewOut
+from .chunk import ChunkOut
+from .gate import relative_update
+from .preview import PreviewOut
 
 Granularity = str  # "layer" | "ffn"
 
@@ -161,7 +161,7 @@ def logit_threshold(tau: float) -> float:
 
 # --------------------------------------------------------------------------- HF modules as ops
 class HFOps:
-    """The linear algebra of a layer step through the HF modules of :class:`fbs.hf_adapter.BaseDecoder`."""
+    """The linear algebra of a layer step through the HF modules of :class:`fbs.model.hf_adapter.BaseDecoder`."""
 
     def __init__(self, base):
         self.base = base

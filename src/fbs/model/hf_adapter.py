@@ -161,7 +161,7 @@ class BaseDecoder(nn.Module):
 
 class DecodeCallCounter:
     """Forward pre-hooks on an HF causal LM's decoder layers and LM head counting the decode work that ran
-    (the benchmark prices the counts with :meth:`fbs.flops.LayerCost.counted_macs`).
+    (the benchmark prices the counts with :meth:`fbs.engine.flops.LayerCost.counted_macs`).
 
     Counts every call, including draft passes that reuse the model's own layers (early-exit self-speculation),
     and derives speculative statistics from the passes through the last layer (target passes only):

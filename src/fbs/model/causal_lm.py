@@ -2,7 +2,7 @@
 
 The parallel forward serves training (soft mixture with straight-through gates), teacher-forced
 evaluation under skipping (thresholded or planned gates) and the equivalence tests. Decoding lives in
-:mod:`fbs.engine`; both run the same per-layer pieces of :class:`fbs.hf_adapter.BaseDecoder`.
+:mod:`fbs.engine`; both run the same per-layer pieces of :class:`fbs.model.hf_adapter.BaseDecoder`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from torch import nn
 
 from .config import FBSConfig
 from .hf_adapter import BaseDecoder
-from .modules.chunk import ChunkHead
+from .chunk import ChunkHead
 from .layer import HFOps, Mix, SequenceContext, layer_step, next_gate_inputs
-from .modules.gate import SkipGates, straight_through
-from .modules.preview import ParafoveaWindow, default_preview_ids
+from .gate import SkipGates, straight_through
+from .preview import ParafoveaWindow, default_preview_ids
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class FBSForCausalLM(nn.Module):
     def from_base(cls, base, config: FBSConfig | None = None, tokenizer=None,
                   dtype: torch.dtype = torch.float32) -> "FBSForCausalLM":
         """``base``: an HF causal-LM instance, a local HF directory, or a bundled name (``"smollm2-135m"``)."""
-        from .models import base_fingerprint, load_base
+        from .bases import base_fingerprint, load_base
 
         if isinstance(base, nn.Module):
             hf, name = base, getattr(base, "fbs_base_name", None) or getattr(base.config, "_name_or_path", None)
@@ -191,8 +191,8 @@ class FBSForCausalLM(nn.Module):
         ``attention_mask`` (B, T): 1 for tokens, 0 for padding (left or right).
         ``skip_training`` adds forced skips, a gradient probe and gradient routing to ``soft`` mode.
         ``mixer`` (a baseline's router, :mod:`fbs.baselines`): ``mixer.route(l, x, xn, gated_pos)`` returns a
-        :class:`fbs.layer.Route` for the layers it decides (None: the gates / ``gate_mode`` decide), and
-        ``mixer.observe(l, x, out)`` sees every layer's :class:`fbs.layer.LayerOut`.
+        :class:`fbs.model.layer.Route` for the layers it decides (None: the gates / ``gate_mode`` decide), and
+        ``mixer.observe(l, x, out)`` sees every layer's :class:`fbs.model.layer.LayerOut`.
         """
         if input_ids.dim() != 2 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty (batch, seq) tensor, got shape {tuple(input_ids.shape)}")
@@ -296,13 +296,13 @@ class FBSForCausalLM(nn.Module):
     # ------------------------------------------------------------------ decoding
     def generate(self, input_ids, **kwargs):
         """KV-cached decoding with true layer skipping; see :func:`fbs.engine.generate`."""
-        from .engine import generate
+        from ..engine import generate
 
         return generate(self, input_ids, **kwargs)
 
     def stream(self, input_ids, **kwargs):
         """Yield one :class:`fbs.engine.StepOutput` per generated token; see :func:`fbs.engine.stream`."""
-        from .engine import stream
+        from ..engine import stream
 
         return stream(self, input_ids, **kwargs)
 
@@ -333,7 +333,7 @@ class FBSForCausalLM(nn.Module):
 
         ``base`` may be a name, a directory or an HF model instance; an instance is copied when the checkpoint
         changes backbone weights, so the caller's model is never modified. ``overrides`` replace inference-time
-        config fields (tau, kv_policy, never_skip_*). See :func:`fbs.loading.load_checkpoint`."""
+        config fields (tau, kv_policy, never_skip_*). See :func:`fbs.model.loading.load_checkpoint`."""
         from .loading import load_checkpoint  # fbs.loading builds on this module
 
         return load_checkpoint(path, base=base, tokenizer=tokenizer, **overrides)

@@ -10,10 +10,10 @@ compute; ``"all"`` runs it for every row unless all rows skip; ``"majority"`` sk
 more than half the rows skip it, else runs it for every row. The trace records intended skips (what the
 gates said) and executed ones (what ran).
 
-Each layer is one :func:`fbs.layer.layer_step`, the same step the parallel forward runs, over the engine's
+Each layer is one :func:`fbs.model.layer.layer_step`, the same step the parallel forward runs, over the engine's
 KV-cache context. The linear algebra (``weights=``) is either the HF modules themselves (``"hf"``, the
 reference: forward hooks see every call) or fused inference copies of the same weights built once per model
-and weight format (:mod:`fbs.fused`: fp32, bf16 or int8 weight-only), optionally compiled (``compile=True``:
+and weight format (:mod:`fbs.engine.fused`: fp32, bf16 or int8 weight-only), optionally compiled (``compile=True``:
 one compiled artifact for all layers, the skip loop stays in Python).
 
 The eager int8 step on a CPU with AVX2 / AVX-512 goes one level further (:mod:`fbs.native`): each run of
@@ -37,8 +37,8 @@ import torch
 from .cache import CacheContext, KVCache
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
-from .layer import COMPUTE, Mix, layer_step, logit_threshold
-from .modules.chunk import ChunkState
+from ..model.layer import COMPUTE, Mix, layer_step, logit_threshold
+from ..model.chunk import ChunkState
 
 CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
 _POLICY_CODES = {"gather": 0, "all": 1, "majority": 2}  # batch policies as fbs.native.Int8Layer takes them
@@ -76,13 +76,13 @@ class DecodeOptions:
     weights: str = "fp32"                    # hf (the HF modules) | fp32 | bf16 | int8 (fused inference copies)
     compile: bool | str = False              # torch.compile the fused one-token step (True: inductor; or a backend)
     record_gate_p: bool = True               # keep gate probabilities in the trace (else NaN where not kept)
-    lossless: bool = False                   # speculative self-drafting (fbs.speculative): the skipping model
+    lossless: bool = False                   # speculative self-drafting (fbs.engine.speculative): the skipping model
                                              # drafts, full depth verifies: force_compute's output (greedy) or
                                              # its distribution (sampling)
     draft_tokens: int = 4                    # lossless: most tokens drafted per verify pass (gamma)
     adapt_draft: bool = True                 # lossless: adapt gamma to the acceptance rate (draft_stop set: adapt it)
     draft_stop: float = 0.0                  # lossless: stop drafting once the draft's top-1 probability is below it
-    draft_adapter: Any = None                # lossless: a fbs.kangaroo.KangarooAdapter drafts instead (Kangaroo)
+    draft_adapter: Any = None                # lossless: a fbs.baselines.kangaroo.KangarooAdapter drafts instead (Kangaroo)
     skip_policy: object | None = None        # a baseline's skip policy (fbs.baselines) decides instead of the gates
 
     def __post_init__(self):
@@ -168,7 +168,7 @@ class GenerationResult:
     trace: DecodeTrace
     timings: dict[str, float]     # prefill_s, decode_s, total_s
     scores: list[torch.Tensor] | None = None  # per row (n_new, V) logits that chose each new token
-    speculative: Any = None       # lossless decoding: fbs.speculative.SpecStats (passes, acceptance, draft work)
+    speculative: Any = None       # lossless decoding: fbs.engine.speculative.SpecStats (passes, acceptance, draft work)
 
 
 # --------------------------------------------------------------------------- validators (appendix E.9)
@@ -318,7 +318,7 @@ class _Decoder:
         self.out: list[list[int]] = [[] for _ in range(self.B)]
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.B)]
         self.active = list(range(self.B))
-        self.spec = None  # lossless decoding's bookkeeping (fbs.speculative), set by its run
+        self.spec = None  # lossless decoding's bookkeeping (fbs.engine.speculative), set by its run
         # a baseline's per-call policy state (fbs.baselines): prefill_mix / decide / mix / bypass / observe
         self.skipper = None if opts.skip_policy is None or opts.force_compute else opts.skip_policy.start(self)
         self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
@@ -481,7 +481,7 @@ class _Decoder:
 
     def _native_segments(self) -> dict[int, range]:
         """First layer -> the run of consecutive layers that one native call computes (the ops' native whole-layer
-        steps, :attr:`fbs.fused.FusedOps.native_layers`), when this call can use them: hard threshold gates or
+        steps, :attr:`fbs.engine.fused.FusedOps.native_layers`), when this call can use them: hard threshold gates or
         forced decisions, whole-layer skips, no baseline policy. Empty otherwise. Made once per call."""
         if self._segments is None:
             self._segments = {}

@@ -3,10 +3,10 @@
 ``add_adapters`` replaces each targeted ``nn.Linear`` of the decoder layers by a :class:`LoRALinear`
 that keeps the frozen base weight and adds ``(alpha / r) * B A x`` with B = 0 at start, so a fresh
 adapter changes nothing. The HF submodules keep their names (``q_proj`` ...), so
-:class:`fbs.hf_adapter.BaseDecoder` calls them unchanged.
+:class:`fbs.model.hf_adapter.BaseDecoder` calls them unchanged.
 
-This is the core's part, which loading a checkpoint needs (wrap, load, merge: :mod:`fbs.loading`);
-training adds adapters with :func:`add_adapters` and saves them with :mod:`fbs.train.lora`.
+This is the core's part, which loading a checkpoint needs (wrap, load, merge: :mod:`fbs.model.loading`);
+training adds adapters with :func:`add_adapters` and saves them with :mod:`fbs.train.adapters`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import native
+from .. import native
 
 FORMATS = ("fp32", "bf16", "int8", "fp32-onednn")
 

@@ -3,7 +3,7 @@
 The CLI, the benchmark, evaluation, RL and training all build their model through :func:`load_fbs`;
 ``FBSForCausalLM.from_pretrained`` is :func:`load_checkpoint`. A checkpoint holds the FBS modules
 (``fbs_model.safetensors`` + ``fbs_config.json``) and, after Stage-1, what training changed in the backbone:
-LoRA adapters (merged into the weights at load, :mod:`fbs.lora`) and trained backbone tensors.
+LoRA adapters (merged into the weights at load, :mod:`fbs.model.lora`) and trained backbone tensors.
 
 Public entry points:
     shipped_checkpoint(base)                    the FBS weights shipped in the package for a bundled base, or None
@@ -28,13 +28,13 @@ from torch import nn
 
 from .config import FBSConfig
 from .lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters, merge_adapters
-from .model import BACKBONE_NAME, CONFIG_NAME, WEIGHTS_NAME, CheckpointError, FBSForCausalLM
-from .models import DEFAULT_BASE
+from .causal_lm import BACKBONE_NAME, CONFIG_NAME, WEIGHTS_NAME, CheckpointError, FBSForCausalLM
+from .bases import DEFAULT_BASE
 
 logger = logging.getLogger(__name__)
 
 #: Trained FBS weights shipped in the package, one directory ``fbs-<bundled base name>`` each.
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 
 #: Config fields that fix tensor shapes or wiring: a trained checkpoint's values cannot be overridden.
 STRUCTURAL = frozenset({"k_max", "paw_layers", "ch_layers", "preview_vocab_size", "preview_rank", "chunk_rank",

@@ -15,8 +15,8 @@ import bisect
 
 import torch
 
-from . import native
-from .modules.chunk import ChunkOut, ChunkState
+from .. import native
+from ..model.chunk import ChunkOut, ChunkState
 
 
 class KVCache:
@@ -163,7 +163,7 @@ class CacheContext:
     def decode_slots(self, l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """For a one-token step of fixed shapes: the layer's full K/V buffers, each row's slot (b,) for its new
         entry, and the row indices (None when the step covers every row of the cache, in order). Books the
-        entries; the caller writes them (see :func:`fbs.fused.attend_static`)."""
+        entries; the caller writes them (see :func:`fbs.engine.fused.attend_static`)."""
         slots = self._slot_tensor(tuple(self.cache.advance(l, self.rows, self.positions)))
         return self.cache.k[l], self.cache.v[l], slots, None if self.all_rows else self.rows_t
 
@@ -175,7 +175,7 @@ class CacheContext:
         return slots
 
     def book(self, l: int, wrote: list[bool] | None) -> None:
-        """Book the entries a native run (:meth:`fbs.fused.FusedOps.native_run`) wrote at layer l: every row's
+        """Book the entries a native run (:meth:`fbs.engine.fused.FusedOps.native_run`) wrote at layer l: every row's
         (``wrote`` None) or those flagged; it wrote them at each row's current length."""
         if wrote is None:
             self.cache.advance(l, self.rows, self.positions)

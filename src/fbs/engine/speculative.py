@@ -7,14 +7,14 @@ Three drafters share one verifier (issue 16):
   with a static set of skipped layers (found by ``fbs train draft-search``), drafting until the draft's top-1
   probability falls below a threshold that follows the recent match rate;
 * **Kangaroo** (Liu et al. 2024; ``lossless=True, draft_adapter=adapter, draft_stop=...``): the first N layers,
-  a one-layer adapter and the shared LM head (:mod:`fbs.kangaroo`); verification resumes at layer N from the
+  a one-layer adapter and the shared LM head (:mod:`fbs.baselines.kangaroo`); verification resumes at layer N from the
   hidden states the draft already computed.
 
 One round, for each active row whose last committed token t sits at position P (not yet consumed):
 
 1. **draft** d_1..d_g, each step consuming the previous token (and writing the KV cache as any decode step does);
 2. **roll back** what the verifier recomputes: K/V at positions >= P, and CH's chunk states (from a snapshot);
-3. **verify**: layers ``start..L-1`` over [t, d_1..d_g] in one cached pass (:func:`fbs.layer.layer_step` over g+1
+3. **verify**: layers ``start..L-1`` over [t, d_1..d_g] in one cached pass (:func:`fbs.model.layer.layer_step` over g+1
    tokens; rows with shorter drafts are padded and the pads cropped), giving g+1 next-token distributions;
 4. **accept**: greedy, the longest prefix with d_{j+1} = argmax p_j plus argmax p_a, so the output is the
    full-depth (``force_compute``) output; sampling, speculative sampling's rule (:func:`accept_sampled`), so each
@@ -27,7 +27,7 @@ draft uses: an int8 draft is verified in fp32, and the output equals the fp32 fu
 
 The draft length adapts per row (``adapt_draft``): with ``draft_stop`` the threshold follows Draft&Verify's
 schedule; otherwise gamma maximises the expected speed-up (:func:`expected_speedup`) at the recent acceptance rate,
-with the draft's cost from the byte cost model (:func:`fbs.flops.step_bytes`). Gamma 0 (no draft pays: plain
+with the draft's cost from the byte cost model (:func:`fbs.engine.flops.step_bytes`). Gamma 0 (no draft pays: plain
 full-depth steps, with a one-token probe every ``PROBE_EVERY`` rounds) is allowed.
 
 Results: the trace describes what the verifier computed (every layer for every kept token); its TFLOPs(rel) count
@@ -44,9 +44,9 @@ from collections.abc import Iterator
 import torch
 
 from .cache import CacheContext, KVCache
-from .engine import DecodeTrace, StepOutput, _TraceRecorder
+from .decoder import DecodeTrace, StepOutput, _TraceRecorder
 from .flops import LayerCost, step_bytes
-from .layer import layer_step
+from ..model.layer import layer_step
 
 #: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
 #: (one step); on SmolLM2-135M / 2 CPU cores verifying 4 tokens costs ~1.6 steps (issue 16).
@@ -88,7 +88,7 @@ def draft_step_cost(cost: LayerCost, context: float, executed_layers: float, kv_
                     weights: str = "fp32") -> float:
     """A draft step's bytes (in the draft's ``weights``) over a full-depth fp32 step's: the verifier and the
     plain steps of gamma 0 run the fp32 HF modules whatever the draft's format, so an int8 draft costs about a
-    quarter of the unit, not the ratio of two int8 steps (decoding is bandwidth-bound: :func:`fbs.flops.step_bytes`)."""
+    quarter of the unit, not the ratio of two int8 steps (decoding is bandwidth-bound: :func:`fbs.engine.flops.step_bytes`)."""
     weights = "fp32" if weights == "hf" else weights
     full = step_bytes(cost, context, None, kv_policy, 1, "fp32")
     return step_bytes(cost, context, executed_layers, kv_policy, 1, weights) / full

@@ -3,7 +3,7 @@
 Six kernels, one extension:
 
 * **Gate logits** (:func:`gate_logits`). A skip gate's logit is a few hundred flops
-  (:func:`fbs.fused._gate_logit`), but in eager PyTorch it is a dozen operator dispatches plus a host read, which
+  (:func:`fbs.engine.fused._gate_logit`), but in eager PyTorch it is a dozen operator dispatches plus a host read, which
   on a CPU cost more than the arithmetic by two orders of magnitude: about 20 us per gated layer, several percent
   of an int8 decode step. The kernel computes the same logits in one call and returns them as Python floats (the
   layer's one host read included).
@@ -19,7 +19,7 @@ Six kernels, one extension:
   and its query attending over that row's filled prefix only, in one call, instead of two index writes and SDPA
   over the whole masked static cache. fp32 decoding keeps SDPA (HF's op, so that fp32 stays bit-faithful).
 * **RMSNorm** (:func:`rms_norm`) of the native int8 step: one call instead of six ATen ops (fp32 keeps them).
-* **A whole decoder layer** (:class:`Int8Layer`, built by :class:`fbs.fused.FusedOps` per layer without PAW / CH)
+* **A whole decoder layer** (:class:`Int8Layer`, built by :class:`fbs.engine.fused.FusedOps` per layer without PAW / CH)
   of the native int8 step: RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision under the
   batch policy, the cache writes, and attention and FFN of the rows that run, in one call from Python instead of
   some forty operator dispatches and a host read. A skipped row's state is untouched; only the rows that run
@@ -55,7 +55,7 @@ _GATE_SOURCE = r"""
 #include <optional>
 #include <vector>
 
-// Skip-gate logits of b rows, one token each (fbs.fused._gate_logit):
+// Skip-gate logits of b rows, one token each (fbs.engine.fused._gate_logit):
 //   h = y[:, off:off+G] (absent when G_y == 0) + terms
 //       + w_rel * log(eps + ||x - x_prev|| / max(||x_prev||, 1e-6))   (x_prev given)
 //       + rel_term                                                      (else, when given)
@@ -436,7 +436,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 """
 
 _CHUNK_SOURCE = r"""
-// CH's online step (fbs.modules.chunk.ChunkHead.step) for rows `rows` of a ChunkState, in place, one token each:
+// CH's online step (fbs.model.chunk.ChunkHead.step) for rows `rows` of a ChunkState, in place, one token each:
 //   logits = W_bios xn + b;  kt = W_key xn;  start = argmax(logits) != I or the row has no open chunk
 //   start closes the open chunk (its mean enters the ring of closed chunks) and opens one with kt, else kt joins
 //   attend: q = W_query xn; the token attends (softmax, scaled) over the filled ring slots and its open chunk's
@@ -514,7 +514,7 @@ _LAYER_SOURCE = r"""
 #include <pybind11/stl.h>
 #include <tuple>
 
-// A whole decoder layer of the eager int8 one-token step natively (fbs.fused.FusedOps.native_run), so that a layer
+// A whole decoder layer of the eager int8 one-token step natively (fbs.engine.fused.FusedOps.native_run), so that a layer
 // costs a share of one call (run_layers: a run of layers per call) instead of some forty ATen dispatches:
 //   xn = RMSNorm_1(x);  y = xn @ [W_k; W_v; A]^T (+ b)       K, V and, on gated layers, the gate's hidden columns
 //   gated: logit = gate(y's gate columns, terms, relative update, previous skip); skip = logit > threshold(row)
@@ -548,7 +548,7 @@ const float* fp32(const at::Tensor& t, int64_t n, const char* what) {
   return t.data_ptr<float>();
 }
 
-// x (hd) rotated in place: x * cos + roll(x, hd / 2) * sin_signed (fbs.fused._rope)
+// x (hd) rotated in place: x * cos + roll(x, hd / 2) * sin_signed (fbs.engine.fused._rope)
 void rope(float* x, const float* c, const float* s, int64_t hd) {
   float t[256];
   const int64_t half = hd / 2;
@@ -903,7 +903,7 @@ def enabled() -> bool:
 
 
 def _build_dir() -> Path:
-    from .models import cache_root
+    from ..model.bases import cache_root
 
     digest = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
     return cache_root() / "native" / f"fbs-{digest}"
@@ -952,7 +952,7 @@ def gate_args(gate: tuple) -> tuple:
 def gate_logits(y: torch.Tensor, off: int, gy: int, terms: torch.Tensor, x: torch.Tensor,
                 x_prev: torch.Tensor | None, rel_term: torch.Tensor | None, prev_skip: torch.Tensor | None,
                 args: tuple) -> list[float]:
-    """Per row of a one-token step, the logit :func:`fbs.fused._gate_logit` computes, as Python floats.
+    """Per row of a one-token step, the logit :func:`fbs.engine.fused._gate_logit` computes, as Python floats.
 
     ``y`` (b, 1, W): the fused K/V(+gate) matmul's output, whose columns ``off:off + gy`` are the gate's input
     projection (``gy`` 0: the gate has none); ``terms`` (b, 1, G): its bias and preview term; ``args``:
@@ -1021,7 +1021,7 @@ def _isa_code() -> int:
 # --------------------------------------------------------------------------- one-query attention
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                idx: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """A one-token step's attention over the static cache (what :func:`fbs.fused._block_step` does with index
+    """A one-token step's attention over the static cache (what :func:`fbs.engine.fused._block_step` does with index
     writes and SDPA over the masked buffers): writes each row's ``k``/``v`` (b, Hkv, 1, hd) at ``slots`` (b,) of
     cache rows ``idx`` (b,) in ``kc``/``vc`` (B, Hkv, C, hd), then attends ``q`` (b, H, 1, hd) over slots
     0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them."""
@@ -1035,10 +1035,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the chunk head's online step
 def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool = True):
-    """:meth:`fbs.modules.chunk.ChunkHead.step` of one token per row in one call, on rows ``rows`` (b,) of the
-    full :class:`fbs.modules.chunk.ChunkState` ``state`` in place (no select / assign copies). Returns (c (b, 1, d)
+    """:meth:`fbs.model.chunk.ChunkHead.step` of one token per row in one call, on rows ``rows`` (b,) of the
+    full :class:`fbs.model.chunk.ChunkState` ``state`` in place (no select / assign copies). Returns (c (b, 1, d)
     or None, bios logits (b, 1, 4), start (b,) bool) as the PyTorch step does. fp32 CPU."""
-    from .modules.chunk import LABEL_I
+    from ..model.chunk import LABEL_I
 
     c, logits, start = _module.chunk_step(xn.contiguous(), rows, state.closed, state.n_closed, state.open_sum,
                                           state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
@@ -1051,7 +1051,7 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
                idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
                policy: int, write_skipped: bool):
     """Consecutive :class:`Int8Layer` s of a one-token step in one call (see
-    :meth:`fbs.fused.FusedOps.native_run`, which books the cache entries it writes)."""
+    :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes)."""
     return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
                               thresholds, policy, write_skipped, _isa_code())
 

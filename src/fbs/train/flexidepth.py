@@ -25,12 +25,12 @@ from typing import Any, NamedTuple
 import torch
 import yaml
 
-from ..train import checkpoint as ckpt
-from ..train.config import TrainConfigError, apply_overrides
-from ..train.data import BlockData, BlockOrder, micro_batch
-from ..train.losses import lm_loss
-from ..train.stage1 import load_data, lr_factor
-from .flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthOutput, skip_loss
+from . import checkpoint as ckpt
+from .config import TrainConfigError, apply_overrides
+from .data import BlockData, BlockOrder, micro_batch
+from .losses import lm_loss
+from .stage1 import load_data, lr_factor
+from ..baselines.flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthOutput, skip_loss
 
 logger = logging.getLogger(__name__)
 
