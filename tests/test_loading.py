@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fbs import FBSConfig, FBSForCausalLM, loading
+from fbs import FBSConfig, FBSForCausalLM
+from fbs.model import loading
 from fbs.model.lora import ADAPTERS_NAME, LoRALinear, add_adapters
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
