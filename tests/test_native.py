@@ -82,7 +82,7 @@ def test_a_failed_build_falls_back_to_the_pytorch_ops(monkeypatch, caplog):
 
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_failed", None)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
     with caplog.at_level(logging.WARNING, logger="fbs.native"):
         assert native.module() is None
     assert "no compiler" in caplog.text
