@@ -65,8 +65,8 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t* L = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && L[i] >= 0 && L[i] < C, "fbs attention kernel: slot out of range");
-  fbs_attn::write_kv(k.data_ptr<float>(), k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), b,
-                     I, L, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv, C, hd);
+  fbs_attn::write_kv(k.data_ptr<float>(), k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), b, I,
+                     L, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv, C, hd);
   auto out = at::empty({b, 1, H * hd}, q.options());
   fbs_attn::attend(q.data_ptr<float>(), q.stride(0), q.stride(1), I, L, b, H, kc.data_ptr<float>(),
                    vc.data_ptr<float>(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>());

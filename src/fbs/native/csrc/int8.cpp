@@ -42,7 +42,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& p, const at::Tenso
   TORCH_CHECK(isa >= fbs::kIsaAvx2 && isa <= fbs::best_isa(), "fbs int8 kernel: instruction set ", isa,
               " not available here");
   auto y = at::empty({M, N}, x.options());
-  mm(x.data_ptr<float>(), M, Kp, p.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()),
-     N, y.data_ptr<float>(), isa);
+  mm(x.data_ptr<float>(), M, Kp, p.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()), N,
+     y.data_ptr<float>(), isa);
   return y;
 }

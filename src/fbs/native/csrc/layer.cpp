@@ -11,7 +11,8 @@ namespace fbs_layer {
 namespace {
 Packed packed(const at::Tensor& p, const at::Tensor& s, int64_t k) {
   TORCH_CHECK(p.scalar_type() == at::kChar && p.dim() == 1 && p.is_contiguous() && s.scalar_type() == at::kBFloat16 &&
-              s.dim() == 1 && s.is_contiguous(), "fbs native layer: packed int8 weights and (N,) bf16 scales");
+                  s.dim() == 1 && s.is_contiguous(),
+              "fbs native layer: packed int8 weights and (N,) bf16 scales");
   TORCH_CHECK(k % fbs_int8::kChunk == 0, "fbs native layer: input width ", k, " is not a multiple of 16");
   const int64_t n = s.size(0);
   TORCH_CHECK(p.numel() == (n + fbs_int8::kNB - 1) / fbs_int8::kNB * fbs_int8::kNB * k,
@@ -35,10 +36,17 @@ void rope(float* x, const float* c, const float* s, int64_t hd) {
 }  // namespace
 
 Layer::Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
-      at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
-      at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
-      at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s)
-    : d(d_), heads(heads_), nkv(nkv_), hd(hd_), inter(inter_), eps(float(eps_)), scale(float(scale_)), ln1(ln1_),
+             at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
+             at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
+             at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s)
+    : d(d_),
+      heads(heads_),
+      nkv(nkv_),
+      hd(hd_),
+      inter(inter_),
+      eps(float(eps_)),
+      scale(float(scale_)),
+      ln1(ln1_),
       ln2(ln2_) {
   TORCH_CHECK(hd <= 256 && hd % 2 == 0 && heads % nkv == 0, "fbs native layer: head shapes");
   fp32(ln1, d, "ln1");
@@ -50,21 +58,41 @@ Layer::Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inte
   dn = packed(dn_p, dn_s, inter);
   TORCH_CHECK(kvg.n >= 2 * nkv * hd && q.n == heads * hd && o.n == d && gu.n == 2 * inter && dn.n == d,
               "fbs native layer: weight shapes do not match the layer");
-  if (kvg_b_) { kvg_b = *kvg_b_; fp32(kvg_b, kvg.n, "the K/V bias"); }
-  if (q_b_) { q_b = *q_b_; fp32(q_b, q.n, "the Q bias"); }
+  if (kvg_b_) {
+    kvg_b = *kvg_b_;
+    fp32(kvg_b, kvg.n, "the K/V bias");
+  }
+  if (q_b_) {
+    q_b = *q_b_;
+    fp32(q_b, q.n, "the Q bias");
+  }
 }
 
 void Layer::set_gate(int64_t index, int64_t off, int64_t width, std::optional<at::Tensor> w_rel_,
-              std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
-              double out_b_, double g_eps_) {
+                     std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
+                     double out_b_, double g_eps_) {
   G = out_w_.numel();
   fp32(out_w_, G, "the gate's output weight");
   TORCH_CHECK(width == 0 || (width == G && off + width <= kvg.n), "fbs native layer: gate columns");
-  gated = true; g_index = index; g_off = off; g_w = width; out_w = out_w_; out_b = float(out_b_);
+  gated = true;
+  g_index = index;
+  g_off = off;
+  g_w = width;
+  out_w = out_w_;
+  out_b = float(out_b_);
   g_eps = float(g_eps_);
-  if (w_rel_) { w_rel = *w_rel_; fp32(w_rel, G, "w_rel"); }
-  if (w_prev_) { w_prev = *w_prev_; fp32(w_prev, G, "w_prev"); }
-  if (rel_first_) { rel_first = *rel_first_; fp32(rel_first, G, "rel_first"); }
+  if (w_rel_) {
+    w_rel = *w_rel_;
+    fp32(w_rel, G, "w_rel");
+  }
+  if (w_prev_) {
+    w_prev = *w_prev_;
+    fp32(w_prev, G, "w_prev");
+  }
+  if (rel_first_) {
+    rel_first = *rel_first_;
+    fp32(rel_first, G, "rel_first");
+  }
 }
 
 void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const {
@@ -73,7 +101,7 @@ void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa
 
 // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
 void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
-              const int64_t* SL) const {
+                     const int64_t* SL) const {
   const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
   float* KC = kc.data_ptr<float>();
   float* VC = vc.data_ptr<float>();
@@ -90,7 +118,7 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
 
 // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
 void Layer::attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
-                    const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const {
+                           const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const {
   const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2);
   std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
   for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
@@ -98,11 +126,15 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
   const float* QB = q_b.defined() ? q_b.data_ptr<float>() : nullptr;
   for (int64_t j = 0; j < m; ++j) {
     float* qj = qv.data() + j * qw;
-    if (QB) for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
+    if (QB)
+      for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
     for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
   }
   std::vector<int64_t> rows(m), lens(m);  // each query's cache row and last slot
-  for (int64_t j = 0; j < m; ++j) { rows[j] = st.idx[sel[j]]; lens[j] = SL[sel[j]]; }
+  for (int64_t j = 0; j < m; ++j) {
+    rows[j] = st.idx[sel[j]];
+    lens[j] = SL[sel[j]];
+  }
   fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr<float>(), vc.data_ptr<float>(),
                    nkv, C, hd, scale, st.isa, att.data());
   mm(att.data(), m, o, H, st.isa);
@@ -133,8 +165,8 @@ void Layer::ffn_rows(float* H, int64_t m, int64_t isa) const {
 // rel_first), ps (per row 1.0 where the previous layer was skipped; null: none was) and the step's thresholds
 // and policy; else run_in. Fills logits (gated), skip and run (b each).
 int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
-             const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-             double* logits, bool* skip, bool* run) const {
+                    const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
+                    double* logits, bool* skip, bool* run) const {
   const int64_t b = st.b, nk = kvg.n, C = kc.size(2);
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C,
@@ -144,7 +176,8 @@ int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, 
   mm(xn.data(), b, kvg, y.data(), st.isa);
   if (kvg_b.defined()) {
     const float* B = kvg_b.data_ptr<float>();
-    for (int64_t i = 0; i < b; ++i) for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
   }
   if (terms != nullptr) {
     TORCH_CHECK(gated, "fbs native layer: gate inputs for a layer without a gate");
@@ -160,22 +193,26 @@ int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, 
       skip[i] = fbs_skip::skips(logits[i], st.thresholds[i]);
       n_skip += skip[i];
     }
-    for (int64_t i = 0; i < b; ++i)
-      run[i] = fbs_skip::runs(st.policy, skip[i], n_skip, b);
+    for (int64_t i = 0; i < b; ++i) run[i] = fbs_skip::runs(st.policy, skip[i], n_skip, b);
   } else {
-    for (int64_t i = 0; i < b; ++i) { run[i] = run_in[i]; skip[i] = !run_in[i]; }
+    for (int64_t i = 0; i < b; ++i) {
+      run[i] = run_in[i];
+      skip[i] = !run_in[i];
+    }
   }
   std::unique_ptr<bool[]> write(new bool[b]);
   for (int64_t i = 0; i < b; ++i) write[i] = run[i] || st.write_skipped;
   write_kv(st, y.data(), write.get(), kc, vc, SL);
   std::vector<int64_t> sel;
-  for (int64_t i = 0; i < b; ++i) if (run[i]) sel.push_back(i);
+  for (int64_t i = 0; i < b; ++i)
+    if (run[i]) sel.push_back(i);
   const int64_t m = sel.size();
   if (m == 0) return 0;
   std::vector<float> h(m * d);  // the running rows, compacted
   attention_rows(st, X, xn.data(), sel, kc, vc, SL, h.data());
   ffn_rows(h.data(), m, st.isa);
-  for (int64_t i = 0; i < b; ++i) if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
+  for (int64_t i = 0; i < b; ++i)
+    if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
   for (int64_t j = 0; j < m; ++j) std::copy_n(h.data() + j * d, d, OUT + sel[j] * d);
   return m;
 }
@@ -189,14 +226,21 @@ Step make_step(const at::Tensor& x, int64_t d, int64_t hd, const at::Tensor& cos
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.numel() == b,
               "fbs native layer: (b,) int64 cache rows");
   TORCH_CHECK(thresholds.empty() || (int64_t)thresholds.size() == b, "fbs native layer: one threshold per row");
-  return Step{b, fp32(cos, b * hd, "cos"), fp32(sin, b * hd, "sin"), idx.data_ptr<int64_t>(), isa, policy,
-              write_skipped, thresholds.data()};
+  return Step{b,
+              fp32(cos, b * hd, "cos"),
+              fp32(sin, b * hd, "sin"),
+              idx.data_ptr<int64_t>(),
+              isa,
+              policy,
+              write_skipped,
+              thresholds.data()};
 }
 
 void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
   TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
-              vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == L.nkv &&
-              kc.size(3) == L.hd, "fbs native layer: KV caches (B, Hkv, C, hd) fp32, contiguous");
+                  vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == L.nkv &&
+                  kc.size(3) == L.hd,
+              "fbs native layer: KV caches (B, Hkv, C, hd) fp32, contiguous");
 }
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
@@ -256,16 +300,19 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     at::Tensor out = at::empty_like(cur);
     const int64_t m = L.step(st, cur.data_ptr<float>(), out.data_ptr<float>(), kc, vc, slots.data() + k * b, terms,
                              z_stride, prev.defined() ? prev.data_ptr<float>() : nullptr,
-                             ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(),
-                             rn.get());
+                             ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(), rn.get());
     bool every = true;
     for (int64_t i = 0; i < b; ++i) {
       skip_out[k * b + i] = sk[i];
       run_out[k * b + i] = rn[i];
       every = every && rn[i];
     }
-    if (every) ps.clear();
-    else { ps.assign(b, 0.0); for (int64_t i = 0; i < b; ++i) ps[i] = rn[i] ? 0.0 : 1.0; }
+    if (every)
+      ps.clear();
+    else {
+      ps.assign(b, 0.0);
+      for (int64_t i = 0; i < b; ++i) ps[i] = rn[i] ? 0.0 : 1.0;
+    }
     prev = cur;
     if (m > 0) cur = out;  // else the layer's output is its input, the same tensor
   }
@@ -275,8 +322,8 @@ const std::vector<double> kNoThresholds;
 
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
-                        const at::Tensor& slots, const std::optional<at::Tensor>& k,
-                        const std::optional<at::Tensor>& v, int64_t isa) {
+                        const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                        int64_t isa) {
   const Step st = make_step(x, L.d, L.hd, cos, sin, idx, isa, fbs_skip::kGather, true, kNoThresholds);
   const int64_t b = st.b, nk = L.kvg.n;
   const float* XN = fp32(xn, b * L.d, "xn");
@@ -292,15 +339,18 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
   if (k && v) {  // K (rotated) and V already projected (a gated layer's pre step): (b, Hkv, 1, hd), rows strided
     for (const at::Tensor* t : {&*k, &*v})
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == b && t->size(1) == L.nkv &&
-                  t->size(3) == L.hd && t->stride(3) == 1, "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
+                      t->size(3) == L.hd && t->stride(3) == 1,
+                  "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
     fbs_attn::write_kv(k->data_ptr<float>(), k->stride(0), k->stride(1), v->data_ptr<float>(), v->stride(0),
-                       v->stride(1), b, st.idx, SL, kc.data_ptr<float>(), vc.data_ptr<float>(), L.nkv, kc.size(2), L.hd);
+                       v->stride(1), b, st.idx, SL, kc.data_ptr<float>(), vc.data_ptr<float>(), L.nkv, kc.size(2),
+                       L.hd);
   } else {
     std::vector<float> y(b * nk);
     L.mm(XN, b, L.kvg, y.data(), isa);
     if (L.kvg_b.defined()) {
       const float* B = L.kvg_b.data_ptr<float>();
-      for (int64_t i = 0; i < b; ++i) for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
+      for (int64_t i = 0; i < b; ++i)
+        for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
     }
     std::unique_ptr<bool[]> write(new bool[b]);
     for (int64_t i = 0; i < b; ++i) write[i] = true;

@@ -67,7 +67,8 @@ struct Layer {
   // and policy; else run_in. Fills logits (gated), skip and run (b each).
   int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-               double* logits, bool* skip, bool* run) const;};
+               double* logits, bool* skip, bool* run) const;
+};
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
 // not (gated: terms row i of the gate is zterms[i, 0, index * G : (index + 1) * G]); not gated: run flags
@@ -88,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
 // ffn_layer returns h + FFN(h).
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
-                        const at::Tensor& slots, const std::optional<at::Tensor>& k,
-                        const std::optional<at::Tensor>& v, int64_t isa);
+                        const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                        int64_t isa);
 at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa);
 }  // namespace fbs_layer

@@ -17,7 +17,7 @@ namespace {
 inline float sumsq(const float* x, int64_t n) { return dot(x, x, n); }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void scale(const float* x, const float* w, float r,
-                                                                          float* y, int64_t n) {
+                                                                        float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] = w[d] * (x[d] * r);
 }
 }  // namespace

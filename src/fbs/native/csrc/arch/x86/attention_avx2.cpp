@@ -6,7 +6,7 @@
 
 namespace fbs_attn {
 __attribute__((target("avx2,fma"))) void head_avx2(const float* q, const float* K, const float* V, int64_t n,
-                                                    int64_t hd, float scale, float* p, float* o) {
+                                                   int64_t hd, float scale, float* p, float* o) {
   const int64_t nc = hd / 8;
   __m256 qv[kMaxHd / 8], acc[kMaxHd / 8];
   for (int64_t c = 0; c < nc; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * c), _mm256_set1_ps(scale));

@@ -6,7 +6,7 @@
 
 namespace fbs_attn {
 __attribute__((target("avx512f,fma"))) void head_avx512(const float* q, const float* K, const float* V, int64_t n,
-                                                         int64_t hd, float scale, float* p, float* o) {
+                                                        int64_t hd, float scale, float* p, float* o) {
   const int64_t nc = hd / 16;
   __m512 qv[kMaxHd / 16], acc[kMaxHd / 16];
   for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));

@@ -8,7 +8,7 @@ namespace fbs_int8 {
 namespace {
 template <int MB>
 __attribute__((target("avx2,fma"))) void tile256(const float* X, int64_t Kp, const int8_t* p, int64_t nc,
-                                                  const uint16_t* S, float* Y, int64_t N, int64_t n0) {
+                                                 const uint16_t* S, float* Y, int64_t N, int64_t n0) {
   __m256 a[kNB][MB];
   for (int i = 0; i < kNB; ++i)
     for (int m = 0; m < MB; ++m) a[i][m] = _mm256_setzero_ps();

@@ -8,7 +8,7 @@ namespace fbs_int8 {
 namespace {
 template <int MB>
 __attribute__((target("avx512f,fma"))) void tile512(const float* X, int64_t Kp, const int8_t* p, int64_t nc,
-                                                     const uint16_t* S, float* Y, int64_t N, int64_t n0) {
+                                                    const uint16_t* S, float* Y, int64_t N, int64_t n0) {
   __m512 a[kNB][MB];
   for (int i = 0; i < kNB; ++i)
     for (int m = 0; m < MB; ++m) a[i][m] = _mm512_setzero_ps();
@@ -16,8 +16,8 @@ __attribute__((target("avx512f,fma"))) void tile512(const float* X, int64_t Kp, 
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
     __m512 w[kNB];
     for (int i = 0; i < kNB; ++i)
-      w[i] = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kChunk))));
+      w[i] =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kChunk))));
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_loadu_ps(X + m * Kp + c * kChunk);
       for (int i = 0; i < kNB; ++i) a[i][m] = _mm512_fmadd_ps(w[i], xv, a[i][m]);
