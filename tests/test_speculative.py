@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import fbs_tiny, randomize
-from fbs.engine import _run, _start
+from fbs.engine import run, start
 from fbs.baselines.kangaroo import KangarooAdapter
 from fbs.engine.speculative import (accept_sampled, acceptance_mle, best_gamma, draft_plan, draft_step_cost,
                              expected_speedup)
@@ -83,7 +83,7 @@ def test_stream_yields_the_tokens_of_each_round(one_thread):
 
 
 def _decoder(model, **kw):
-    return _start(model, PROMPT, None, None, dict(ignore_eos=True, **kw))
+    return start(model, PROMPT, None, None, dict(ignore_eos=True, **kw))
 
 
 def _assert_same_state(dec, ref):
@@ -110,14 +110,14 @@ def test_rejected_draft_leaves_the_state_of_a_run_that_never_drafted(policy, one
 
     def check():
         ref = _decoder(model, max_new_tokens=len(dec.out[0]), force_compute=True, kv_policy=policy)
-        for _ in _run(ref):
+        for _ in run(ref):
             pass
         assert ref.out[0] == dec.out[0]
         assert dec.cache.lengths[0][0] == PROMPT.shape[1] + len(dec.out[0]) - 1
         _assert_same_state(dec, ref)
 
     checked = False
-    for _ in _run(dec):  # tokens are yielded after their round's rollback
+    for _ in run(dec):  # tokens are yielded after their round's rollback
         if not checked and dec.spec.rejections[0] > 0:
             check()
             checked = True

@@ -18,7 +18,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 
-def _progress(it, desc: str = "", total: int | None = None, unit: str = "it"):
+def progress_bar(it, desc: str = "", total: int | None = None, unit: str = "it"):
     return tqdm(it, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
@@ -48,7 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             bundle_chars=args.bundle_chars, max_docs_per_source=args.max_docs_per_source,
         )
         tok = _load_tokenizer(args.tokenizer)
-        manifest = build_corpus(args.out, tok, args.tokenizer, config, progress=_progress)
+        manifest = build_corpus(args.out, tok, args.tokenizer, config, progress=progress_bar)
     except (SourceError, ValueError, ImportError) as exc:
         return _error(str(exc))
     print(f"corpus written to {args.out}")
@@ -72,7 +72,7 @@ def cmd_label(args: argparse.Namespace) -> int:
         lexicon = None if args.no_idioms else IdiomLexicon(load_idioms(), int(lo), int(hi or lo))
         tok = None if args.tokenizer == "none" else _load_tokenizer(args.tokenizer)
         splits = tuple(args.splits.split(",")) if args.splits else SPLITS
-        report = label_corpus(args.corpus, segmenter, lexicon, tok, splits=splits, progress=_progress)
+        report = label_corpus(args.corpus, segmenter, lexicon, tok, splits=splits, progress=progress_bar)
     except (SourceError, ValueError, ImportError) as exc:
         return _error(str(exc))
     print(json.dumps(report, indent=2, sort_keys=True))
@@ -87,7 +87,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         tok = _load_tokenizer(args.tokenizer)
         splits = tuple(args.splits.split(",")) if args.splits else SPLITS
         report = {"tokenizer": args.tokenizer, "splits": {
-            split: label_statistics(args.corpus, tok, split, args.block_size, progress=_progress) for split in splits}}
+            split: label_statistics(args.corpus, tok, split, args.block_size, progress=progress_bar) for split in splits}}
     except (SourceError, ValueError, ImportError) as exc:
         return _error(str(exc))
     if args.out:
@@ -129,7 +129,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         evaluation = corpus_sequences(args.corpus, args.eval_split, tok, args.seq_len, args.eval_seqs or None,
                                       args.seed + 1)
         items = idiom_items(load_idiom_examples(), tok, args.idiom_items, args.seed) if args.idiom_items else []
-        result = run_probe(model, train, evaluation, items, config, progress=_progress, features=features)
+        result = run_probe(model, train, evaluation, items, config, progress=progress_bar, features=features)
     except (SourceError, ValueError, ImportError, FileNotFoundError) as exc:
         return _error(str(exc))
     out = {"model": args.model, "corpus": str(args.corpus), "train_split": args.train_split,
@@ -172,7 +172,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     for lang in {it.lang for it in train}}
         share = {lang: round(args.answers * len(v) / len(train)) for lang, v in per_lang.items()}
         pick = [it for lang, v in per_lang.items() for it in v[:share[lang]]]
-        answers = chat.base_answers(model, model.tokenizer, pick, args.max_new_tokens, args.batch_size, _progress)
+        answers = chat.base_answers(model, model.tokenizer, pick, args.max_new_tokens, args.batch_size, progress_bar)
         for it, a in zip(pick, answers):
             it.base_answer = a
     chat.write_items(args.out / "train.jsonl", train)

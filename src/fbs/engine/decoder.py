@@ -28,8 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,11 +36,11 @@ import torch
 from .cache import CacheContext, KVCache
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
-from ..model.layer import COMPUTE, Mix, layer_step, logit_threshold
 from ..model.chunk import ChunkState
+from ..model.layer import COMPUTE, Mix, layer_step
+from ..model.skip import BATCH_POLICIES, batch_run, gated_layers, logit_threshold, planned_skip, skips
 
 CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
-_POLICY_CODES = {"gather": 0, "all": 1, "majority": 2}  # batch policies as fbs.native.Int8Layer takes them
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
 _OPEN, _CLOSE = "([{", ")]}"
 
@@ -94,8 +93,9 @@ class DecodeOptions:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.batch_policy not in ("gather", "all", "majority"):
-            raise ValueError(f"batch_policy must be 'gather', 'all' or 'majority', got {self.batch_policy!r}")
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"batch_policy must be one of {', '.join(map(repr, BATCH_POLICIES))}, "
+                             f"got {self.batch_policy!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.compile and self.weights == "hf":
@@ -203,7 +203,7 @@ VALIDATORS: dict[str, Callable[[str], bool]] = {"json": _valid_json, "brackets":
 
 
 # --------------------------------------------------------------------------- input handling
-def _rows_from_input(input_ids, attention_mask) -> list[list[int]]:
+def rows_from_input(input_ids, attention_mask) -> list[list[int]]:
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
@@ -234,8 +234,17 @@ class _Structure:
 
 
 # --------------------------------------------------------------------------- the engine
-class _TraceRecorder:
-    """Per-step records in plain Python lists (cheap on the hot path), turned into tensors once."""
+#: dtype of each per-(row, step[, layer]) field of :class:`DecodeTrace`.
+TRACE_DTYPES = {"executed": torch.bool, "intended_skip": torch.bool, "kv_written": torch.bool, "gate_p": torch.float32,
+                "window_k": torch.long, "chunk_boundary": torch.bool, "context_len": torch.long, "valid": torch.bool}
+
+
+class TraceRecorder:
+    """Per-step records in plain Python lists (cheap on the hot path), turned into tensors once (:func:`finish`).
+
+    Fields, each indexed [row][step] (and [layer] for the first four): ``executed``, ``intended``, ``kv``, ``p``
+    (gate logits), ``k``, ``bound``, ``ctx``, ``valid``; :data:`TRACE_DTYPES` gives each :class:`DecodeTrace`
+    field's dtype."""
 
     def __init__(self, batch: int, steps: int, layers: int):
         grid = lambda v: [[[v] * layers for _ in range(steps)] for _ in range(batch)]  # noqa: E731
@@ -252,13 +261,22 @@ class _TraceRecorder:
                 "gate_p": cut(self.p), "window_k": cut(self.k), "chunk_boundary": cut(self.bound),
                 "context_len": cut(self.ctx), "valid": cut(self.valid)}
 
-    def replace_row(self, row: int, other: "_TraceRecorder", other_row: int) -> None:
-        for name in ("executed", "intended", "kv", "p", "k", "bound", "ctx", "valid"):
+    #: the per-step record fields
+    FIELDS = ("executed", "intended", "kv", "p", "k", "bound", "ctx", "valid")
+
+    def replace_row(self, row: int, other: "TraceRecorder", other_row: int) -> None:
+        for name in self.FIELDS:
             getattr(self, name)[row] = getattr(other, name)[other_row]
 
 
-class _Decoder:
-    """State of one generate call: cache, chunk states, per-row bookkeeping, trace buffers."""
+class Decoder:
+    """State of one generate call: cache, chunk states, per-row bookkeeping, trace buffers.
+
+    Built by :func:`start`; :func:`run` drives it. Public surface (what the server's batcher and speculative
+    decoding use): ``prompts`` / ``out`` (per row, prompt and generated ids), ``active`` (the rows still
+    decoding), ``rec`` (:class:`TraceRecorder`), ``opts``, :meth:`prefill`, :meth:`decode_step` (one token per
+    active row), :meth:`context` (the KV-cache context of a step), :meth:`pick` and :meth:`finished`.
+    Subclasses may override :meth:`decode_step` (the batcher runs several requests' rows in one step)."""
 
     def __init__(self, model, prompts: list[list[int]], opts: DecodeOptions, tokenizer):
         self.m, self.opts, self.tok = model, opts, tokenizer
@@ -282,8 +300,7 @@ class _Decoder:
                        for l in model.layers_cfg.ch}
         self.tau = cfg.tau if opts.tau is None else opts.tau
         self.policy = opts.kv_policy or cfg.kv_policy
-        never = set(model.layers_cfg.never_skip) | {l % self.L for l in opts.never_skip}
-        self.gated = [l in model.layers_cfg.gated and l not in never for l in range(self.L)]
+        self.gated = gated_layers(self.L, model.layers_cfg.gated, (*model.layers_cfg.never_skip, *opts.never_skip))
         self.plan = None
         if opts.skip_plan is not None:
             plan = torch.as_tensor(opts.skip_plan, dtype=torch.bool)
@@ -313,7 +330,7 @@ class _Decoder:
             if eos is None and tokenizer is not None:
                 eos = tokenizer.eos_token_id
         self.eos = set() if opts.ignore_eos or eos is None else set([eos] if isinstance(eos, int) else eos)
-        self.rec = _TraceRecorder(self.B, opts.max_new_tokens, self.L)
+        self.rec = TraceRecorder(self.B, opts.max_new_tokens, self.L)
         self.flops = FlopCounter(model)
         self.out: list[list[int]] = [[] for _ in range(self.B)]
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.B)]
@@ -325,7 +342,7 @@ class _Decoder:
         self._segments: dict[int, range] | None = None  # native layer runs (_native_segments), made on first use
         self._seg_gated: dict[int, list[bool]] = {}     # per segment, which of its layers this call gates
 
-    def _context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
+    def context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
                            self.m.base.scaling)
         ctx.native_chunk = getattr(self.ops, "native_layers", None) is not None  # the native int8 step's CH too
@@ -346,7 +363,7 @@ class _Decoder:
             pos = torch.arange(length, device=self.dev).expand(len(rows), length)
             x = ops.embed(ids)
             cos, sin = ops.rope(x, pos)
-            ctx = self._context(rows, [list(range(length))] * len(rows), cos, sin)
+            ctx = self.context(rows, [list(range(length))] * len(rows), cos, sin)
             for l in range(self.L):
                 if tap is not None:
                     tap(l, rows, x)
@@ -369,7 +386,7 @@ class _Decoder:
             return [False] * len(rows), None
         if self.plan is not None:
             steps = [step] * len(rows) if isinstance(step, int) else step
-            return [self.plan[min(s, len(self.plan) - 1)][l] for s in steps], None
+            return planned_skip(self.plan, steps, l), None
         if logit is None:
             return [False] * len(rows), None
         if o.gate_sampling:
@@ -381,7 +398,7 @@ class _Decoder:
         values = logit if isinstance(logit, list) else logit.tolist()  # the layer's one host read
         if thresholds is None:
             thresholds = [self._row_threshold(r) for r in rows]
-        return [v > t for v, t in zip(values, thresholds)], values
+        return skips(values, thresholds), values
 
     def _row_threshold(self, row: int) -> float:
         """The logit threshold of this row's tau (p > tau <=> logit > log(tau / (1 - tau)))."""
@@ -396,14 +413,8 @@ class _Decoder:
         return self.tau
 
     def _batch_run(self, skip: list[bool]) -> list[bool]:
-        """Which rows run the layer (or its FFN), from what each row intends, under the batch policy."""
-        run = [not s for s in skip]
-        policy = self.opts.batch_policy
-        if policy == "all" and any(run):
-            return [True] * len(run)
-        if policy == "majority":
-            return [sum(skip) * 2 <= len(skip)] * len(run)
-        return run
+        """Which rows run the layer (or its FFN) under this call's batch policy (:func:`fbs.model.skip.batch_run`)."""
+        return batch_run(skip, self.opts.batch_policy)
 
     def decode_step(self, step: int | list[int], tokens: list[int]) -> torch.Tensor:
         """One token for every active row; returns next-token logits (b, V) for the active rows. ``step`` is the
@@ -414,7 +425,7 @@ class _Decoder:
         pos_list = [len(self.prompts[r]) + s for r, s in zip(rows, steps)]
         x = ops.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
         cos, sin = ops.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
-        ctx = self._context(rows, [[p] for p in pos_list], cos, sin)
+        ctx = self.context(rows, [[p] for p in pos_list], cos, sin)
         zlow = x.new_zeros(b, 1, m.config.preview_rank)
         zero_z, zterms = True, None     # zlow is still zero; the gates' terms of zlow, made when a gate needs them
         x_prev, prev_skip = None, None  # previous layer's input; (b, 1) 1.0 where it was skipped (None: none was)
@@ -422,7 +433,7 @@ class _Decoder:
         for i, r in enumerate(rows):
             rec.ctx[r][steps[i]], rec.valid[r][steps[i]] = pos_list[i], True
         segments = self._native_segments()
-        policy, write_skipped = _POLICY_CODES[self.opts.batch_policy], self.policy == "project"
+        policy, write_skipped = BATCH_POLICIES[self.opts.batch_policy], self.policy == "project"
         done = 0  # layers below it ran in a native segment
         for l in range(self.L):
             if l < done:
@@ -583,7 +594,7 @@ class _Decoder:
             rec.intended[r][steps[i]][l] = skip[i]
             rec.kv[r][steps[i]][l] = run[i] or kv_always
             if keep_p:
-                rec.p[r][steps[i]][l] = logits[i]  # a logit; _finish turns the whole grid into probabilities
+                rec.p[r][steps[i]][l] = logits[i]  # a logit; finish turns the whole grid into probabilities
         if paw is not None and l == m.layers_cfg.paw[0]:
             for i, k in zip(sel, paw.k_hard[:, 0].tolist()):
                 rec.k[rows[i]][steps[i]] = k
@@ -634,110 +645,3 @@ class _Decoder:
             tail = self.tok.decode(self.out[row][-16:], skip_special_tokens=False)
             return any(s in tail for s in o.stop_strings)
         return False
-
-
-def stream(model, input_ids, attention_mask=None, tokenizer=None, **kwargs) -> Iterator[StepOutput]:
-    """Yield the tokens of each decode step as they are produced (see :func:`generate` for options)."""
-    dec = _start(model, input_ids, attention_mask, tokenizer, kwargs)
-    yield from _run(dec)
-
-
-def _start(model, input_ids, attention_mask, tokenizer, kwargs) -> _Decoder:
-    opts = DecodeOptions(**kwargs)
-    tok = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    if opts.stop_strings and tok is None:
-        raise ValueError("stop_strings need a tokenizer (pass tokenizer=)")
-    return _Decoder(model, _rows_from_input(input_ids, attention_mask), opts, tok)
-
-
-@torch.inference_mode()
-def _run(dec: _Decoder) -> Iterator[StepOutput]:
-    if dec.opts.lossless:
-        from .speculative import run_lossless
-
-        yield from run_lossless(dec)
-        return
-    t0 = time.perf_counter()
-    logits = torch.stack(dec.prefill())
-    dec.timings = {"prefill_s": time.perf_counter() - t0}
-    t1 = time.perf_counter()
-    tokens = dec.pick(logits, dec.active)
-    step = 0
-    while True:
-        rows = dec.active
-        for r, t in zip(rows, tokens):
-            dec.out[r].append(t)
-            if dec.structure is not None:
-                dec.depth[r] = max(0, dec.depth[r] + dec.structure.depth_delta[t])
-        yield StepOutput(step, list(rows), list(tokens))
-        keep = [i for i, (r, t) in enumerate(zip(rows, tokens)) if not dec.finished(r, t)]
-        if not keep:
-            break
-        dec.active = [rows[i] for i in keep]
-        tokens = [tokens[i] for i in keep]
-        logits = dec.decode_step(step, tokens)
-        step += 1
-        tokens = dec.pick(logits, dec.active)
-    dec.timings["decode_s"] = time.perf_counter() - t1
-    dec.timings["total_s"] = time.perf_counter() - t0
-
-
-def generate(model, input_ids, attention_mask=None, tokenizer=None, **kwargs) -> GenerationResult:
-    """Generate with KV caching and true layer skipping.
-
-    ``input_ids``: (B, T) tensor (with ``attention_mask`` for padded rows) or a list of token-id lists.
-    Keyword options are the fields of :class:`DecodeOptions`. Returns sequences, per-row new tokens, the
-    per-step trace (what ran, gate probabilities, k(t), chunk boundaries, TFLOPs(rel)) and timings.
-    """
-    dec = _start(model, input_ids, attention_mask, tokenizer, kwargs)
-    for _ in _run(dec):
-        pass
-    result = _finish(dec)
-    validator = dec.opts.validator
-    if validator is not None:
-        check = VALIDATORS[validator] if isinstance(validator, str) else validator
-        if dec.tok is None:
-            raise ValueError("a validator needs a tokenizer (pass tokenizer=)")
-        bad = [r for r in range(dec.B) if not check(dec.tok.decode(result.new_tokens[r], skip_special_tokens=True))]
-        if bad:
-            result = _fallback(model, dec, result, bad, kwargs)
-    return result
-
-
-def _fallback(model, dec: _Decoder, result: GenerationResult, bad: list[int], kwargs) -> GenerationResult:
-    """Regenerate the rows whose output failed the validator with the conservative ``fallback_tau``."""
-    retry = dict(kwargs, tau=dec.opts.fallback_tau, validator=None)
-    again = _start(model, [dec.prompts[r] for r in bad], None, dec.tok, retry)
-    for _ in _run(again):
-        pass
-    for i, r in enumerate(bad):
-        dec.out[r], dec.scores[r] = again.out[i], again.scores[i]
-        dec.rec.replace_row(r, again.rec, i)
-    dec.timings = {k: result.timings[k] + again.timings[k] for k in result.timings}
-    out = _finish(dec)
-    out.trace.fallback = [r in bad for r in range(dec.B)]
-    return out
-
-
-def _finish(dec: _Decoder) -> GenerationResult:
-    pad = dec.opts.pad_token_id
-    if pad is None:
-        pad = getattr(dec.tok, "pad_token_id", None) if dec.tok is not None else None
-        pad = pad if pad is not None else (min(dec.eos) if dec.eos else 0)
-    width = max(len(p) for p in dec.prompts) + max(len(o) for o in dec.out)
-    seq = torch.full((dec.B, width), pad, dtype=torch.long)
-    for r in range(dec.B):
-        row = dec.prompts[r] + dec.out[r]
-        seq[r, : len(row)] = torch.tensor(row)
-    # trace step s is the decode step that consumed generated token s (the last token is never consumed)
-    n = max(len(o) for o in dec.out)
-    dtypes = {"executed": torch.bool, "intended_skip": torch.bool, "kv_written": torch.bool, "gate_p": torch.float32,
-              "window_k": torch.long, "chunk_boundary": torch.bool, "context_len": torch.long, "valid": torch.bool}
-    fields = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in dec.rec.rows(n).items()}
-    fields["gate_p"] = torch.sigmoid(fields["gate_p"])  # recorded as logits (NaN stays NaN)
-    tr = DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[False] * dec.B,
-                     skip_granularity=dec.granularity)
-    tr.tflops_rel, tr.tflops_rel_exact = dec.flops.relative(tr) if dec.spec is None else dec.spec.tflops(tr)
-    scores = [torch.stack(s) for s in dec.scores] if dec.opts.output_scores else None
-    return GenerationResult(seq, [list(o) for o in dec.out], tr, dict(dec.timings), scores,
-                            None if dec.spec is None else dec.spec.stats())

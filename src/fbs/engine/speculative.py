@@ -44,7 +44,7 @@ from collections.abc import Iterator
 import torch
 
 from .cache import CacheContext, KVCache
-from .decoder import DecodeTrace, StepOutput, _TraceRecorder
+from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
 from .flops import LayerCost, step_bytes
 from ..model.layer import layer_step
 
@@ -252,7 +252,7 @@ class _KangarooDraft:
         self.hidden: dict[int, list[torch.Tensor]] = {}
 
     def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
-        """The prompt's hidden states at the exit layer write the adapter's K/V (``_Decoder.prefill``'s tap)."""
+        """The prompt's hidden states at the exit layer write the adapter's K/V (``Decoder.prefill``'s tap)."""
         if l == self.start:
             self._write(rows, [list(range(x.shape[1]))] * len(rows), x)
 
@@ -337,7 +337,7 @@ class _Speculation:
         self.passes, self.proposed, self.accepted, self.draft_steps = [1] * B, [0] * B, [0] * B, [0] * B
         self.rejections = [0] * B
         self.idle = [0] * B                                     # rounds a row spent at gamma 0
-        self.final = _TraceRecorder(B, o.max_new_tokens, dec.L)  # what the verifier computed, per kept token
+        self.final = TraceRecorder(B, o.max_new_tokens, dec.L)  # what the verifier computed, per kept token
 
     # ---- one round -----------------------------------------------------------
     def round(self, rows: list[int]) -> dict[int, list[int]]:
@@ -509,7 +509,7 @@ class _Speculation:
         output, PAW's k (b, t) at its first layer and CH's boundaries (b, t) at its first layer (None if not run)."""
         dec = self.dec
         cos, sin = ops.rope(x, torch.tensor(pos, device=dec.dev))
-        ctx = dec._context(rows, pos, cos, sin)
+        ctx = dec.context(rows, pos, cos, sin)
         ctx.trail = {}
         ks = bounds = None
         for l in range(start, stop):
@@ -529,15 +529,12 @@ class _Speculation:
         if not rounds:
             return None
         L, S = self.dec.L, max(len(steps) for _, steps in rounds)
-        rec = _TraceRecorder(len(rounds), S, L)
+        rec = TraceRecorder(len(rounds), S, L)
         for i, (p, steps) in enumerate(rounds):
             for j, (ex, kv, gp, k) in enumerate(steps):
                 rec.executed[i][j], rec.kv[i][j], rec.p[i][j], rec.k[i][j] = ex, kv, gp, k
                 rec.ctx[i][j], rec.valid[i][j] = p + j, True
-        dtypes = {"executed": torch.bool, "intended_skip": torch.bool, "kv_written": torch.bool,
-                  "gate_p": torch.float32, "window_k": torch.long, "chunk_boundary": torch.bool,
-                  "context_len": torch.long, "valid": torch.bool}
-        fields = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in rec.rows(S).items()}
+        fields = {k: torch.tensor(v, dtype=TRACE_DTYPES[k]) for k, v in rec.rows(S).items()}
         return DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[], skip_granularity=granularity)
 
     def tflops(self, trace: DecodeTrace) -> tuple[float, float]:
@@ -573,7 +570,7 @@ class _Speculation:
 
 
 def run_lossless(dec) -> Iterator[StepOutput]:
-    """The engine's generate loop for ``lossless=True`` (``fbs.engine._run`` delegates here): yields the tokens
+    """The engine's generate loop for ``lossless=True`` (``fbs.engine.run`` delegates here): yields the tokens
     each round commits, one :class:`fbs.engine.StepOutput` per token index."""
     spec = dec.spec = _Speculation(dec)
     t0 = time.perf_counter()

@@ -147,13 +147,13 @@ def probe_eval_data(corpus_dir, split: str, tokenizer, seq_len: int, n: int | No
 
 
 def cmd_ch(args) -> int:
-    from fbs.data.cli import _progress
+    from fbs.data.cli import progress_bar
     from fbs.data.sources import SourceError
     from fbs.model.loading import choose_checkpoint, load_fbs
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    progress = (lambda it, **_: it) if args.no_progress else _progress
+    progress = (lambda it, **_: it) if args.no_progress else progress_bar
     try:
         ckpt = choose_checkpoint(args.model, args.checkpoint)
         if ckpt is None:

@@ -287,17 +287,6 @@ def cmd_make_tasks(args) -> int:
     return 0
 
 
-def _setup_runtime(args) -> None:
-    """``--threads`` and the global seed (appendix B.1)."""
-    import torch
-
-    from fbs.eval.report import seed_everything
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    seed_everything(args.seed)
-
-
 def _floats(spec: str | None) -> list[float]:
     return [float(t) for t in (spec or "").split(",") if t.strip()]
 
@@ -322,7 +311,7 @@ def cmd_sweep(args) -> int:
     _check_baseline_args(args, args.baseline)
     if args.baseline:
         return _baseline_sweep(args)
-    _setup_runtime(args)
+    setup_runtime(args)
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     texts = _sweep_texts(args, tok)
@@ -358,7 +347,7 @@ def _baseline_sweep(args) -> int:
         raise SystemExit(f"{', '.join(refused)}: FBS sweep options, not for --baseline")
     if args.baseline == "ffn-skipllm" and args.taus is not None:
         raise SystemExit("FFN-SkipLLM sweeps its cosine threshold: use --ffn-skip-thresholds, not --taus")
-    _setup_runtime(args)
+    setup_runtime(args)
     hf, tok = load_base(args.model)
     scorer = build_scorer(args.baseline, hf, tok, checkpoint=args.flexidepth,
                           route_prompt=args.flexidepth_prompt == "routed")
@@ -482,12 +471,6 @@ def cmd_pareto(args) -> int:
     return 0
 
 
-def _checkpoint_path(args) -> Path | None:
-    from fbs.model.loading import choose_checkpoint
-
-    return choose_checkpoint(args.model, args.checkpoint, shipped=not args.fresh)
-
-
 def _load_chat_models(args):
     """(base model: a fresh FBS, tokenizer, {model key: loader}, the checkpoint's tau)."""
     from fbs import FBSConfig, FBSForCausalLM
@@ -495,7 +478,7 @@ def _load_chat_models(args):
     from fbs.model.causal_lm import CONFIG_NAME
 
     base = FBSForCausalLM.from_base(args.model)
-    ckpt = _checkpoint_path(args)
+    ckpt = checkpoint_path(args)
     tau = json.loads((ckpt / CONFIG_NAME).read_text())["tau"] if ckpt else FBSConfig().tau
     loaders = {"checkpoint": lambda: load_from_args(args)}
     if args.control:
@@ -503,30 +486,15 @@ def _load_chat_models(args):
     return base, base.tokenizer, loaders, tau
 
 
-def _chat_items(args):
-    from fbs.data.chat import load_items, read_items, split
-
-    items = read_items(args.items) if args.items else split(load_items())[1]
-    if args.limit:
-        count: dict[str, int] = {}
-        kept = []
-        for it in items:
-            count[it.lang] = count.get(it.lang, 0) + 1
-            if count[it.lang] <= args.limit:
-                kept.append(it)
-        items = kept
-    return items
-
-
 def cmd_chat(args) -> int:
     from fbs.eval.chat import ChatSystem, markdown, run_chat_eval
     from fbs.eval.report import runtime_info
 
-    _setup_runtime(args)
-    items = _chat_items(args)
+    setup_runtime(args)
+    items = chat_items(args)
     base, tok, loaders, ckpt_tau = _load_chat_models(args)
     taus = _floats(args.taus) or [args.tau if args.tau is not None else ckpt_tau]
-    ckpt = str(_checkpoint_path(args) or "fresh FBS")
+    ckpt = str(checkpoint_path(args) or "fresh FBS")
     systems = [ChatSystem("base", "base", "base")]
     if not args.no_full:
         systems.append(ChatSystem("fbs full depth", "full", "checkpoint", None, ckpt))
@@ -580,7 +548,7 @@ def cmd_safety(args) -> int:
     from fbs.eval.report import runtime_info
     from fbs.eval.safety import SETTINGS, default_never_skip, load_prompts, markdown, run_safety, settings
 
-    _setup_runtime(args)
+    setup_runtime(args)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     prompts = load_prompts(args.prompts, kinds, args.limit)
     model, tok = _load_safety_model(args)
@@ -601,7 +569,7 @@ def cmd_safety(args) -> int:
           f"{'on' if chat else 'off'}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"checkpoint": str(_checkpoint_path(args) or "fresh FBS"), "tau": tau, "never_skip": list(never),
+    meta = {"checkpoint": str(checkpoint_path(args) or "fresh FBS"), "tau": tau, "never_skip": list(never),
             "structure_tau": args.structure_tau, "fallback_tau": args.fallback_tau, "runtime": runtime_info(args.seed)}
     bars: dict = {}
 

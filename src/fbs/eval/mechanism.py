@@ -1087,17 +1087,17 @@ def _load_lexicon(args):
 
 
 def cmd_mechanism(args) -> int:
-    from fbs.eval.cli import _chat_items, _checkpoint_path, _setup_runtime
+    from fbs.eval.runtime import chat_items, checkpoint_path, setup_runtime
     from fbs.eval.report import runtime_info
 
-    _setup_runtime(args)
-    items = _chat_items(args)
+    setup_runtime(args)
+    items = chat_items(args)
     model, tok = _load_model(args)
     lexicon = _load_lexicon(args)
     tau = args.tau if args.tau is not None else float(model.config.tau)
     print(f"{len(items)} prompts, tau {tau:g}, at most {args.max_new_tokens} new tokens, idiom lexicon "
           f"{'off' if lexicon is None else len(lexicon)}", flush=True)
-    meta = {"checkpoint": str(_checkpoint_path(args) or "fresh FBS"), "items": args.items or "fbs.data.chat.split()",
+    meta = {"checkpoint": str(checkpoint_path(args) or "fresh FBS"), "items": args.items or "fbs.data.chat.split()",
             "limit": args.limit, "runtime": runtime_info(args.seed)}
     res = run_mechanism(model, tok, items, tau=tau, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         lexicon=lexicon, n_resamples=args.resamples, seed=args.seed, out_dir=args.out,

@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..data.sources import cache_dir, fetch_archive
-from .sweep import HeldoutDoc
+from .heldout import HeldoutDoc
 
 logger = logging.getLogger(__name__)
 

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from ..model.gate import relative_updates as layer_updates
+from .heldout import HeldoutDoc
 from .stats import bootstrap_ci, paired_bootstrap, ppl_metric
 
 DEFAULT_TAUS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)
@@ -61,13 +62,6 @@ DEFAULT_TAUS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)
 DEFAULT_GATE_FROM = 128
 #: the kinds of system rows, in report order
 KINDS = ("base", "control", "full", "tau", "random", "static", "oracle")
-
-
-@dataclasses.dataclass(frozen=True)
-class HeldoutDoc:
-    id: str
-    lang: str
-    input_ids: torch.Tensor  # (T,)
 
 
 @dataclasses.dataclass

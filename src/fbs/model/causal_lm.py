@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .checkpoint import BACKBONE_NAME, CONFIG_NAME, WEIGHTS_NAME, CheckpointError, load_checkpoint  # noqa: F401
 from .config import FBSConfig
 from .hf_adapter import BaseDecoder
 from .chunk import ChunkHead
@@ -27,15 +28,6 @@ from .preview import ParafoveaWindow, default_preview_ids
 logger = logging.getLogger(__name__)
 
 GateMode = Literal["off", "soft", "threshold", "plan"]
-CONFIG_NAME = "fbs_config.json"
-WEIGHTS_NAME = "fbs_model.safetensors"
-BACKBONE_NAME = "backbone_trainable.safetensors"  # Stage-1 trained backbone tensors (not adapters)
-
-
-class CheckpointError(ValueError):
-    """An FBS checkpoint is missing, malformed or made for another base model."""
-
-
 @dataclasses.dataclass
 class FBSOutput:
     """Everything the training losses and analyses need from one parallel forward.
@@ -334,9 +326,7 @@ class FBSForCausalLM(nn.Module):
         ``base`` may be a name, a directory or an HF model instance; an instance is copied when the checkpoint
         changes backbone weights, so the caller's model is never modified. ``overrides`` replace inference-time
         config fields (tau, kv_policy, never_skip_*). See :func:`fbs.model.loading.load_checkpoint`."""
-        from .loading import load_checkpoint  # fbs.loading builds on this module
-
-        return load_checkpoint(path, base=base, tokenizer=tokenizer, **overrides)
+        return load_checkpoint(cls, path, base=base, tokenizer=tokenizer, **overrides)
 
     def configure(self, **changes) -> None:
         """Change inference-time settings (tau, kv_policy, never_skip_*) in place, re-validated."""

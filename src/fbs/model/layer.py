@@ -22,7 +22,6 @@ Gate inputs for the next layer (relative update, previous skip) come from :func:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -148,15 +147,6 @@ def next_gate_inputs(new: torch.Tensor, x: torch.Tensor,
     """Gate inputs of layer l+1 from layer l's input ``x`` and output ``new``: the relative update (B, T) and
     the previous-skip indicator (B, T) (None when nothing was skipped)."""
     return relative_update(new, x), (None if skip is None else skip.to(x.dtype))
-
-
-def logit_threshold(tau: float) -> float:
-    """p > tau  <=>  logit > log(tau / (1 - tau)); tau = 0 skips everything a gate sees, tau = 1 nothing."""
-    if tau <= 0.0:
-        return -math.inf
-    if tau >= 1.0:
-        return math.inf
-    return math.log(tau / (1.0 - tau))
 
 
 # --------------------------------------------------------------------------- HF modules as ops

@@ -16,7 +16,8 @@ from typing import Any
 
 
 def cmd_stage2(args: argparse.Namespace) -> int:
-    from ..train.cli import config_from_args, run_resumable
+    from ..train.cli import run_resumable
+    from ..train.common import config_from_args
     from .stage2 import Stage2Config, Stage2ConfigError, train_stage2
 
     cfg = config_from_args(args, Stage2Config, Stage2ConfigError, STAGE2_FLAGS)

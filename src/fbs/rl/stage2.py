@@ -31,7 +31,7 @@ from .. import FBSConfig, FBSForCausalLM
 from ..model.loading import load_fbs
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
-from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
+from ..train.stage1 import install_sigterm  # same SIGTERM -> checkpoint-after-step contract
 from .pool import PoolItem, load_default_pool, load_pool, save_pool
 from .ppo import GateClippedPPOLoss, PPOStats, ppo_step
 from .rollout import RolloutOptions, Trajectory, generate_trajectory
@@ -350,7 +350,7 @@ class Stage2Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.max_steps, initial=self.step, desc="stage2", unit="step", dynamic_ncols=True)
-        old = _install_sigterm(self)
+        old = install_sigterm(self)
         try:
             with open(self.out_dir / "log.jsonl", "a") as log:
                 while self.step < self.max_steps and (stop_after is None or self.step < stop_after) and not self._stop:

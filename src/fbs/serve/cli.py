@@ -1,4 +1,4 @@
-"""``fbs serve``: the OpenAI-compatible server (docs/serve.md). Only this module and loadtest's command print."""
+"""``fbs serve``: the OpenAI-compatible server (docs/serve.md). Only this module (and the load test's command, fbs.bench.serve_load) prints."""
 
 from __future__ import annotations
 

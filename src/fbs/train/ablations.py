@@ -470,7 +470,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ablations(args: argparse.Namespace) -> int:
-    from .cli import config_from_args
+    from .common import config_from_args
     from .config import TrainConfigError
 
     variants = parse_variants(args.variants)

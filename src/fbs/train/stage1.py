@@ -619,7 +619,7 @@ class Trainer:
         cfg = self.cfg
         log = _Logger(self.out_dir, self.acc.is_main_process, cfg.tensorboard)
         bar = _progress(cfg, self.step, self.acc.is_main_process)
-        old = _install_sigterm(self)
+        old = install_sigterm(self)
         if cfg.eval_at_start and self.step == 0:
             log.write({"step": 0, "eval": self.evaluate([self.eval_tau()])[0].to_dict()})
         rng = ckpt.capture_rng()
@@ -687,7 +687,7 @@ class _nullcontext:
         return False
 
 
-def _install_sigterm(trainer: Trainer):
+def install_sigterm(trainer: Trainer):
     """SIGTERM requests a checkpoint after the current step (main thread only)."""
     def handler(signum, frame):
         logger.warning("SIGTERM: stopping after this step")
