@@ -1,4 +1,4 @@
-"""Adaptive-depth baselines on the FBS engine and backbone (issue 16), so their timings compare with FBS's.
+"""Adaptive-depth baselines on the FBS engine and backbone, so their timings compare with FBS's.
 
 * :mod:`fbs.baselines.ffn_skip` — FFN-SkipLLM (Jaiswal et al. 2024): training-free; per token, FFN blocks
   are skipped after the input and output of a computed block become nearly identical (cosine saturation).

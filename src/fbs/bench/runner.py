@@ -83,8 +83,8 @@ class RunSpec:
     batch_policies: tuple[str, ...] = ("gather",)
     """Engine batch policies of the FBS systems (gather, all, majority); others than gather add ``-<policy>``."""
     ffn_skip_thresholds: tuple[float, ...] = (0.984, 0.988)
-    """FFN-SkipLLM's cosine-saturation thresholds, one system each (:mod:`fbs.baselines.ffn_skip`); on SmolLM2-135M
-    they skip about 31% and 17% of the FFN blocks (teacher-forced, :class:`fbs.baselines.FFNSkipLLM`)."""
+    """FFN-SkipLLM's cosine-saturation thresholds, one system each (:mod:`fbs.baselines.ffn_skip`): a lower
+    threshold skips more FFN blocks (:class:`fbs.baselines.FFNSkipLLM`)."""
     flexidepth: str | None = None
     """FlexiDepth checkpoint (``fbs train flexidepth`` output); None = the row says how to make one."""
     flexidepth_taus: tuple[float, ...] = ()

@@ -9,7 +9,7 @@ many-token inputs (prefill) as GEMMs on the fp32 source weights.
 
 ``fp32-onednn`` keeps fp32 weights in oneDNN's blocked layout (packed once at load) and runs every product
 through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``). On this 2-core CPU its batch-1 GEMV reads
-weights 1.6x faster than ``F.linear`` (``scripts/gemv_floor.py``). It is fp32 arithmetic with a different
+weights faster than ``F.linear`` (``scripts/gemv_floor.py`` measures both). It is fp32 arithmetic with a different
 summation order: logits differ from ``fp32`` by float rounding (~1e-5 relative), not bit for bit. CPU only.
 """
 

@@ -1,6 +1,6 @@
 """Lossless speculative decoding over the FBS engine: the model drafts with fewer layers, full depth verifies.
 
-Three drafters share one verifier (issue 16):
+Three drafters share one verifier:
 
 * **FBS lossless** (``lossless=True``): the engine's own skipping decode step drafts, gates at tau;
 * **Draft&Verify** (Zhang et al. 2024; ``lossless=True, skip_plan=static plan, draft_stop=...``): the same step
@@ -49,7 +49,7 @@ from .flops import LayerCost, step_bytes
 from ..model.layer import layer_step
 
 #: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
-#: (one step); on SmolLM2-135M / 2 CPU cores verifying 4 tokens costs ~1.6 steps (issue 16).
+#: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
 VERIFY_TOKEN_COST = 0.15
 #: Draft&Verify's threshold schedule (their defaults): EMA weight of the match rate, target match rate, step,
 #: EMA weight of the threshold.

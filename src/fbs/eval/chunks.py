@@ -1,4 +1,4 @@
-"""The trained chunk head (CH) scored like the linear probe (``fbs eval ch``; paper appendix D, issue 15 table 4).
+"""The trained chunk head (CH) scored like the linear probe (``fbs eval ch``; paper appendix D, table 4).
 
 ``fbs probe`` (:mod:`fbs.data.probe`) trains a linear read-out of a frozen backbone's hidden state against the
 weak BIOS labels and scores it with BIOS-F1, boundary-F1 and idiom accuracy. This module scores the BIOS head

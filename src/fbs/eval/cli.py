@@ -2,7 +2,7 @@
 
     fbs eval run --system base --tasks ppl_c4,mmlu --limit 100 --out results/base.json
     fbs eval run --system fbs --tau 0.7 --kv-policy project --out results/fbs.json
-    fbs eval run --protocol cpu --system base --out results/protocol_cpu/base.json     # issue 15's CPU protocol
+    fbs eval run --protocol cpu --system base --out results/protocol_cpu/base.json     # the CPU protocol
     fbs eval run --protocol cpu --dry-run                                              # sizes + subset ids only
     fbs eval merge results/ctrl_a.json results/ctrl_b.json --out results/ctrl.json      # pieces run side by side
     fbs eval compare results/fbs.json results/base.json [--bh]
@@ -36,9 +36,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: FFN-SkipLLM thresholds `fbs eval sweep --baseline ffn-skipllm` scores by default: on SmolLM2-135M (teacher-forced
-#: pydoc text, fbs.baselines.FFNSkipLLM) about 11%, 17%, 24%, 31% and 48% of the FFN blocks; the bench's default
-#: thresholds (0.984, 0.988) are among them
+#: FFN-SkipLLM thresholds `fbs eval sweep --baseline ffn-skipllm` scores by default, from few to many skipped FFN
+#: blocks (fbs.baselines.FFNSkipLLM); the bench's default thresholds (0.984, 0.988) are among them
 DEFAULT_FFN_SKIP_THRESHOLDS = (0.99, 0.988, 0.986, 0.984, 0.98)
 
 
@@ -628,7 +627,7 @@ def register(subparsers) -> None:
                                    "tasks; see `fbs eval list`)")
     r.add_argument("--limit", help="seeded subset size: N for every task, or task=N,...,default=N")
     r.add_argument("--protocol", choices=("cpu", "cpu-small", "full"),
-                   help="issue 15's fixed subsets (cpu) or the whole sets (full); subset ids in --ids-dir")
+                   help="the fixed subsets (cpu) or the whole sets (full); subset ids in --ids-dir")
     r.add_argument("--ids-dir", help="protocol subset ids, read when present, else written (default "
                                      "results/protocol_<protocol>)")
     r.add_argument("--dry-run", action="store_true", help="with --protocol: print the plan, write the ids, stop")

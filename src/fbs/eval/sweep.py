@@ -1,7 +1,7 @@
 """Tau sweep of a trained FBS on held-out text: skip %, TFLOPs(rel) and decode-faithful perplexity per system.
 
 The paper's threshold sweep (appendix E.6.1) and its "FBS-S1 with nothing skipped" perplexity (§4), with the
-baselines issue 14 asks for, on held-out blocks of token ids (:class:`HeldoutDoc`): the test split of a corpus
+the baselines it is compared with, on held-out blocks of token ids (:class:`HeldoutDoc`): the test split of a corpus
 built by ``fbs data build`` (:func:`heldout_documents`) or out-of-distribution text (:mod:`fbs.eval.ood`).
 
 **Decode-faithful scoring.** A block of T tokens is read as a prompt of ``gate_from`` tokens (default 128)

@@ -120,7 +120,7 @@ class ParafoveaWindow(nn.Module):
         denom = w.sum(-1, keepdim=True).clamp_min(1.0)  # k = 0 gives zero preview
         if self.compression == "conv":
             if b * t <= 64 and self.conv.groups == d and not torch.is_grad_enabled():  # decoding: depthwise, by hand
-                y = _depthwise3(u, self.conv.weight, self.conv.bias)  # (mkldnn's conv costs ~0.1 ms at this size)
+                y = _depthwise3(u, self.conv.weight, self.conv.bias)  # (mkldnn's conv has a fixed cost per call)
             else:
                 y = self.conv(u.reshape(b * t, h, d).transpose(1, 2)).transpose(1, 2).reshape(b, t, h, d)
             pooled = (y * w.unsqueeze(-1)).sum(-2) / denom
