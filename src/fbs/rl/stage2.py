@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from .. import FBSConfig, FBSForCausalLM
 from ..model.loading import load_fbs
@@ -35,6 +34,7 @@ from ..train.stage1 import install_sigterm  # same SIGTERM -> checkpoint-after-s
 from .pool import PoolItem, load_default_pool, load_pool, save_pool
 from .ppo import GateClippedPPOLoss, PPOStats, ppo_step
 from .rollout import RolloutOptions, Trajectory, generate_trajectory
+from ..train.common import read_yaml_config
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +184,7 @@ class Stage2Config:
 
     @classmethod
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | None = None) -> "Stage2Config":
-        d = {}
-        if path is not None:
-            d = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(d, dict):
-                raise Stage2ConfigError(f"{path} must hold a mapping of Stage2Config fields")
+        d = read_yaml_config(path, Stage2ConfigError, "Stage2Config")
         try:
             return cls.from_dict(apply_overrides(d, overrides or []))
         except ValueError as e:

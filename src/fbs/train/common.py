@@ -1,9 +1,11 @@
-"""What the training recipes share: a recipe's config from ``--config`` YAML, ``--set`` overrides and flags."""
+"""What the training recipes share: reading a recipe's YAML config (:func:`read_yaml_config`, each config's
+``from_yaml``) and the config from ``--config`` YAML, ``--set`` overrides and flags (:func:`config_from_args`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def config_from_args(args: argparse.Namespace, config_cls, error_cls, flags: tuple[str, ...]):
@@ -22,3 +24,16 @@ def config_from_args(args: argparse.Namespace, config_cls, error_cls, flags: tup
         print(cfg.to_json())
         return 0
     return cfg
+
+
+def read_yaml_config(path: str | Path | None, error: type[Exception], name: str) -> dict:
+    """The mapping of config fields in the YAML file ``path`` ({} when None); ``error`` names the file and the
+    config ``name`` when the file holds something else."""
+    import yaml
+
+    if path is None:
+        return {}
+    d = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(d, dict):
+        raise error(f"{path} must hold a mapping of {name} fields")
+    return d

@@ -31,6 +31,7 @@ from .data import BlockData, BlockOrder, micro_batch
 from .losses import lm_loss
 from .stage1 import load_data, lr_factor
 from ..baselines.flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthOutput, skip_loss
+from .common import read_yaml_config
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +113,7 @@ class FlexiDepthTrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | None = None) -> "FlexiDepthTrainConfig":
-        d = {}
-        if path is not None:
-            d = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(d, dict):
-                raise TrainConfigError(f"{path} must hold a mapping of FlexiDepthTrainConfig fields")
+        d = read_yaml_config(path, TrainConfigError, "FlexiDepthTrainConfig")
         nested = [o for o in overrides or [] if o.startswith("flexidepth.")]
         d = apply_overrides(d, [o for o in overrides or [] if o not in nested])
         for item in nested:  # flexidepth.KEY=VALUE sets one FlexiDepthConfig field
