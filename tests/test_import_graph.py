@@ -31,6 +31,13 @@ FLOORS = {"core": ("jsonl", "model", "native", "fbs"), "engine": ("engine",),
 #: The one import that points up, by design: the model's ``generate`` / ``stream`` convenience methods hand the
 #: model to the engine (a function-local import; the engine never imports the model class).
 ALLOWED_UP = {("fbs.model.causal_lm", "fbs.engine")}
+#: The recipes, evaluation, benchmark, data, RL, server and CLI: what the core, the engine and the baselines'
+#: policies never import.
+UPPER = ("fbs.train", "fbs.eval", "fbs.bench", "fbs.rl", "fbs.data", "fbs.serve", "fbs.cli")
+
+
+def upward(names: set[str]) -> set[str]:
+    return {n for n in names if any(n == u or n.startswith(u + ".") for u in UPPER)}
 
 
 @functools.cache
