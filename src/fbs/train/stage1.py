@@ -307,10 +307,11 @@ class EvalResult:
 
 
 def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra = a.argsort().argsort().double()
-    rb = b.argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
+    """Spearman's rho of two 1-D tensors (:func:`fbs.eval.stats.spearman`); 0 when one is constant."""
+    from ..eval.stats import spearman
+
+    rho = spearman(a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy())
+    return 0.0 if math.isnan(rho) else rho
 
 
 @torch.no_grad()
