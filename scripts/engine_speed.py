@@ -19,7 +19,7 @@ import torch
 from fbs import FBSForCausalLM
 from fbs.bench.harness import build_prompts
 from fbs.bench.systems import forced_plan
-from fbs.models import load_base
+from fbs.model.bases import load_base
 
 
 def main() -> None:

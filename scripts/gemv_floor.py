@@ -34,7 +34,7 @@ from fbs import native
 
 
 def shapes(cfg) -> list[tuple[str, int, int]]:
-    """(name, out, in) of one layer's fused matrices, as the engine holds them (fbs.fused)."""
+    """(name, out, in) of one layer's fused matrices, as the engine holds them (fbs.engine.fused)."""
     d, hd = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * hd
     return [("q", d, d), ("kv", 2 * kv, d), ("o", d, d), ("gate_up", 2 * cfg.intermediate_size, d),
@@ -90,7 +90,7 @@ def step(layers, head, xs: dict[int, torch.Tensor], fmt: str) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="a model name of fbs.models (shapes only)")
+    ap.add_argument("--model", default="smollm2-135m", help="a model name of fbs.model.bases (shapes only)")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30, help="timed steps per format (median reported)")
@@ -99,7 +99,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig
 
-    from fbs.models import resolve_base
+    from fbs.model.bases import resolve_base
 
     cfg = AutoConfig.from_pretrained(resolve_base(args.model))
     rows = []

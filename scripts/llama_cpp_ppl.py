@@ -36,7 +36,7 @@ from weights_ppl import block_nll  # noqa: E402  (the sibling script's teacher-f
 from fbs.bench.llama_cpp import (FORMATS, install_dir, model_path, parse_perplexity, perplexity_command,  # noqa: E402
                                  read_token_dump, run_tool)
 from fbs.eval.ood import ood_blocks  # noqa: E402
-from fbs.loading import load_fbs  # noqa: E402
+from fbs.model.loading import load_fbs  # noqa: E402
 
 
 def held_out_text(tokenizer, per_kind: int) -> tuple[str, list[str]]:

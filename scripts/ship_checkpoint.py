@@ -20,7 +20,7 @@ SHIPPED = ("fbs_model.safetensors", "adapters.safetensors", "backbone_trainable.
 
 def main(argv: list[str] | None = None) -> int:
     from fbs import FBSConfig, FBSForCausalLM
-    from fbs.model import CONFIG_NAME, write_manifest
+    from fbs.model.checkpoint import CONFIG_NAME, write_manifest
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path, help="export directory (runs/.../final)")

@@ -18,15 +18,15 @@ import time
 
 import torch
 
-from fbs.engine import _start
+from fbs.engine import start
 from fbs.eval.ood import ood_blocks
-from fbs.loading import load_fbs
+from fbs.model.loading import load_fbs
 
 
 def block_nll(model, ids: list[int], weights: str, gate_from: int) -> float:
     """Mean NLL of ids[gate_from:] under the engine with ``weights``."""
     n = len(ids) - gate_from
-    dec = _start(model, [ids[:gate_from]], None, None,
+    dec = start(model, [ids[:gate_from]], None, None,
                  dict(max_new_tokens=n, weights=weights, force_compute=True, ignore_eos=True))
     total = 0.0
     with torch.inference_mode():

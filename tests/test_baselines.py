@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import VOCAB, recorded_fused_calls, tiny_hf
 from fbs.baselines import FFNSkipLLM, FlexiDepth, FlexiDepthConfig, ffn_skip_model, host_model, skip_loss
 from fbs.baselines.flexidepth import FlexiDepthError
-from fbs.baselines.train_flexidepth import FlexiDepthTrainConfig, Trainer, step_loss
+from fbs.train.flexidepth import FlexiDepthTrainConfig, Trainer, step_loss
 from fbs.train.data import BlockData
 
 PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
@@ -125,7 +125,7 @@ def test_ffn_skip_follows_the_cosine_rule_and_skipped_blocks_do_no_ffn_work(span
 
 
 def test_ffn_skip_through_the_fused_weights_calls_no_ffn_for_a_skipped_block():
-    from fbs.fused import decode_ops
+    from fbs.engine.fused import decode_ops
 
     model = ffn_model()
     rule = FFNSkipLLM(threshold=median_cosine(model, PROMPT), **RULE)
@@ -257,7 +257,7 @@ def test_flexidepth_gradient_reaches_routers_and_adapters_only_and_the_loss_fall
 def test_flexidepth_training_run_resumes_exports_and_loads(tmp_path, one_thread):
     fd = random_flexidepth()
     trainer = fixed_batch_trainer(fd)
-    from fbs.baselines.train_flexidepth import train
+    from fbs.train.flexidepth import train
 
     cfg = dataclasses.replace(trainer.cfg, out_dir=str(tmp_path / "run"), max_steps=3, save_every=2, eval_every=0)
     summary = train(cfg, data=trainer.data, model=fd)

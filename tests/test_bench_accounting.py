@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fbs import FBSConfig, FBSForCausalLM
-from fbs.flops import LayerCost, baseline_decode_macs, skip_trace_macs
+from fbs.engine.flops import LayerCost, baseline_decode_macs, skip_trace_macs
 from fbs.bench.accounting import speculative_ratios
 from fbs.bench.systems import FBSSystem, forced_plan, hf_greedy, hf_prompt_lookup
 
@@ -74,7 +74,7 @@ def test_hf_greedy_counts_exactly_plain_decoding():
 def test_learned_prompt_length_counts_exactly_plain_decoding():
     """A draft model's counter learns its prompt length from the first pass; on plain greedy decoding that
     must reproduce the hand formula for N - 1 decode steps over a 12-token prompt."""
-    from fbs.hf_adapter import DecodeCallCounter
+    from fbs.model.hf_adapter import DecodeCallCounter
 
     m = tiny_llama()
     ids = torch.randint(1, 200, (1, 12))

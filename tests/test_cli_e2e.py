@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fbs.cli import main
-from fbs.quant import FORMATS
+from fbs.engine.quant import FORMATS
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -342,7 +342,7 @@ def test_bench_serve_refuses_a_remote_url(capsys):
 def test_smollm2_info_and_generate_equal_the_api(capsys, monkeypatch):
     """The bundled model with its shipped FBS weights: ``info --json`` and ``generate`` (chat template from stdin,
     --json, --stream) equal the API's ``load_fbs`` model."""
-    from fbs.loading import load_fbs
+    from fbs.model.loading import load_fbs
 
     model = load_fbs("smollm2-135m").eval()
     code, out, _ = run_cli(capsys, ["info", "--json"])

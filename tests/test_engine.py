@@ -223,10 +223,10 @@ def test_hole_policy_cache_lengths_and_positions_are_explicit():
     model = fbs_tiny()
     plan = torch.zeros(model.num_layers, dtype=torch.bool)
     plan[2] = True
-    from fbs.engine import _run, _start
+    from fbs.engine import run, start
 
-    dec = _start(model, PROMPT, None, None, dict(max_new_tokens=6, ignore_eos=True, skip_plan=plan, kv_policy="hole"))
-    for _ in _run(dec):
+    dec = start(model, PROMPT, None, None, dict(max_new_tokens=6, ignore_eos=True, skip_plan=plan, kv_policy="hole"))
+    for _ in run(dec):
         pass
     t0 = PROMPT.shape[1]
     # 5 decode steps fed tokens at positions t0..t0+4; layer 2 stored none of them, layer 3 all

@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import fbs_tiny, randomize, tiny_config, tiny_hf
 from fbs import CheckpointError, ConfigError, FBSConfig, FBSForCausalLM, UnsupportedArchitectureError
-from fbs.models import BaseModelError, resolve_base
+from fbs.model.bases import BaseModelError, resolve_base
 
 
 def test_unsupported_architecture_names_what_is_supported():

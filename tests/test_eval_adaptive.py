@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_hf
 from fbs.baselines import FFNSkipLLM, ffn_skip_model
-from fbs.engine import _start
+from fbs.engine import start
 from fbs.eval.adaptive import AdaptiveSystem, FFNSkipScorer, FlexiDepthScorer, run_baseline_sweep
 from fbs.eval.sweep import HeldoutDoc, score
 from test_baselines import PROMPT, RULE, loud_ffns, median_cosine, random_flexidepth
@@ -52,7 +52,7 @@ def decode_by_hand(scorer, prompt: list[int], fed: list[int]):
     """Cached decoding with the scorer's engine policy: prefill ``prompt``, feed ``fed`` one token at a time.
     Returns the next-token log-probabilities after the prompt and after each fed token, and per fed token the
     layers (or FFN blocks) it skipped."""
-    dec = _start(scorer.model, [prompt], None, None,
+    dec = start(scorer.model, [prompt], None, None,
                  dict(max_new_tokens=len(fed) + 1, ignore_eos=True, skip_policy=scorer.policy()))
     with torch.inference_mode():
         logps = [torch.log_softmax(torch.stack(dec.prefill()).float(), -1)[0]]
@@ -198,9 +198,9 @@ def test_flexidepth_routing_the_prompt_changes_the_score_and_is_recorded():
 
 # ---------------------------------------------------------------------------- the commands
 def _patch_base(monkeypatch, hf):
-    import fbs.models
+    import fbs.model.bases
 
-    monkeypatch.setattr(fbs.models, "load_base", lambda name: (hf, ByteTokenizer()))
+    monkeypatch.setattr(fbs.model.bases, "load_base", lambda name: (hf, ByteTokenizer()))
 
 
 def test_sweep_command_for_both_baselines(tmp_path, monkeypatch, capsys):

@@ -136,7 +136,7 @@ def test_cli_end_to_end_and_clear_errors(files, capsys, one_thread):
     assert (rec["layer"], rec["ch_layers"], rec["n_eval_sequences"], rec["n_idiom_items"]) == (CH, [CH], 3, 2)
     assert (rec["eval_split"], rec["seq_len"], rec["model"]) == ("train", 32, str(base))
     # the probe record's evaluation fields, and the numbers of the library path on the same data
-    from fbs.loading import load_fbs
+    from fbs.model.loading import load_fbs
 
     model = load_fbs(str(base), tmp / "ckpt")
     evaluation, items = chunks.probe_eval_data(corpus, "train", model.tokenizer, 32, 3, 2, 0)

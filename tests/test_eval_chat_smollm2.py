@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from fbs.models import load_tokenizer
+    from fbs.model.bases import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

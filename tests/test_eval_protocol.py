@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fbs.cli import main
-from fbs.engine import _start
+from fbs.engine import start
 from fbs.eval import cli as eval_cli
 from fbs.eval import tasks as T
 from fbs.eval.datasets import MCExample
@@ -100,7 +100,7 @@ def test_cpu_small_subsets_are_drawn_from_the_cpu_subsets():
 # ---------------------------------------------------------------------------- decode-faithful scoring
 def _engine_logprob(model, ctx, cont, tau):
     """log p(cont | ctx) decoded by the engine: ctx prefilled, each true continuation token fed back."""
-    dec = _start(model, [ctx], None, None, dict(max_new_tokens=len(cont), tau=tau, ignore_eos=True))
+    dec = start(model, [ctx], None, None, dict(max_new_tokens=len(cont), tau=tau, ignore_eos=True))
     total = 0.0
     with torch.inference_mode():
         logits = torch.stack(dec.prefill())  # (1, V): the prediction of cont[0]

@@ -13,7 +13,7 @@ def systems():
 
     from fbs import FBSForCausalLM
     from fbs.eval.systems import FBSSystem, HFSystem
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     torch.set_num_threads(1)
     model, tok = load_base("smollm2-135m")

@@ -1,4 +1,4 @@
-"""The one cost model (fbs.flops): bytes by weight format by hand, and the engine's counter against the
+"""The one cost model (fbs.engine.flops): bytes by weight format by hand, and the engine's counter against the
 hand-checked bench formulas on real decodes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from fbs import FBSConfig, FBSForCausalLM
-from fbs.flops import (FlopCounter, LayerCost, baseline_decode_macs, layer_macs, predicted_saving,
+from fbs.engine.flops import (FlopCounter, LayerCost, baseline_decode_macs, layer_macs, predicted_saving,
                        skip_trace_macs, step_bytes)
 
 # d=64, 4 heads of 16 (2 KV heads), FFN 128, vocab 256, 4 layers

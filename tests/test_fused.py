@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import fbs.fused
+import fbs.engine.fused
 from conftest import fbs_tiny, randomize
-from fbs.fused import decode_ops
-from fbs.quant import dequantize, quantize_int8
+from fbs.engine.fused import decode_ops
+from fbs.engine.quant import dequantize, quantize_int8
 
 PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
 
@@ -63,14 +63,14 @@ def test_int8_logits_near_fp32_and_int8_head_used(family, monkeypatch):
     model = fbs_tiny(family)
     ops = decode_ops(model, "int8")
     head_dtypes = []
-    real = fbs.fused.matmul
+    real = fbs.engine.fused.matmul
 
     def spy(x, w, s):
         if w.data_ptr() == ops.head_w.w.data_ptr():
             head_dtypes.append(w.dtype)
         return real(x, w, s)
 
-    monkeypatch.setattr(fbs.fused, "matmul", spy)
+    monkeypatch.setattr(fbs.engine.fused, "matmul", spy)
     ids = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(3))
     q8 = model.generate(ids, max_new_tokens=8, ignore_eos=True, output_scores=True, weights="int8")
     assert head_dtypes == [torch.int8] * 8  # the prefill's last position and 7 decode steps
@@ -185,7 +185,7 @@ def test_one_token_rope_equals_transformers_bit_for_bit(hd):
     ``apply_rotary_pos_emb`` exactly, on random tables (not only valid cos/sin pairs)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from fbs.fused import _rope, _rope_tables
+    from fbs.engine.fused import _rope, _rope_tables
 
     g = torch.Generator().manual_seed(hd)
     q, k = torch.randn(3, 9, 1, hd, generator=g) * 5, torch.randn(3, 2, 1, hd, generator=g)

@@ -1,32 +1,52 @@
-"""Dependencies point down: no module of the core imports the recipes, evaluation, benchmark, data or CLI.
+"""Dependencies point down, and nothing imports in a circle.
 
 Checked statically over the source files with ``ast`` (every ``import`` anywhere in a module, function-local
 ones included, and ``importlib.import_module`` / ``__import__`` of a literal name), so a lazy import cannot
-hide an upward dependency.
+hide an upward dependency or a circle. Two checks over the whole package:
+
+* **floors**: each folder of ``fbs`` (and each top-level module) belongs to a floor in :data:`FLOORS`; a module
+  imports only its own floor and floors below it; within a floor, the folders are ordered too
+  (:data:`FOLDER_ORDER`): the core (``model`` <- ``native``), then the engine, then the layers above it.
+* **no circles**: neither between modules nor between folders.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "fbs"
-#: The layers above the core; the core must not import them.
+
+#: Every folder (``fbs.<folder>``) and top-level module in import order: a unit may import only units before it
+#: (and itself). ``fbs`` is the package's public face (its ``__init__``: the model's API), ``cli`` the ``fbs``
+#: command.
+FOLDER_ORDER = ("jsonl", "model", "native", "provenance", "fbs", "engine", "data", "baselines", "eval", "train", "rl", "serve", "bench",
+                "cli")
+#: The floors the issue names, over the units of :data:`FOLDER_ORDER`.
+FLOORS = {"core": ("jsonl", "model", "native", "provenance", "fbs"), "engine": ("engine",),
+          "upper": ("data", "baselines", "eval", "train", "rl", "serve", "bench"), "top": ("cli",)}
+#: The one import that points up, by design: the model's ``generate`` / ``stream`` convenience methods hand the
+#: model to the engine (a function-local import; the engine never imports the model class).
+ALLOWED_UP = {("fbs.model.causal_lm", "fbs.engine")}
+#: The recipes, evaluation, benchmark, data, RL, server and CLI: what the core, the engine and the baselines'
+#: policies never import.
 UPPER = ("fbs.train", "fbs.eval", "fbs.bench", "fbs.rl", "fbs.data", "fbs.serve", "fbs.cli")
 
 
-def core_modules() -> dict[str, Path]:
-    """The core: every module directly in ``fbs/`` except the CLI, and the ``fbs.modules`` subpackage. New core
-    modules (``fbs.layer``, ``fbs.quant`` ...) are covered without editing this test."""
+def upward(names: set[str]) -> set[str]:
+    return {n for n in names if any(n == u or n.startswith(u + ".") for u in UPPER)}
+
+
+@functools.cache
+def all_modules() -> dict[str, Path]:
     out = {}
-    for path in sorted(PKG.glob("*.py")) + sorted((PKG / "modules").glob("*.py")):
+    for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG.parent).with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-        name = ".".join(parts)
-        if name != "fbs.cli":
-            out[name] = path
+        out[".".join(parts)] = path
     return out
 
 
@@ -34,7 +54,7 @@ def imported_names(source: str, module: str, is_package: bool = False) -> set[st
     """Absolute names of everything ``module``'s source imports, wherever the import statement is."""
     package = module if is_package else module.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in _walk_outside_main(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -55,8 +75,97 @@ def imported_names(source: str, module: str, is_package: bool = False) -> set[st
     return names
 
 
-def upward(names: set[str]) -> set[str]:
-    return {n for n in names if any(n == u or n.startswith(u + ".") for u in UPPER)}
+@functools.cache
+def _walk_outside_main(tree):
+    """``ast.walk`` without the bodies of ``if __name__ == "__main__":`` (a script's entry point, not an import of
+    the module)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) \
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__":
+            todo.extend(node.orelse)
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def module_edges_of_package() -> dict[str, frozenset[str]]:
+    return {k: frozenset(v) for k, v in module_edges(all_modules()).items()}
+
+
+def module_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports. ``from pkg import name`` counts ``pkg.name`` when that is a
+    module, else ``pkg``; a name resolves to its longest module prefix."""
+    edges = {}
+    for mod, path in modules.items():
+        names = imported_names(path.read_text(), mod, path.name == "__init__.py")
+        targets = set()
+        for n in names:
+            parts = n.split(".")
+            for i in range(len(parts), 0, -1):
+                head = ".".join(parts[:i])
+                if head in modules:
+                    targets.add(head)
+                    break
+        # `from fbs.x import y` adds both fbs.x and fbs.x.y: keep the module actually named
+        for t in list(targets):
+            if any(o != t and o.startswith(t + ".") and o in targets and f"{t}.{o[len(t) + 1:]}" in names
+                   and not _names_attr(names, t) for o in targets):
+                targets.discard(t)
+        edges[mod] = targets - {mod}
+    return edges
+
+
+def _names_attr(names: set[str], pkg: str) -> bool:
+    """Whether an import names a non-module attribute of ``pkg`` (then ``pkg`` itself is imported)."""
+    mods = all_modules()
+    return any(n.startswith(pkg + ".") and n not in mods and n.rpartition(".")[0] == pkg for n in names)
+
+
+def unit(module: str) -> str:
+    """The folder (``fbs.model.layer`` -> ``model``) or top-level module (``fbs.cli`` -> ``cli``) of a module;
+    a ``__main__`` (``python -m fbs.bench``) is a command entry point, part of ``cli``."""
+    parts = module.split(".")
+    if parts[-1] == "__main__":
+        return "cli"
+    return "fbs" if len(parts) == 1 else parts[1]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def allowed(src: str, dst: str) -> bool:
+    return any(src == a and (dst == b or dst.startswith(b + ".")) for a, b in ALLOWED_UP)
 
 
 def test_the_checker_sees_lazy_relative_and_dynamic_imports():
@@ -74,24 +183,60 @@ class C:
     def g(self):
         from ..data import corpus
 '''
-    # in fbs.modules, `.train` is fbs.modules.train (harmless); `..data` is fbs.data, even inside a method
-    assert upward(imported_names(src, "fbs.modules.gate")) == {"fbs.bench.runner", "fbs.data", "fbs.data.corpus"}
-    top = imported_names(src, "fbs.model")
-    assert upward(top) == {"fbs.train.lora", "fbs.train.lora.ADAPTERS_NAME", "fbs.eval", "fbs.bench.runner"}
-    assert "fbs.config" in top and not upward({"fbs.config", "torch", "fbs.training_utils"})
+    names = imported_names(src, "fbs.model.gate")
+    assert {"fbs.model.config", "fbs.bench.runner", "fbs.data.corpus", "fbs.model.train.lora", "fbs.model.eval"} \
+        <= names
+    top = imported_names(src, "fbs.engine", is_package=True)
+    assert {"fbs.engine.config", "fbs.engine.train.lora.ADAPTERS_NAME", "fbs.bench.runner", "fbs.data"} <= top
 
 
-def test_core_list_covers_the_core():
-    core = core_modules()
-    for name in ("fbs", "fbs.config", "fbs.model", "fbs.engine", "fbs.cache", "fbs.flops", "fbs.hf_adapter",
-                 "fbs.models", "fbs.loading", "fbs.lora", "fbs.modules.gate", "fbs.modules.preview",
-                 "fbs.modules.chunk"):
-        assert name in core
-    assert "fbs.cli" not in core
+def test_cycle_finder_finds_a_circle_and_only_circles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("module", sorted(core_modules()))
-def test_core_module_imports_nothing_above_it(module):
-    path = core_modules()[module]
-    bad = upward(imported_names(path.read_text(), module, path.name == "__init__.py"))
-    assert not bad, f"{module} ({path.name}) imports {sorted(bad)}: the core must not depend on {UPPER}"
+def test_every_folder_has_a_floor_and_a_place_in_the_order():
+    units = {unit(m) for m in all_modules()}
+    assert units <= set(FOLDER_ORDER), f"place {sorted(units - set(FOLDER_ORDER))} in FOLDER_ORDER"
+    assert [u for floor in FLOORS.values() for u in floor] == list(FOLDER_ORDER)
+    assert {"model", "native", "engine"} <= units
+
+
+@pytest.mark.parametrize("module", sorted(all_modules()))
+def test_module_imports_only_its_floor_and_below(module):
+    edges = module_edges_of_package()
+    rank = {u: i for i, u in enumerate(FOLDER_ORDER)}
+    bad = sorted(d for d in edges[module] if rank[unit(d)] > rank[unit(module)] and not allowed(module, d))
+    assert not bad, f"{module} imports {bad}, which sit above {unit(module)!r} in {FOLDER_ORDER}"
+
+
+def test_no_circles_between_modules():
+    edges = module_edges_of_package()
+    assert cycles(edges) == []
+
+
+def test_no_circles_between_folders():
+    edges = module_edges_of_package()
+    folders: dict[str, set[str]] = {}
+    for src, dsts in edges.items():
+        for dst in dsts:
+            if unit(src) != unit(dst) and not allowed(src, dst):
+                folders.setdefault(unit(src), set()).add(unit(dst))
+    assert cycles(folders) == []
+
+
+def test_no_module_imports_a_private_name_from_another_package():
+    modules = all_modules()
+    bad = []
+    for mod, path in modules.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = pkg.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level else []
+                src = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                src_pkg = src if src in modules and modules[src].name == "__init__.py" else src.rpartition(".")[0]
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private and src_pkg != pkg:
+                    bad.append(f"{mod}: from {src} import {private}")
+    assert not bad, bad

@@ -18,10 +18,11 @@ from torch import nn
 
 from conftest import fbs_tiny, randomize, tiny_hf
 from test_train_checkpoint import _setup
-from fbs import BaseModelError, CheckpointError, FBSForCausalLM, loading, models
-from fbs.kangaroo import KangarooAdapter
-from fbs.lora import ADAPTERS_NAME, add_adapters
-from fbs.model import BACKBONE_NAME, CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME, write_manifest
+from fbs import BaseModelError, CheckpointError, FBSForCausalLM
+from fbs.model import bases as models, loading
+from fbs.baselines.kangaroo import KangarooAdapter
+from fbs.model.lora import ADAPTERS_NAME, add_adapters
+from fbs.model.checkpoint import BACKBONE_NAME, CONFIG_NAME, MANIFEST_NAME, WEIGHTS_NAME, write_manifest
 from fbs.train import checkpoint as train_ckpt
 
 IDS = torch.randint(1, 250, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import fbs_tiny, randomize, recorded_fused_calls
-from fbs.model import SkipTraining
+from fbs.model.causal_lm import SkipTraining
 
 PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
 
@@ -97,7 +97,7 @@ def test_ffn_skip_does_no_ffn_work():
 
 def test_fused_ffn_skip_does_no_ffn_work():
     """The same through the fused weights: the layer's FFN function is never called for a skipped token."""
-    from fbs.fused import decode_ops
+    from fbs.engine.fused import decode_ops
 
     model = fbs_tiny(skip_granularity="ffn")
     ops = decode_ops(model, "fp32")

@@ -1,4 +1,4 @@
-"""fbs.loading: which weights load_fbs picks (checkpoint > shipped > fresh), overrides, the CLI options, and the
+"""fbs.model.loading: which weights load_fbs picks (checkpoint > shipped > fresh), overrides, the CLI options, and the
 LoRA merge done by the core alone."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fbs import FBSConfig, FBSForCausalLM, loading
-from fbs.lora import ADAPTERS_NAME, LoRALinear, add_adapters
-from fbs.model import write_manifest
+from fbs import FBSConfig, FBSForCausalLM
+from fbs.model import loading
+from fbs.model.checkpoint import write_manifest
+from fbs.model.lora import ADAPTERS_NAME, LoRALinear, add_adapters
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,

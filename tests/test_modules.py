@@ -6,8 +6,8 @@ import torch
 
 from conftest import tiny_config
 from fbs.engine import VALIDATORS
-from fbs.modules.chunk import ChunkHead, ChunkState
-from fbs.modules.preview import ParafoveaWindow, soft_window_weights
+from fbs.model.chunk import ChunkHead, ChunkState
+from fbs.model.preview import ParafoveaWindow, soft_window_weights
 
 
 def _rand_module(mod, seed=0, scale=0.3):
@@ -90,7 +90,7 @@ def test_paw_fixed_k_mode_and_expectation_paths_agree():
 def test_paw_decode_paths_equal_the_training_paths():
     """Decoding's weighted embedding bags equal the dense masked product (the 'other' class, here in every top-K,
     embeds to zero), and the hand-written depthwise conv equals nn.Conv1d with groups = channels."""
-    from fbs.modules.preview import _depthwise3
+    from fbs.model.preview import _depthwise3
 
     cfg = tiny_config(k_max=6)
     paw = _rand_module(ParafoveaWindow(cfg, 32), seed=9)
@@ -113,7 +113,7 @@ def test_validators():
 
 
 def test_fused_gates_equal_module_gates():
-    from fbs.modules.gate import SkipGates
+    from fbs.model.gate import SkipGates
 
     for gate_input in ("both", "residual", "preview"):
         cfg = tiny_config(gate_input=gate_input)

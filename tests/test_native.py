@@ -1,15 +1,15 @@
 """The native kernels (:mod:`fbs.native`) against what they replace: the gate's PyTorch ops
-(:func:`fbs.fused._gate_logit`) and int8 weight-only products (the dequantized matrix, in fp64)."""
+(:func:`fbs.engine.fused._gate_logit`) and int8 weight-only products (the dequantized matrix, in fp64)."""
 
 import logging
 
 import pytest
 import torch
 
-import fbs.fused
+import fbs.engine.fused
 from conftest import fbs_tiny, randomize, require_native, tiny_config, tiny_hf
 from fbs import FBSForCausalLM, native
-from fbs.quant import dequantize, quantize_int8
+from fbs.engine.quant import dequantize, quantize_int8
 
 PROMPT = torch.randint(0, 255, (1, 12), generator=torch.Generator().manual_seed(5))
 
@@ -38,7 +38,7 @@ def test_kernel_equals_the_pytorch_gate(kernel, gy, rel, prev_skip):
     rel_term = torch.randn(G, generator=g) if rel == "constant" else None
     xp = x_prev if rel == "x_prev" else None
     ps = torch.tensor([[1.0], [0.0], [1.0]]) if prev_skip else None
-    ref = fbs.fused._gate_logit(y[..., off:], x, xp, terms, rel_term, ps, gate)
+    ref = fbs.engine.fused._gate_logit(y[..., off:], x, xp, terms, rel_term, ps, gate)
     got = native.gate_logits(y, off, gy, terms, x, xp, rel_term, ps, native.gate_args(gate))
     assert isinstance(got, list) and len(got) == b
     assert torch.allclose(torch.tensor(got, dtype=torch.float64), ref.double(), rtol=1e-5, atol=1e-5)
@@ -56,10 +56,10 @@ def test_engine_with_native_gates_decides_like_the_pytorch_ops(kernel, family, p
     kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy, weights=weights)
     prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist()]
     fast = randomize(fbs_tiny(family, seed=1, gate_prev_skip=True), seed=2)
-    assert fbs.fused.decode_ops(fast, weights).native_gates
+    assert fbs.engine.fused.decode_ops(fast, weights).native_gates
     out = fast.generate(prompts, **kw)
     slow = randomize(fbs_tiny(family, seed=1, gate_prev_skip=True), seed=2)
-    ops = fbs.fused.decode_ops(slow, weights)  # the same weights' arithmetic (native int8 too), PyTorch gate ops
+    ops = fbs.engine.fused.decode_ops(slow, weights)  # the same weights' arithmetic (native int8 too), PyTorch gate ops
     ops.native_gates = False
     ref = slow.generate(prompts, **kw)
     assert 0 < ref.trace.skip_ratio < 1
@@ -77,12 +77,12 @@ def test_a_failed_build_falls_back_to_the_pytorch_ops(monkeypatch, caplog):
 
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_failed", None)
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
     with caplog.at_level(logging.WARNING, logger="fbs.native"):
         assert native.module() is None
     assert "no compiler" in caplog.text
     model = randomize(fbs_tiny(seed=1), seed=2)
-    assert not fbs.fused.decode_ops(model, "fp32").native_gates
+    assert not fbs.engine.fused.decode_ops(model, "fp32").native_gates
     res = model.generate(PROMPT, max_new_tokens=6, ignore_eos=True)
     assert res.trace.skip_ratio > 0 and len(res.new_tokens[0]) == 6
 
@@ -134,7 +134,7 @@ def test_engine_int8_equals_fp32_on_the_dequantized_weights(isa, family, policy)
             if isinstance(mod, torch.nn.Linear):
                 mod.weight.copy_(dequantize(*quantize_int8(mod.weight)))   # exactly representable in int8 now
     model = FBSForCausalLM.from_base(hf, config=tiny_config(ch_layers=(2,))).eval()
-    ops = fbs.fused.decode_ops(model, "int8")
+    ops = fbs.engine.fused.decode_ops(model, "int8")
     assert ops.native_int8 and ops.head_w.w.dim() == 1 and ops.layers[1].gu.w.dim() == 1
     assert ops._k_block["native_step"] and ops._k_ffn["native_step"]
     plan = torch.rand(10, 4, generator=torch.Generator().manual_seed(0)) < 0.4
@@ -150,7 +150,7 @@ def test_engine_int8_equals_fp32_on_the_dequantized_weights(isa, family, policy)
 
 def test_without_native_int8_the_engine_keeps_the_pytorch_op(monkeypatch):
     monkeypatch.setenv("FBS_NATIVE", "0")
-    ops = fbs.fused.decode_ops(fbs_tiny(), "int8")
+    ops = fbs.engine.fused.decode_ops(fbs_tiny(), "int8")
     assert not ops.native_int8 and ops.head_w.w.dim() == 2 and ops.head_w.w.dtype == torch.int8
 
 
@@ -158,7 +158,7 @@ def test_without_native_int8_the_engine_keeps_the_pytorch_op(monkeypatch):
 @pytest.mark.parametrize("hd", [16, 64, 12])
 def test_native_attention_equals_sdpa_over_the_masked_cache(isa, rows, hd):
     """Write + one-query GQA attention over each row's prefix = index writes + SDPA with the prefix mask (the
-    PyTorch path of fbs.fused._block_step), for the whole cache or a gathered subset of its rows; every SIMD path
+    PyTorch path of fbs.engine.fused._block_step), for the whole cache or a gathered subset of its rows; every SIMD path
     (head dims 16 / 64) and the scalar one (12, not a multiple of 8)."""
     g = torch.Generator().manual_seed(4)
     B, H, Hkv, C = 3, 6, 2, 20
@@ -221,11 +221,11 @@ def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, poli
     prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist(), PROMPT[0, :3].tolist()]
     cfg = dict(layers=8, ch_layers=(6,), gate_prev_skip=True)  # native runs: layer 0, layers 2-5 (gated), layer 7
     fast = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
-    layers = fbs.fused.decode_ops(fast, "int8").native_layers
+    layers = fbs.engine.fused.decode_ops(fast, "int8").native_layers
     assert [l for l, n in enumerate(layers) if n is not None] == _plain_layers(fast) == [0, 2, 3, 4, 5, 7]
     out = fast.generate(prompts, **kw)
     slow = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
-    _per_op(fbs.fused.decode_ops(slow, "int8"))
+    _per_op(fbs.engine.fused.decode_ops(slow, "int8"))
     ref = slow.generate(prompts, **kw)
     assert 0 < ref.trace.skip_ratio < 1 and out.new_tokens == ref.new_tokens
     for name in ("executed", "intended_skip", "kv_written", "chunk_boundary", "window_k"):  # CH: native step too
@@ -249,7 +249,7 @@ def test_native_layers_follow_a_plan_like_the_per_op_step(isa, policy):
     fast = randomize(fbs_tiny(seed=3, layers=8, ch_layers=(6,)), seed=4)
     out = fast.generate(prompts, **kw)
     slow = randomize(fbs_tiny(seed=3, layers=8, ch_layers=(6,)), seed=4)
-    _per_op(fbs.fused.decode_ops(slow, "int8"))
+    _per_op(fbs.engine.fused.decode_ops(slow, "int8"))
     ref = slow.generate(prompts, **kw)
     assert out.new_tokens == ref.new_tokens and 0 < ref.trace.skip_ratio < 1
     for name in ("executed", "intended_skip", "kv_written"):
@@ -282,12 +282,12 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
     the input tensor itself comes back), it writes its rotated K/V only when asked (``project``), and a running
     row's output is the per-op step's."""
     model = randomize(fbs_tiny(seed=6), seed=7)
-    ops = fbs.fused.decode_ops(model, "int8")
+    ops = fbs.engine.fused.decode_ops(model, "int8")
     l = _plain_layers(model)[1]
     res = model.generate([PROMPT[0].tolist()] * 2, max_new_tokens=2, ignore_eos=True, weights="int8",
                          force_compute=True)
     assert len(res.new_tokens[0]) == 2
-    from fbs.cache import CacheContext, KVCache
+    from fbs.engine.cache import CacheContext, KVCache
 
     spec, n = model.base.spec, PROMPT.shape[1]
     g = torch.Generator().manual_seed(8)
@@ -333,7 +333,7 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
 def test_qwen3_layers_stay_per_op():
     """Qwen3's per-head Q/K norms are not in the native layer: every Qwen3 layer runs the per-op step."""
     require_native("avx2")
-    layers = fbs.fused.decode_ops(fbs_tiny("qwen3"), "int8").native_layers
+    layers = fbs.engine.fused.decode_ops(fbs_tiny("qwen3"), "int8").native_layers
     assert layers is None or all(n is None for n in layers)
 
 

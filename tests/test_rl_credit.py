@@ -1,4 +1,4 @@
-"""Stage-2 credits: exact per-decision compute credits against fbs.flops, per-token quality, sums, advantages."""
+"""Stage-2 credits: exact per-decision compute credits against fbs.engine.flops, per-token quality, sums, advantages."""
 
 import dataclasses
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import fbs_tiny, randomize
 
-from fbs.flops import FlopCounter
+from fbs.engine.flops import FlopCounter
 from fbs.rl.credit import (compute_credits, macs_saved, normalize_advantages, reward_to_go,
                            token_divergence)
 from fbs.rl.reward import skip_reward

@@ -16,7 +16,7 @@ import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import fbs_tiny, randomize
-from fbs.engine import DecodeOptions, _Decoder
+from fbs.engine import DecodeOptions, Decoder
 
 TEMPERATURES = (0.6, 1.0, 1.7)
 TOP_K = (0, 1, 7, 60)
@@ -37,8 +37,8 @@ def hf_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) 
 
 
 def fbs_warp(logits: torch.Tensor, **opts) -> torch.Tensor:
-    """The engine's sampling filter (``_Decoder.warp``) under these options, on fixed logits."""
-    return _Decoder.warp(types.SimpleNamespace(opts=DecodeOptions(do_sample=True, **opts)), logits)
+    """The engine's sampling filter (``Decoder.warp``) under these options, on fixed logits."""
+    return Decoder.warp(types.SimpleNamespace(opts=DecodeOptions(do_sample=True, **opts)), logits)
 
 
 def fixed_logits() -> torch.Tensor:

@@ -25,7 +25,7 @@ from conftest import VOCAB, randomize, tiny_config, tiny_hf  # noqa: E402
 from fbs import FBSForCausalLM  # noqa: E402
 from fbs.serve.app import ServerThread, create_app  # noqa: E402
 from fbs.serve.batcher import Limits, Request, Scheduler  # noqa: E402
-from fbs.serve.loadtest import LoadConfig, require_loopback, run_load  # noqa: E402
+from fbs.bench.serve_load import LoadConfig, require_loopback, run_load  # noqa: E402
 from fbs.serve.protocol import TextStream, chat_prompt  # noqa: E402
 
 NAME = "tiny-fbs"

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from conftest import FAMILIES, VOCAB, int8_exact_, require_native, tiny_config, tiny_hf
 from fbs import FBSForCausalLM
-from fbs.fused import decode_ops
+from fbs.engine.fused import decode_ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest on a shared machine
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fbs import FBSForCausalLM
-from fbs.models import load_base
+from fbs.model.bases import load_base
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_added_parameters_within_budget(smol):
 def test_shipped_weights_skip_and_decode_like_the_parallel_forward(smol):
     """The trained FBS shipped in the package: loads by default, is not the base model, skips at its
     operating point, and cached decoding with real skips equals the teacher-forced parallel forward."""
-    from fbs.loading import shipped_checkpoint
+    from fbs.model.loading import shipped_checkpoint
 
     path = shipped_checkpoint("smollm2-135m")
     assert path is not None, "src/fbs/assets/fbs-smollm2-135m is missing"

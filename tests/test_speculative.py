@@ -1,4 +1,4 @@
-"""Lossless speculative decoding (fbs.speculative): FBS lossless, Draft&Verify and Kangaroo drafts, one verifier.
+"""Lossless speculative decoding (fbs.engine.speculative): FBS lossless, Draft&Verify and Kangaroo drafts, one verifier.
 
 The oracle is the engine at full depth (``force_compute=True``): greedy lossless decoding must give its tokens, and
 after a rejected draft the KV cache and chunk states must be those of a run that never drafted.
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import fbs_tiny, randomize
-from fbs.engine import _run, _start
-from fbs.kangaroo import KangarooAdapter
-from fbs.speculative import (accept_sampled, acceptance_mle, best_gamma, draft_plan, draft_step_cost,
+from fbs.engine import run, start
+from fbs.baselines.kangaroo import KangarooAdapter
+from fbs.engine.speculative import (accept_sampled, acceptance_mle, best_gamma, draft_plan, draft_step_cost,
                              expected_speedup)
 
 #: per family, (randomize seed, gate bias) whose gates skip a fair share and whose drafts are often, not always,
@@ -83,7 +83,7 @@ def test_stream_yields_the_tokens_of_each_round(one_thread):
 
 
 def _decoder(model, **kw):
-    return _start(model, PROMPT, None, None, dict(ignore_eos=True, **kw))
+    return start(model, PROMPT, None, None, dict(ignore_eos=True, **kw))
 
 
 def _assert_same_state(dec, ref):
@@ -110,14 +110,14 @@ def test_rejected_draft_leaves_the_state_of_a_run_that_never_drafted(policy, one
 
     def check():
         ref = _decoder(model, max_new_tokens=len(dec.out[0]), force_compute=True, kv_policy=policy)
-        for _ in _run(ref):
+        for _ in run(ref):
             pass
         assert ref.out[0] == dec.out[0]
         assert dec.cache.lengths[0][0] == PROMPT.shape[1] + len(dec.out[0]) - 1
         _assert_same_state(dec, ref)
 
     checked = False
-    for _ in _run(dec):  # tokens are yielded after their round's rollback
+    for _ in run(dec):  # tokens are yielded after their round's rollback
         if not checked and dec.spec.rejections[0] > 0:
             check()
             checked = True
@@ -233,7 +233,7 @@ def test_cost_model_of_a_round():
 def test_an_int8_draft_is_priced_against_the_fp32_verifier_step():
     """The verifier (and gamma-0 steps) run fp32 whatever the draft's format: a full-depth int8 draft costs the int8
     step's bytes over the fp32 step's (hand-computed from the parameter counts), not 1, so drafting can pay."""
-    from fbs.flops import LayerCost
+    from fbs.engine.flops import LayerCost
 
     model = fbs_tiny()
     cost = LayerCost.of(model.base.spec)
@@ -247,7 +247,7 @@ def test_an_int8_draft_is_priced_against_the_fp32_verifier_step():
     head = hf.lm_head.weight.numel()
     L, d, vocab = cost.num_layers, cost.hidden_size, cost.vocab_size
     fp32 = 4 * (L * (matrices + vectors) + head + d)
-    from fbs.flops import weight_format
+    from fbs.engine.flops import weight_format
 
     f = weight_format("int8")
     int8 = (L * (matrices * f.weight + rows * f.scale + vectors * f.activation) + head * f.weight + vocab * f.scale
@@ -305,7 +305,7 @@ def test_bench_runs_the_lossless_systems(one_thread, tmp_path):
 @pytest.fixture(scope="module")
 def shipped_smollm2():
     from fbs import FBSForCausalLM
-    from fbs.loading import shipped_checkpoint
+    from fbs.model.loading import shipped_checkpoint
 
     path = shipped_checkpoint("smollm2-135m")
     if path is None:

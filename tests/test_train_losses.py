@@ -103,7 +103,7 @@ def test_distill_loss_is_masked_bce():
 
 
 def test_stage1_loss_total_is_the_weighted_sum():
-    from fbs.model import FBSOutput
+    from fbs.model.causal_lm import FBSOutput
 
     torch.manual_seed(0)
     b, t, v, l, k, n = 1, 5, 7, 3, 2, 4

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fbs.model import SkipTraining
+from fbs.model.causal_lm import SkipTraining
 from fbs.train.losses import HarmTargets, kl_loss
 from fbs.train.stage1 import Trainer, adapters_disabled, chat_before, drop_depth_curve, is_chat, is_full_depth
 
@@ -110,7 +110,7 @@ def test_chat_share_is_spread_evenly_and_indices_are_dense():
 
 
 def test_adapters_disabled_computes_the_base_model():
-    from fbs.train.lora import add_adapters
+    from fbs.train.adapters import add_adapters
 
     hf = tiny_hf()
     ids = torch.randint(0, 200, (1, 8))

@@ -193,7 +193,7 @@ def test_gates_learn_the_oracle(tmp_path):
 
 
 def test_thresholded_straight_through_gate():
-    from fbs.modules.gate import straight_through
+    from fbs.model.gate import straight_through
 
     p = torch.tensor([0.2, 0.8, 0.71], requires_grad=True)
     g = straight_through(p, tau=0.7)

@@ -23,8 +23,8 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import VOCAB, tiny_config, tiny_hf
 from fbs import FBSForCausalLM
-from fbs.fused import decode_ops
-from fbs.quant import dequantize, quantize_int8
+from fbs.engine.fused import decode_ops
+from fbs.engine.quant import dequantize, quantize_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BF16 = torch.bfloat16

@@ -6,10 +6,10 @@
     res = model.generate(input_ids, max_new_tokens=64)   # tokens + per-step trace + timings
 """
 
-from .config import ConfigError, FBSConfig
-from .hf_adapter import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError
-from .model import CheckpointError, FBSForCausalLM, FBSOutput
-from .models import BaseModelError
+from .model.bases import BaseModelError
+from .model.causal_lm import CheckpointError, FBSForCausalLM, FBSOutput
+from .model.config import ConfigError, FBSConfig
+from .model.hf_adapter import SUPPORTED_MODEL_TYPES, UnsupportedArchitectureError
 
 __all__ = [
     "FBSConfig", "FBSForCausalLM", "FBSOutput", "ConfigError", "CheckpointError", "BaseModelError",

@@ -8,8 +8,8 @@ import json
 import logging
 import sys
 
-from .fused import WEIGHTS
-from .loading import add_model_arguments, load_from_args
+from .engine.fused import WEIGHTS
+from .model.loading import add_model_arguments, load_from_args
 
 #: Modules that add their own subcommands through ``register(subparsers)`` (fbs.eval.mechanism: ``fbs analyze``).
 SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.eval.mechanism", "fbs.bench.cli", "fbs.train.cli",
@@ -117,14 +117,14 @@ def _lossless_options(args, model) -> dict:
     """Decode options of ``--lossless`` (and of the drafts it selects: ``--draft-layers``, ``--kangaroo``)."""
     if not (args.lossless or args.draft_layers or args.kangaroo):
         return {}
-    from .speculative import draft_plan
+    from .engine.speculative import draft_plan
 
     opts = {"lossless": True, **{k: v for k, v in (("draft_tokens", args.draft_tokens),
                                                    ("draft_stop", args.draft_stop)) if v is not None}}
     if args.draft_layers:
         opts["skip_plan"] = draft_plan(args.draft_layers, model.num_layers)
     if args.kangaroo:
-        from .kangaroo import KangarooAdapter
+        from .baselines.kangaroo import KangarooAdapter
 
         opts["draft_adapter"] = KangarooAdapter.load(args.kangaroo, model, check_base=not args.no_base_check)
     return opts

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..layer import COMPUTE, LayerOut, Mix, Route
+from ..model.layer import COMPUTE, LayerOut, Mix, Route
 from .host import host_model
 
 

@@ -20,7 +20,7 @@ and trains for 3 epochs of Tulu-v2) and the adapter's output projection starts a
 the plain residual); position 0 (the attention sink) is never routed (``route_from``, as FBS's ``gate_from``).
 
 One implementation serves training, teacher-forced evaluation and decoding: the routers feed
-:func:`fbs.layer.layer_step` through :class:`fbs.layer.Mix`'s ``ffn_scale`` and ``bypass`` hooks, in the
+:func:`fbs.model.layer.layer_step` through :class:`fbs.model.layer.Mix`'s ``ffn_scale`` and ``bypass`` hooks, in the
 parallel forward (``mixer=``) and in the engine (``skip_policy=``, prompt included), so the parallel form
 equals cached decoding (tested).
 """
@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layer import COMPUTE, LayerOut, Mix, Route
-from ..model import FBSForCausalLM
+from ..model.layer import COMPUTE, LayerOut, Mix, Route
+from ..model.causal_lm import FBSForCausalLM
 from .host import host_model
 
 CONFIG_NAME = "flexidepth_config.json"
@@ -161,7 +161,7 @@ class FlexiDepth(nn.Module):
     @classmethod
     def from_base(cls, base, config: FlexiDepthConfig | None = None, tokenizer=None) -> "FlexiDepth":
         """``base``: an HF causal LM instance or a bundled name / HF directory; fresh routers and adapters."""
-        from ..models import base_fingerprint
+        from ..model.bases import base_fingerprint
 
         host = host_model(base, tokenizer, kv_policy="project", skip_granularity="layer")
         hf = host.base.hf
@@ -192,7 +192,7 @@ class FlexiDepth(nn.Module):
         return x + (1 - g).unsqueeze(-1) * self.adapters[str(l)](self.host.base.norm2(l, x))
 
     def layer_mix(self, l: int, g: torch.Tensor, routed: torch.Tensor, tau: float) -> Mix:
-        """Layer l's :class:`fbs.layer.Mix` for (B, T) gates g at the ``routed`` positions."""
+        """Layer l's :class:`fbs.model.layer.Mix` for (B, T) gates g at the ``routed`` positions."""
         return Mix("layer", skip=routed & (g <= tau), ffn_scale=torch.where(routed, g, torch.ones_like(g)),
                    bypass=lambda layer, x: self.skip_path(layer, x, g))
 
@@ -255,7 +255,7 @@ class FlexiDepth(nn.Module):
         """Load a checkpoint onto ``base`` (default: the base model recorded in it); refuses other weights."""
         from safetensors.torch import load_file
 
-        from ..models import base_fingerprint
+        from ..model.bases import base_fingerprint
 
         path = Path(path)
         if not (path / CONFIG_NAME).is_file():

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..config import FBSConfig
-from ..model import FBSForCausalLM
+from ..model.config import FBSConfig
+from ..model.causal_lm import FBSForCausalLM
 
 
 def host_model(base, tokenizer=None, **config) -> FBSForCausalLM:
     """``base``: an HF causal LM instance or a bundled name / HF directory. ``config``: FBSConfig fields
     (``skip_granularity``, ``kv_policy``). Returns the model in eval mode."""
     if not isinstance(base, nn.Module):
-        from ..models import load_base
+        from ..model.bases import load_base
 
         base, tok = load_base(base)
         tokenizer = tokenizer or tok

@@ -1,19 +1,19 @@
-"""Decode-work statistics of the benchmark's systems, priced with the one cost model of :mod:`fbs.flops`.
+"""Decode-work statistics of the benchmark's systems, priced with the one cost model of :mod:`fbs.engine.flops`.
 
 Every figure counts the **decode** (tokens at positions ``>= prompt_len``; the prompt's forward is excluded,
 as in the paper's Eq. (tflops-rel), where T counts decode steps) relative to plain greedy decoding of the
-same tokens (DESIGN.md §5, paper appendix B.3; the definitions are in :mod:`fbs.flops`):
+same tokens (DESIGN.md §5, paper appendix B.3; the definitions are in :mod:`fbs.engine.flops`):
 
-* HF systems: :class:`fbs.hf_adapter.DecodeCallCounter` counts what the model's layers and LM head processed
-  during one untimed ``generate``; :meth:`fbs.flops.LayerCost.counted_macs` prices it.
-* FBS systems: the engine's trace, priced by :class:`fbs.flops.FlopCounter` (TFLOPs and bytes).
+* HF systems: :class:`fbs.model.hf_adapter.DecodeCallCounter` counts what the model's layers and LM head processed
+  during one untimed ``generate``; :meth:`fbs.engine.flops.LayerCost.counted_macs` prices it.
+* FBS systems: the engine's trace, priced by :class:`fbs.engine.flops.FlopCounter` (TFLOPs and bytes).
 
 Public entry points:
     hf_decode_stats(counter, model, ...)          tflops_rel(_exact) of an HF generate (draft model included)
     fbs_decode_stats(trace, model, ...)           skip ratios, tflops_rel(_exact), bytes_rel of an engine run
     speculative_ratios(candidates, new_tokens)    appendix B.4 ratios of one generate
     speculative_ratios_from_counts(passes, proposed, new_tokens)   the same, pooled over prompts
-    lossless_decode_stats(result)                 the engine's speculative systems (fbs.speculative): counts, ratios
+    lossless_decode_stats(result)                 the engine's speculative systems (fbs.engine.speculative): counts, ratios
     policy_overhead(policy, trace, model, ...)    a baseline policy's own work added to tflops_rel_exact, bytes_rel
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fbs.flops import FlopCounter, LayerCost, baseline_decode_macs, step_bytes
+from fbs.engine.flops import FlopCounter, LayerCost, baseline_decode_macs, step_bytes
 
 
 def hf_decode_stats(counter, model, prompt_len: int, new_tokens: int, batch: int,
@@ -47,7 +47,7 @@ def hf_decode_stats(counter, model, prompt_len: int, new_tokens: int, batch: int
 def fbs_decode_stats(trace, model, prompt_len: int, new_tokens: int, weights: str = "fp32") -> dict[str, Any]:
     """Skip ratios, both TFLOPs(rel) and bytes(rel) of one engine run.
 
-    The TFLOPs figures are the engine's own (``trace.tflops_rel*``, computed by :class:`fbs.flops.FlopCounter`).
+    The TFLOPs figures are the engine's own (``trace.tflops_rel*``, computed by :class:`fbs.engine.flops.FlopCounter`).
     ``bench_tflops_rel`` recounts the executed layer invocations from the trace's mask against plain decoding
     of ``new_tokens`` (a check of the trace's bookkeeping: it must equal ``tflops_rel``). Trace entry s is the
     decode step that consumed generated token s (position ``trace.context_len``); the last entry never runs
@@ -116,7 +116,7 @@ def policy_overhead(policy, trace, model, prompt_len: int, new_tokens: int, stat
 def lossless_decode_stats(result) -> dict[str, Any]:
     """Probe statistics of the engine's lossless decoding (``result.speculative``, per-row means): appendix B.4's
     counts and ratios, the draft's own skip share, and TFLOPs(rel) of everything that ran (drafts, rejected
-    candidates, verification) against plain decoding (the engine's accounting, :meth:`fbs.speculative`)."""
+    candidates, verification) against plain decoding (the engine's accounting, :meth:`fbs.engine.speculative`)."""
     st = result.speculative
     return {
         "passes": st.passes, "proposed": st.proposed, "accepted": st.accepted, "rejections": st.rejections,

@@ -11,7 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fbs.fused import WEIGHTS
+from fbs.engine.fused import WEIGHTS
 
 #: ``--compile`` values -> RunSpec.compile
 COMPILE_MODES = {"off": False, "on": True, "both": (False, True)}
@@ -136,7 +136,7 @@ def register(subparsers) -> None:
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
     # `fbs bench serve ...`: the load test of `fbs serve` (docs/serve.md); plain `fbs bench` stays the engine benchmark
-    from fbs.serve.loadtest import register as register_serve_load
+    from fbs.bench.serve_load import register as register_serve_load
 
     sub = p.add_subparsers(dest="bench_command", metavar="{serve,recompute}",
                            help="serve: load test of fbs serve; recompute: a saved bench.json's comparisons again "

@@ -2,7 +2,7 @@
 
 Timing a decode step on a shared machine is noisy; the per-token Python overhead of a one-token step is
 mostly a count of small operator calls and of device-to-host reads, which do not vary from run to run.
-:func:`count_decode_steps` records, for every ``_Decoder.decode_step`` call inside the block, one
+:func:`count_decode_steps` records, for every ``Decoder.decode_step`` call inside the block, one
 :class:`StepCount`:
 
 * ``ops``: top-level ATen calls (calls issued from Python or from a compiled graph's wrapper, each one trip
@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from ..engine import _Decoder
+from ..engine import Decoder
 
 _HOST_READS = ("tolist", "item", "__bool__", "__float__", "__int__", "__index__")
 
@@ -117,7 +117,7 @@ def count_decode_steps():
     """Yields a list that receives a :class:`StepCount` per ``decode_step`` of the engine run inside the block
     (prefill, sampling and the trace's finishing are not counted)."""
     steps: list[StepCount] = []
-    real = _Decoder.decode_step
+    real = Decoder.decode_step
 
     def counted(self, *a, **k):
         with count_calls() as c:
@@ -125,11 +125,11 @@ def count_decode_steps():
         steps.extend(c)
         return out
 
-    _Decoder.decode_step = counted
+    Decoder.decode_step = counted
     try:
         yield steps
     finally:
-        _Decoder.decode_step = real
+        Decoder.decode_step = real
 
 
 def median_count(steps: list[StepCount]) -> StepCount:
@@ -161,8 +161,8 @@ def _settings(model, bare, weights: list[str], compile_modes: list[bool]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..loading import load_fbs
-    from ..model import FBSForCausalLM
+    from ..model.loading import load_fbs
+    from ..model.causal_lm import FBSForCausalLM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="smollm2-135m")

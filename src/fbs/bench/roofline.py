@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from fbs.flops import LayerCost, step_bytes
+from fbs.engine.flops import LayerCost, step_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def decode_roofline(cost: LayerCost, peaks: MachinePeaks, prompt_len: int, new_t
                     overhead_macs_per_token: float = 0.0, weights: str = "fp32") -> dict[str, float]:
     """Lower bound on one decode step's time, at the mean decode context, for a given executed-layer fraction.
 
-    Bytes are :func:`fbs.flops.step_bytes` (weights once per step for the batch, K/V per row; skipped layers
+    Bytes are :func:`fbs.engine.flops.step_bytes` (weights once per step for the batch, K/V per row; skipped layers
     read nothing under ``hole`` and their K/V projection weights under ``project``), FLOPs are 2 x MACs per row.
     """
     L = cost.num_layers

@@ -23,12 +23,12 @@ from fbs.bench import report
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, paired_decode, prompts_digest)
 from fbs import native
-from fbs.fused import WEIGHTS
 from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS, LlamaBenchSystem, system_name
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
 from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
                                hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
-from fbs.flops import LayerCost
+from fbs.engine.flops import LayerCost
+from fbs.engine.fused import WEIGHTS
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", *LLAMA_CPP_GRO
           "draft-verify", "kangaroo")
 #: Names that stand for several groups.
 ALIASES = {"llama-cpp": LLAMA_CPP_GROUPS}
-#: The lossless speculative groups (fbs.speculative), run on the FBS model.
+#: The lossless speculative groups (fbs.engine.speculative), run on the FBS model.
 LOSSLESS_GROUPS = ("fbs-lossless", "draft-verify", "kangaroo")
 
 
@@ -88,8 +88,8 @@ class RunSpec:
     batch_policies: tuple[str, ...] = ("gather",)
     """Engine batch policies of the FBS systems (gather, all, majority); others than gather add ``-<policy>``."""
     ffn_skip_thresholds: tuple[float, ...] = (0.984, 0.988)
-    """FFN-SkipLLM's cosine-saturation thresholds, one system each (:mod:`fbs.baselines.ffn_skip`); on SmolLM2-135M
-    they skip about 31% and 17% of the FFN blocks (teacher-forced, :class:`fbs.baselines.FFNSkipLLM`)."""
+    """FFN-SkipLLM's cosine-saturation thresholds, one system each (:mod:`fbs.baselines.ffn_skip`): a lower
+    threshold skips more FFN blocks (:class:`fbs.baselines.FFNSkipLLM`)."""
     flexidepth: str | None = None
     """FlexiDepth checkpoint (``fbs train flexidepth`` output); None = the row says how to make one."""
     flexidepth_taus: tuple[float, ...] = ()
@@ -133,9 +133,9 @@ def load_fbs(model, tok, spec: RunSpec):
     """The FBS model over the already-loaded base, and a note on where its modules came from.
 
     Untrained modules share the base's weights. A trained checkpoint with Stage-1 adapters gets a private,
-    merged copy of the base (:func:`fbs.loading.load_checkpoint`), so the HF systems keep running the base model
+    merged copy of the base (:func:`fbs.model.loading.load_checkpoint`), so the HF systems keep running the base model
     and the FBS systems pay no adapter overhead; the FBS rows' peak RSS includes that copy."""
-    from fbs import loading
+    from fbs.model import loading
 
     ckpt = loading.choose_checkpoint(spec.base, spec.checkpoint, shipped=not spec.fresh)
     model = loading.load_fbs(model, ckpt, shipped=False, tokenizer=tok)
@@ -372,7 +372,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     ``model``/``tok`` (and ``fbs_model``, built over ``model``) may be passed preloaded; by default they are
     loaded from ``spec``. ``progress`` shows a progress bar per batch size on stderr.
     """
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     if bench.threads:
         torch.set_num_threads(bench.threads)

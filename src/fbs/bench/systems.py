@@ -33,7 +33,7 @@ from fbs.baselines.flexidepth import FlexiDepth
 from fbs.bench.accounting import (fbs_decode_stats, hf_decode_stats, lossless_decode_stats, policy_overhead,
                                   speculative_ratios)
 from fbs.bench.harness import GenOutput
-from fbs.hf_adapter import DecodeCallCounter
+from fbs.model.hf_adapter import DecodeCallCounter
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ DRAFT_VERIFY_STOP, KANGAROO_STOP = 0.8, 0.6
 
 @dataclasses.dataclass
 class SpeculativeSystem(FBSSystem):
-    """The FBS engine's lossless decoding (:mod:`fbs.speculative`): a draft (the gated FBS, a static skip set or a
+    """The FBS engine's lossless decoding (:mod:`fbs.engine.speculative`): a draft (the gated FBS, a static skip set or a
     Kangaroo adapter) proposes, full depth verifies. ``knobs`` are decode options; ``draft`` names the draft's
     file in ``params`` (the adapter object itself is a knob). ``missing``: why it cannot run."""
 
@@ -253,8 +253,8 @@ def lossless_systems(fbs_model, draft_tokens: int | None = None, draft_layers: s
     """``fbs-lossless`` (gates at the checkpoint's tau draft; ``fbs-lossless-tau<t>`` at each of ``taus``: acceptance
     against the draft's skip share), ``draft-verify`` (the static skip set of ``fbs train draft-search``) and
     ``kangaroo`` (an adapter of ``fbs train kangaroo``); without their files the last two say how to make them."""
-    from fbs.kangaroo import KangarooAdapter
-    from fbs.speculative import draft_plan
+    from fbs.baselines.kangaroo import KangarooAdapter
+    from fbs.engine.speculative import draft_plan
 
     gamma = {} if draft_tokens is None else {"draft_tokens": draft_tokens}
     out = []

@@ -116,7 +116,7 @@ def segment_spans(text: str, segmenter: Segmenter, flt: SegmentFilter = SegmentF
 
 
 def pkuseg_segmenter() -> Segmenter:
-    """pkuseg's bundled default model as a :data:`Segmenter` (offline; ~4 s to load)."""
+    """pkuseg's bundled default model as a :data:`Segmenter` (offline)."""
     try:
         import pkuseg
     except ImportError as exc:

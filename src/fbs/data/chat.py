@@ -100,7 +100,7 @@ def render_conversation(tokenizer, item: ChatItem) -> list[int]:
 
 def chat_blocks(items: list[ChatItem], tokenizer, block_size: int) -> torch.Tensor:
     """Conversations packed into (N, block_size) blocks (EOS between conversations)."""
-    from ..train.data import pack
+    from .corpus import pack
 
     docs = [render_conversation(tokenizer, it) for it in items]
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0

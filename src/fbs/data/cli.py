@@ -18,12 +18,12 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 
-def _progress(it, desc: str = "", total: int | None = None, unit: str = "it"):
+def progress_bar(it, desc: str = "", total: int | None = None, unit: str = "it"):
     return tqdm(it, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
 def _load_tokenizer(name: str):
-    from fbs.models import load_tokenizer
+    from fbs.model.bases import load_tokenizer
 
     return load_tokenizer(name)
 
@@ -48,7 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             bundle_chars=args.bundle_chars, max_docs_per_source=args.max_docs_per_source,
         )
         tok = _load_tokenizer(args.tokenizer)
-        manifest = build_corpus(args.out, tok, args.tokenizer, config, progress=_progress)
+        manifest = build_corpus(args.out, tok, args.tokenizer, config, progress=progress_bar)
     except (SourceError, ValueError, ImportError) as exc:
         return _error(str(exc))
     print(f"corpus written to {args.out}")
@@ -72,7 +72,7 @@ def cmd_label(args: argparse.Namespace) -> int:
         lexicon = None if args.no_idioms else IdiomLexicon(load_idioms(), int(lo), int(hi or lo))
         tok = None if args.tokenizer == "none" else _load_tokenizer(args.tokenizer)
         splits = tuple(args.splits.split(",")) if args.splits else SPLITS
-        report = label_corpus(args.corpus, segmenter, lexicon, tok, splits=splits, progress=_progress)
+        report = label_corpus(args.corpus, segmenter, lexicon, tok, splits=splits, progress=progress_bar)
     except (SourceError, ValueError, ImportError) as exc:
         return _error(str(exc))
     print(json.dumps(report, indent=2, sort_keys=True))
@@ -87,7 +87,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         tok = _load_tokenizer(args.tokenizer)
         splits = tuple(args.splits.split(",")) if args.splits else SPLITS
         report = {"tokenizer": args.tokenizer, "splits": {
-            split: label_statistics(args.corpus, tok, split, args.block_size, progress=_progress) for split in splits}}
+            split: label_statistics(args.corpus, tok, split, args.block_size, progress=progress_bar) for split in splits}}
     except (SourceError, ValueError, ImportError) as exc:
         return _error(str(exc))
     if args.out:
@@ -114,12 +114,12 @@ def cmd_probe(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         if args.checkpoint:  # the backbone of a trained FBS model, its modules and adapters included
-            from fbs.loading import load_fbs
+            from fbs.model.loading import load_fbs
 
             model = load_fbs(args.model, args.checkpoint)
             tok, features = model.tokenizer, fbs_hidden_features
         else:
-            from fbs.models import load_base
+            from fbs.model.bases import load_base
 
             model, tok = load_base(args.model)
             features = hidden_features
@@ -129,7 +129,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         evaluation = corpus_sequences(args.corpus, args.eval_split, tok, args.seq_len, args.eval_seqs or None,
                                       args.seed + 1)
         items = idiom_items(load_idiom_examples(), tok, args.idiom_items, args.seed) if args.idiom_items else []
-        result = run_probe(model, train, evaluation, items, config, progress=_progress, features=features)
+        result = run_probe(model, train, evaluation, items, config, progress=progress_bar, features=features)
     except (SourceError, ValueError, ImportError, FileNotFoundError) as exc:
         return _error(str(exc))
     out = {"model": args.model, "corpus": str(args.corpus), "train_split": args.train_split,
@@ -172,7 +172,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     for lang in {it.lang for it in train}}
         share = {lang: round(args.answers * len(v) / len(train)) for lang, v in per_lang.items()}
         pick = [it for lang, v in per_lang.items() for it in v[:share[lang]]]
-        answers = chat.base_answers(model, model.tokenizer, pick, args.max_new_tokens, args.batch_size, _progress)
+        answers = chat.base_answers(model, model.tokenizer, pick, args.max_new_tokens, args.batch_size, progress_bar)
         for it, a in zip(pick, answers):
             it.base_answer = a
     chat.write_items(args.out / "train.jsonl", train)
@@ -196,7 +196,7 @@ def register(subparsers: Any) -> None:
 
     b = sub.add_parser("build", help="build the deduplicated, split corpus from the offline sources")
     b.add_argument("--out", required=True, type=Path, help="output directory")
-    b.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for the length filter (fbs.models name or path)")
+    b.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for the length filter (fbs.model.bases name or path)")
     b.add_argument("--sources", default=None, help=f"comma-separated subset of: {','.join(d.sources)}")
     b.add_argument("--min-tokens", type=int, default=d.min_tokens)
     b.add_argument("--near-dup", type=float, default=d.near_dup_threshold, help="drop above this MinHash similarity")
@@ -218,7 +218,7 @@ def register(subparsers: Any) -> None:
 
     st = sub.add_parser("stats", help="label statistics of a labelled corpus under any tokenizer (B/I/O/S, q, CE/CTC)")
     st.add_argument("--corpus", required=True, type=Path, help="directory labelled by `fbs data label`")
-    st.add_argument("--tokenizer", default="smollm2-135m", help="fbs.models name or HF directory")
+    st.add_argument("--tokenizer", default="smollm2-135m", help="fbs.model.bases name or HF directory")
     st.add_argument("--splits", default=None, help="comma-separated splits (default: all)")
     st.add_argument("--block-size", type=int, default=512, help="training block length for per-block coverage")
     st.add_argument("--out", type=Path, default=None, help="write the statistics as JSON")
@@ -237,7 +237,7 @@ def register(subparsers: Any) -> None:
     c.set_defaults(func=cmd_chat)
 
     p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
-    p.add_argument("--model", default="smollm2-135m", help="fbs.models name or HF directory")
+    p.add_argument("--model", default="smollm2-135m", help="fbs.model.bases name or HF directory")
     p.add_argument("--corpus", required=True, type=Path, help="labelled corpus directory")
     p.add_argument("--checkpoint", default=None,
                    help="probe a trained FBS checkpoint's hidden states instead of the frozen base's (e.g. a model "

@@ -455,3 +455,10 @@ def collate_blocks(blocks: Sequence[Block]) -> dict[str, torch.Tensor]:
         "coverage": torch.tensor([b.coverage for b in blocks], dtype=torch.float),
         "index": torch.tensor([b.index for b in blocks], dtype=torch.long),
     }
+
+
+def pack(docs: list[list[int]], block_size: int, sep: int) -> torch.Tensor:
+    """Concatenate documents with ``sep`` after each and cut into full blocks: (N, block_size)."""
+    flat = [t for d in docs for t in (*d, sep)]
+    n = len(flat) // block_size
+    return torch.tensor(flat[: n * block_size], dtype=torch.long).view(n, block_size)

@@ -167,7 +167,7 @@ def hidden_features(
 
 
 class _CaptureFBS:
-    """A ``mixer`` for :meth:`fbs.model.FBSForCausalLM.forward` that routes nothing (``gate_mode="off"``: every
+    """A ``mixer`` for :meth:`fbs.model.causal_lm.FBSForCausalLM.forward` that routes nothing (``gate_mode="off"``: every
     layer runs) and keeps ``hidden_states[layer]``, the output of decoder layer ``layer - 1``."""
 
     def __init__(self, layer: int):

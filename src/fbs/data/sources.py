@@ -39,7 +39,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "FBS_CACHE_DIR"  # same variable as fbs.models: the root of every fbs cache
+CACHE_ENV = "FBS_CACHE_DIR"  # same variable as fbs.model.bases: the root of every fbs cache
 DEFAULT_BUNDLE_CHARS = 1024
 
 

@@ -18,7 +18,7 @@ logits and the (B, T, L) bool mask of what it skipped.
   (``FlexiDepth.generate``, the ``fbs bench`` rows). A skip is a whole layer whose K/V are still computed and whose
   adapter runs.
 
-What a skipped pair saves (:class:`fbs.eval.sweep.PairSaving`, fp32 weights, the :mod:`fbs.flops` cost model):
+What a skipped pair saves (:class:`fbs.eval.sweep.PairSaving`, fp32 weights, the :mod:`fbs.engine.flops` cost model):
 FFN-SkipLLM saves the FFN's MACs and bytes only (its cosine test, 2d MACs per tested block, is not priced, as in
 ``fbs bench``); FlexiDepth saves the layer less its K/V projection and its adapter, and every decoded token runs the
 routers of the routed layers (an overhead added whether or not it skips).
@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from ..baselines import FFNSkipLLM, FlexiDepth, ffn_skip_model
-from ..flops import LayerCost
+from ..engine.flops import LayerCost
 from .sweep import (DEFAULT_GATE_FROM, HeldoutDoc, PairSaving, SystemScores, _check_lengths, score,
                     select_operating_point, summarize)
 from .systems import FBSSystem, System

@@ -1,6 +1,6 @@
 """Free-running generation quality (``fbs eval chat``): does a skipping model still answer like the base model?
 
-Teacher-forced perplexity does not see errors that compound over a free-running answer (issue 14). This
+Teacher-forced perplexity does not see errors that compound over a free-running answer. This
 evaluation decodes held-out instruction prompts with each system and compares the answers with the base
 model's:
 

@@ -1,4 +1,4 @@
-"""The trained chunk head (CH) scored like the linear probe (``fbs eval ch``; paper appendix D, issue 15 table 4).
+"""The trained chunk head (CH) scored like the linear probe (``fbs eval ch``; paper appendix D, table 4).
 
 ``fbs probe`` (:mod:`fbs.data.probe`) trains a linear read-out of a frozen backbone's hidden state against the
 weak BIOS labels and scores it with BIOS-F1, boundary-F1 and idiom accuracy. This module scores the BIOS head
@@ -147,13 +147,13 @@ def probe_eval_data(corpus_dir, split: str, tokenizer, seq_len: int, n: int | No
 
 
 def cmd_ch(args) -> int:
-    from fbs.data.cli import _progress
+    from fbs.data.cli import progress_bar
     from fbs.data.sources import SourceError
-    from fbs.loading import choose_checkpoint, load_fbs
+    from fbs.model.loading import choose_checkpoint, load_fbs
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    progress = (lambda it, **_: it) if args.no_progress else _progress
+    progress = (lambda it, **_: it) if args.no_progress else progress_bar
     try:
         ckpt = choose_checkpoint(args.model, args.checkpoint)
         if ckpt is None:
@@ -190,7 +190,7 @@ def cmd_ch(args) -> int:
 
 def add_parser(sub) -> None:
     """``fbs eval ch`` (registered by :func:`fbs.eval.cli.register`); data options as ``fbs probe``'s."""
-    from fbs.models import DEFAULT_BASE
+    from fbs.model.bases import DEFAULT_BASE
 
     p = sub.add_parser("ch", help="BIOS-F1 / boundary-F1 / idiom accuracy of a checkpoint's trained chunk head, "
                                   "on the data and metrics of `fbs probe`")

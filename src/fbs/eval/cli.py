@@ -2,7 +2,7 @@
 
     fbs eval run --system base --tasks ppl_c4,mmlu --limit 100 --out results/base.json
     fbs eval run --system fbs --tau 0.7 --kv-policy project --out results/fbs.json
-    fbs eval run --protocol cpu --system base --out results/protocol_cpu/base.json     # issue 15's CPU protocol
+    fbs eval run --protocol cpu --system base --out results/protocol_cpu/base.json     # the CPU protocol
     fbs eval run --protocol cpu --dry-run                                              # sizes + subset ids only
     fbs eval merge results/ctrl_a.json results/ctrl_b.json --out results/ctrl.json      # pieces run side by side
     fbs eval compare results/fbs.json results/base.json [--bh]
@@ -37,9 +37,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: FFN-SkipLLM thresholds `fbs eval sweep --baseline ffn-skipllm` scores by default: on SmolLM2-135M (teacher-forced
-#: pydoc text, fbs.baselines.FFNSkipLLM) about 11%, 17%, 24%, 31% and 48% of the FFN blocks; the bench's default
-#: thresholds (0.984, 0.988) are among them
+#: FFN-SkipLLM thresholds `fbs eval sweep --baseline ffn-skipllm` scores by default, from few to many skipped FFN
+#: blocks (fbs.baselines.FFNSkipLLM); the bench's default thresholds (0.984, 0.988) are among them
 DEFAULT_FFN_SKIP_THRESHOLDS = (0.99, 0.988, 0.986, 0.984, 0.98)
 
 
@@ -51,20 +50,20 @@ def build_system(args):
     kw = {"max_length": args.max_length, "max_batch_tokens": args.max_batch_tokens}
     _check_baseline_args(args, args.system)
     if args.system == "base":
-        from fbs.models import load_base
+        from fbs.model.bases import load_base
 
         model, tok = load_base(args.model)
         return HFSystem(model, tok, name=args.name or f"{args.model} (base)", **kw)
     if args.system in ("ffn-skipllm", "flexidepth"):
         from fbs.eval.adaptive import AdaptiveSystem, build_scorer
-        from fbs.models import load_base
+        from fbs.model.bases import load_base
 
         model, tok = load_base(args.model)
         scorer = build_scorer(args.system, model, tok, threshold=args.ffn_skip_threshold, checkpoint=args.flexidepth,
                               tau=args.tau, route_prompt=args.flexidepth_prompt == "routed")
         return AdaptiveSystem(scorer, tok, name=args.name or f"{scorer.label} over {args.model}", **kw)
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_from_args
+    from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
@@ -288,17 +287,6 @@ def cmd_make_tasks(args) -> int:
     return 0
 
 
-def _setup_runtime(args) -> None:
-    """``--threads`` and the global seed (appendix B.1)."""
-    import torch
-
-    from fbs.eval.report import seed_everything
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    seed_everything(args.seed)
-
-
 def _floats(spec: str | None) -> list[float]:
     return [float(t) for t in (spec or "").split(",") if t.strip()]
 
@@ -317,13 +305,13 @@ def _sweep_texts(args, tok) -> dict:
 def cmd_sweep(args) -> int:
     from fbs import FBSForCausalLM
     from fbs.eval.sweep import DEFAULT_TAUS, run_sweep
-    from fbs.loading import load_checkpoint, load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_checkpoint, load_from_args
+    from fbs.model.bases import load_tokenizer
 
     _check_baseline_args(args, args.baseline)
     if args.baseline:
         return _baseline_sweep(args)
-    _setup_runtime(args)
+    setup_runtime(args)
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     texts = _sweep_texts(args, tok)
@@ -349,7 +337,7 @@ def cmd_sweep(args) -> int:
 def _baseline_sweep(args) -> int:
     """``fbs eval sweep --baseline``: the decode-faithful PPL front of an adaptive-depth baseline."""
     from fbs.eval.adaptive import build_scorer, run_baseline_sweep
-    from fbs.models import load_base
+    from fbs.model.bases import load_base
 
     refused = [flag for flag, given in (("--target-skip", args.target_skip is not None),
                                         ("--write-tau", args.write_tau), ("--control", args.control),
@@ -359,7 +347,7 @@ def _baseline_sweep(args) -> int:
         raise SystemExit(f"{', '.join(refused)}: FBS sweep options, not for --baseline")
     if args.baseline == "ffn-skipllm" and args.taus is not None:
         raise SystemExit("FFN-SkipLLM sweeps its cosine threshold: use --ffn-skip-thresholds, not --taus")
-    _setup_runtime(args)
+    setup_runtime(args)
     hf, tok = load_base(args.model)
     scorer = build_scorer(args.baseline, hf, tok, checkpoint=args.flexidepth,
                           route_prompt=args.flexidepth_prompt == "routed")
@@ -486,20 +474,14 @@ def cmd_pareto(args) -> int:
     return 0
 
 
-def _checkpoint_path(args) -> Path | None:
-    from fbs.loading import choose_checkpoint
-
-    return choose_checkpoint(args.model, args.checkpoint, shipped=not args.fresh)
-
-
 def _load_chat_models(args):
     """(base model: a fresh FBS, tokenizer, {model key: loader}, the checkpoint's tau)."""
     from fbs import FBSConfig, FBSForCausalLM
-    from fbs.loading import load_checkpoint, load_from_args
-    from fbs.model import CONFIG_NAME
+    from fbs.model.loading import load_checkpoint, load_from_args
+    from fbs.model.causal_lm import CONFIG_NAME
 
     base = FBSForCausalLM.from_base(args.model)
-    ckpt = _checkpoint_path(args)
+    ckpt = checkpoint_path(args)
     tau = json.loads((ckpt / CONFIG_NAME).read_text())["tau"] if ckpt else FBSConfig().tau
     loaders = {"checkpoint": lambda: load_from_args(args)}
     if args.control:
@@ -507,30 +489,15 @@ def _load_chat_models(args):
     return base, base.tokenizer, loaders, tau
 
 
-def _chat_items(args):
-    from fbs.data.chat import load_items, read_items, split
-
-    items = read_items(args.items) if args.items else split(load_items())[1]
-    if args.limit:
-        count: dict[str, int] = {}
-        kept = []
-        for it in items:
-            count[it.lang] = count.get(it.lang, 0) + 1
-            if count[it.lang] <= args.limit:
-                kept.append(it)
-        items = kept
-    return items
-
-
 def cmd_chat(args) -> int:
     from fbs.eval.chat import ChatSystem, markdown, run_chat_eval
     from fbs.eval.report import runtime_info
 
-    _setup_runtime(args)
-    items = _chat_items(args)
+    setup_runtime(args)
+    items = chat_items(args)
     base, tok, loaders, ckpt_tau = _load_chat_models(args)
     taus = _floats(args.taus) or [args.tau if args.tau is not None else ckpt_tau]
-    ckpt = str(_checkpoint_path(args) or "fresh FBS")
+    ckpt = str(checkpoint_path(args) or "fresh FBS")
     systems = [ChatSystem("base", "base", "base")]
     if not args.no_full:
         systems.append(ChatSystem("fbs full depth", "full", "checkpoint", None, ckpt))
@@ -572,8 +539,8 @@ def cmd_chat(args) -> int:
 
 def _load_safety_model(args):
     """(model, tokenizer) of ``fbs eval safety``."""
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_from_args
+    from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
     return model, getattr(model, "tokenizer", None) or load_tokenizer(args.model)
@@ -584,7 +551,7 @@ def cmd_safety(args) -> int:
     from fbs.eval.report import runtime_info
     from fbs.eval.safety import SETTINGS, default_never_skip, load_prompts, markdown, run_safety, settings
 
-    _setup_runtime(args)
+    setup_runtime(args)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     prompts = load_prompts(args.prompts, kinds, args.limit)
     model, tok = _load_safety_model(args)
@@ -605,7 +572,7 @@ def cmd_safety(args) -> int:
           f"{'on' if chat else 'off'}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"checkpoint": str(_checkpoint_path(args) or "fresh FBS"), "tau": tau, "never_skip": list(never),
+    meta = {"checkpoint": str(checkpoint_path(args) or "fresh FBS"), "tau": tau, "never_skip": list(never),
             "structure_tau": args.structure_tau, "fallback_tau": args.fallback_tau, "runtime": runtime_info(args.seed)}
     bars: dict = {}
 
@@ -647,7 +614,7 @@ def cmd_list(args) -> int:
 
 def register(subparsers) -> None:
     from fbs.eval.safety import SETTINGS as SAFETY_SETTINGS
-    from fbs.loading import add_model_arguments
+    from fbs.model.loading import add_model_arguments
 
     p = subparsers.add_parser("eval", help="quality evaluation (perplexity, MMLU, ARC, GSM8K, HumanEval, MBPP ...)")
     sub = p.add_subparsers(dest="eval_command", required=True)
@@ -664,7 +631,7 @@ def register(subparsers) -> None:
                                    "tasks; see `fbs eval list`)")
     r.add_argument("--limit", help="seeded subset size: N for every task, or task=N,...,default=N")
     r.add_argument("--protocol", choices=("cpu", "cpu-small", "full"),
-                   help="issue 15's fixed subsets (cpu) or the whole sets (full); subset ids in --ids-dir")
+                   help="the fixed subsets (cpu) or the whole sets (full); subset ids in --ids-dir")
     r.add_argument("--ids-dir", help="protocol subset ids, read when present, else written (default "
                                      "results/protocol_<protocol>)")
     r.add_argument("--dry-run", action="store_true", help="with --protocol: print the plan, write the ids, stop")

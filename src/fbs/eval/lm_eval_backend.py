@@ -242,7 +242,7 @@ def _generation_eos(system: System) -> list[int]:
 def _build_system(kind: str, pretrained, checkpoint, fresh, tau, kv_policy, gate_mode, max_length,
                   max_batch_tokens) -> System:
     from fbs.eval.systems import FBSSystem, HFSystem
-    from fbs.models import load_base, load_tokenizer
+    from fbs.model.bases import load_base, load_tokenizer
 
     if kind not in ("base", "fbs"):
         raise ValueError(f"system must be 'base' or 'fbs', got {kind!r}")
@@ -250,7 +250,7 @@ def _build_system(kind: str, pretrained, checkpoint, fresh, tau, kv_policy, gate
         model, tok = load_base(pretrained)
         return HFSystem(model, tok, name=f"{pretrained} (base)", max_batch_tokens=max_batch_tokens,
                         max_length=max_length or default_max_length(model.config, tok))
-    from fbs.loading import load_fbs
+    from fbs.model.loading import load_fbs
 
     overrides = {k: v for k, v in (("tau", tau), ("kv_policy", kv_policy)) if v is not None}
     model = load_fbs(pretrained, checkpoint or None, shipped=not fresh, **overrides)

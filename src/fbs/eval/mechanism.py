@@ -68,8 +68,8 @@ import numpy as np
 import torch
 
 from ..jsonl import iter_records
-from ..modules.gate import relative_updates
-from .stats import N_RESAMPLES, bh_adjusted, bootstrap_indices
+from ..model.gate import relative_updates
+from .stats import N_RESAMPLES, RankPair, bh_adjusted, bootstrap_indices, kendall_tau_b, spearman  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,6 @@ CLASSES = ("punctuation", "function_word", "digit", "code_keyword", "whitespace"
 CH_STATES = {1: "B", 0: "inside", -1: None}
 OFFSETS = (-2, -1, 0, 1, 2, 3)
 POSITION_BINS = 16
-#: Kendall's weight table is (distinct x values) x (distinct y values); above this, refuse
-KENDALL_MAX_CELLS = 20_000_000
 #: the per-token trace of a run, and what its header line says
 TRACE_NAME = "mechanism_tokens.jsonl"
 TRACE_FORMAT = "fbs-mechanism-trace"
@@ -158,78 +156,7 @@ def idiom_flags(text: str, spans: Sequence[tuple[int, int]], lexicon) -> list[bo
     return [bool(inside[a:b].any()) for a, b in spans]
 
 
-# ---------------------------------------------------------------------------- rank statistics
-def _tie_groups(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """Per element the index of its value among the sorted distinct values, and the number of distinct values."""
-    order = np.argsort(x, kind="stable")
-    xs = x[order]
-    new = np.ones(len(x), dtype=bool)
-    new[1:] = xs[1:] != xs[:-1]
-    g = np.empty(len(x), dtype=np.int64)
-    g[order] = np.cumsum(new) - 1
-    return g, int(new.sum())
-
-
-class _Pair:
-    """Two variables prepared once (tie groups) for rank statistics under many weight vectors (bootstrap
-    multiplicities). A weight w_j counts token j w_j times: the statistics equal those of the expanded data."""
-
-    def __init__(self, x, y):
-        self.x, self.y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-        if self.x.shape != self.y.shape or self.x.ndim != 1:
-            raise ValueError(f"need two equal-length 1-D samples, got {self.x.shape} and {self.y.shape}")
-        self.gx, self.nx = _tie_groups(self.x)
-        self.gy, self.ny = _tie_groups(self.y)
-
-    @staticmethod
-    def _ranks(g: np.ndarray, n: int, w: np.ndarray) -> np.ndarray | None:
-        """Average ranks (1-based) of the weighted sample; None when it holds fewer than two distinct values."""
-        tot = np.bincount(g, weights=w, minlength=n)
-        if np.count_nonzero(tot) < 2:
-            return None
-        return (np.cumsum(tot) - tot + (tot + 1) / 2)[g]
-
-    def spearman(self, w: np.ndarray | None = None) -> float:
-        w = np.ones(len(self.x)) if w is None else np.asarray(w, dtype=np.float64)
-        rx, ry = self._ranks(self.gx, self.nx, w), self._ranks(self.gy, self.ny, w)
-        if rx is None or ry is None:
-            return math.nan
-        sw = w.sum()
-        dx, dy = rx - (w * rx).sum() / sw, ry - (w * ry).sum() / sw
-        return float((w * dx * dy).sum() / math.sqrt((w * dx * dx).sum() * (w * dy * dy).sum()))
-
-    def kendall(self, w: np.ndarray | None = None) -> float:
-        """Kendall's tau-b: (concordant - discordant) / sqrt((n0 - n1)(n0 - n2)), over pairs of (weighted) tokens."""
-        w = np.ones(len(self.x)) if w is None else np.asarray(w, dtype=np.float64)
-        gx, nx, gy, ny = self.gx, self.nx, self.gy, self.ny
-        if nx > ny:
-            gx, nx, gy, ny = gy, ny, gx, nx
-        if nx * ny > KENDALL_MAX_CELLS:
-            raise ValueError(f"Kendall's tau here needs one variable with few distinct values ({nx} x {ny})")
-        cells = np.bincount(gx * ny + gy, weights=w, minlength=nx * ny).reshape(nx, ny)
-        lower = np.cumsum(cells, axis=0) - cells        # weight at strictly smaller x, per y value
-        below = np.cumsum(lower, axis=1) - lower         # ... and strictly smaller y
-        above = lower.sum(axis=1, keepdims=True) - below - lower
-        s = float((cells * (below - above)).sum())
-        n = w.sum()
-        n0 = n * (n - 1) / 2
-        wx, wy = cells.sum(axis=1), cells.sum(axis=0)
-        n1, n2 = (wx * (wx - 1) / 2).sum(), (wy * (wy - 1) / 2).sum()
-        if n0 - n1 <= 0 or n0 - n2 <= 0:
-            return math.nan
-        return s / math.sqrt((n0 - n1) * (n0 - n2))
-
-
-def spearman(x, y, w=None) -> float:
-    """Spearman's rho (Pearson of average ranks); NaN when a variable is constant."""
-    return _Pair(x, y).spearman(w)
-
-
-def kendall_tau_b(x, y, w=None) -> float:
-    """Kendall's tau-b; NaN when a variable is constant."""
-    return _Pair(x, y).kendall(w)
-
-
+# ---------------------------------------------------------------------------- bootstrap over examples
 def multiplicities(example: np.ndarray, n_resamples: int = N_RESAMPLES, seed: int = 0) -> np.ndarray:
     """(n_resamples, E) how often each example is drawn in each bootstrap resample of the E examples
     (:func:`fbs.eval.stats.bootstrap_indices`); ``example`` holds example indices 0..E-1 (only E is used)."""
@@ -265,7 +192,7 @@ def correlation_test(x, y, example, method: str = "spearman", n_resamples: int =
     base = {"method": method, "n_tokens": int(len(x)), "n_examples": int(len(np.unique(example)))}
     if len(x) < 2:
         return base | {"value": None, "status": "too few tokens"}
-    pair = _Pair(x, y)
+    pair = RankPair(x, y)
     stat = pair.spearman if method == "spearman" else pair.kendall
     value = stat()
     if math.isnan(value):
@@ -1066,8 +993,8 @@ def write_plots(res: dict, out_dir: Path) -> list[Path]:
 # ---------------------------------------------------------------------------- command line
 def _load_model(args):
     """(model, tokenizer) of ``fbs eval mechanism``."""
-    from fbs.loading import load_from_args
-    from fbs.models import load_tokenizer
+    from fbs.model.loading import load_from_args
+    from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
     return model, getattr(model, "tokenizer", None) or load_tokenizer(args.model)
@@ -1087,17 +1014,17 @@ def _load_lexicon(args):
 
 
 def cmd_mechanism(args) -> int:
-    from fbs.eval.cli import _chat_items, _checkpoint_path, _setup_runtime
+    from fbs.eval.runtime import chat_items, checkpoint_path, setup_runtime
     from fbs.eval.report import runtime_info
 
-    _setup_runtime(args)
-    items = _chat_items(args)
+    setup_runtime(args)
+    items = chat_items(args)
     model, tok = _load_model(args)
     lexicon = _load_lexicon(args)
     tau = args.tau if args.tau is not None else float(model.config.tau)
     print(f"{len(items)} prompts, tau {tau:g}, at most {args.max_new_tokens} new tokens, idiom lexicon "
           f"{'off' if lexicon is None else len(lexicon)}", flush=True)
-    meta = {"checkpoint": str(_checkpoint_path(args) or "fresh FBS"), "items": args.items or "fbs.data.chat.split()",
+    meta = {"checkpoint": str(checkpoint_path(args) or "fresh FBS"), "items": args.items or "fbs.data.chat.split()",
             "limit": args.limit, "runtime": runtime_info(args.seed)}
     res = run_mechanism(model, tok, items, tau=tau, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                         lexicon=lexicon, n_resamples=args.resamples, seed=args.seed, out_dir=args.out,
@@ -1131,7 +1058,7 @@ def _add_run_arguments(p, analyze: bool = False) -> None:
 
 def add_parser(sub) -> None:
     """``fbs eval mechanism`` (registered by :func:`fbs.eval.cli.register`)."""
-    from fbs.loading import add_model_arguments
+    from fbs.model.loading import add_model_arguments
 
     p = sub.add_parser("mechanism", help="appendix G mechanism statistics from decode traces: k(i) vs surprisal / "
                                          "entropy, skip rate by layer, position and token class, skip vs residual "
@@ -1151,7 +1078,7 @@ DECODE_OPTIONS = {"items": "--items", "limit": "--limit", "max_new_tokens": "--m
 def analyze_input(path: str | Path) -> tuple[str, Path]:
     """What ``fbs analyze PATH`` reads: ("trace", the trace file) for a trace file or a directory holding one
     (``fbs eval mechanism --out``), ("checkpoint", PATH) for an FBS checkpoint directory."""
-    from ..model import CONFIG_NAME, WEIGHTS_NAME
+    from ..model.causal_lm import CONFIG_NAME, WEIGHTS_NAME
 
     path = Path(path)
     expected = (f"expected a mechanism trace (*_tokens.jsonl: the {TRACE_NAME} of `fbs eval mechanism --out`), a "

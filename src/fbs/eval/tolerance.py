@@ -40,7 +40,7 @@ largest share (``censored``).
 
 **Why not** :class:`fbs.FBSForCausalLM`'s ``gate_mode="plan"``: its plans skip whole layers or FFNs by the model's
 ``skip_granularity``, not attention alone, and the FBS model adds its PAW / CH modules to the residual stream. The
-masked forward here (:func:`masked_forward`) runs the per-layer pieces of :class:`fbs.hf_adapter.BaseDecoder` (the
+masked forward here (:func:`masked_forward`) runs the per-layer pieces of :class:`fbs.model.hf_adapter.BaseDecoder` (the
 HF modules) with one skip mask per unit; since the prompt is never skipped, its K/V are computed once per document
 and every masked forward runs the decoded positions only.
 """
@@ -59,8 +59,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..hf_adapter import BaseDecoder
-from ..modules.gate import relative_update
+from ..model.hf_adapter import BaseDecoder
+from ..model.gate import relative_update
 from .stats import bootstrap_ci, bootstrap_indices, paired_bootstrap
 
 logger = logging.getLogger(__name__)
@@ -584,7 +584,7 @@ def cmd_tolerance(args) -> int:
         path = plot_scaling(profiles, Path(args.plot_out))
         print(f"wrote {path}" if path else "matplotlib is missing: no plot (pip install matplotlib)")
         return 0
-    from ..models import load_base
+    from ..model.bases import load_base
     from .report import runtime_info, seed_everything
 
     if args.threads:

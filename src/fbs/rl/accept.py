@@ -1,6 +1,6 @@
 """The Stage-2 acceptance experiment: at equal held-out PPL, does SG+RL skip more than SG no-RL?
 
-One command, resumable, on a Stage-1 export (issue 14 item 5; paper appendix E.3 and E.7.2)::
+One command, resumable, on a Stage-1 export (paper appendix E.3 and E.7.2)::
 
     fbs train stage2-accept --init-from runs/stage1/final --corpus /work/data/corpus --ood \\
         --out-dir runs/stage2_accept
@@ -255,7 +255,7 @@ def _front_rows(sw: Sweep) -> list[dict]:
     return [{"tau": t, "ppl": float(p), "skip": float(s)} for t, p, s in zip(sw.nll, ppl, skip)]
 
 
-#: PPO steps per grid point below which a negative result does not count (issue 14)
+#: PPO steps per grid point below which a negative result does not count
 MIN_STEPS = 30
 
 

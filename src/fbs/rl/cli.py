@@ -16,7 +16,8 @@ from typing import Any
 
 
 def cmd_stage2(args: argparse.Namespace) -> int:
-    from ..train.cli import config_from_args, run_resumable
+    from ..train.cli import run_resumable
+    from ..train.common import config_from_args
     from .stage2 import Stage2Config, Stage2ConfigError, train_stage2
 
     cfg = config_from_args(args, Stage2Config, Stage2ConfigError, STAGE2_FLAGS)
@@ -80,7 +81,7 @@ def add_accept_parser(sub: Any) -> argparse.ArgumentParser:
     a.add_argument("--set", action="append", metavar="KEY=VALUE", help="Stage2Config override for every run")
     a.add_argument("--grid", help="ALPHA:BETA,... (default: the paper's five points 0.1:0.1,0.05:0.1,0.2:0.1,"
                                   "0.1:0.05,0.1:0.2)")
-    a.add_argument("--steps", type=int, default=30, help="PPO steps per grid point (issue 14: >= 30)")
+    a.add_argument("--steps", type=int, default=30, help="PPO steps per grid point (>= 30 for a negative result to count)")
     a.add_argument("--corpus", help="corpus directory (fbs data build): in-domain held-out blocks of --split")
     a.add_argument("--split", default="test")
     a.add_argument("--per-lang", dest="per_lang", type=int, default=16)

@@ -5,7 +5,7 @@ belong to something the policy did (DESIGN.md §5: compute is counted from what 
 
 * **compute**, one credit per gate decision (token t, layer l): alpha x the multiply-accumulates the
   decision saved / c0. A skip saves the layer's cost at its context length (``LayerCost`` of
-  :mod:`fbs.flops`) minus the K/V projection it still wrote (``project``); under ``hole`` a skip also removes
+  :mod:`fbs.engine.flops`) minus the K/V projection it still wrote (``project``); under ``hole`` a skip also removes
   one key from the attention of every later token that runs that layer. A "compute" decision saves nothing.
 * **overhead**, one per episode: alpha x (- the MACs of PAW, CH and SG) / c0. No gate decision changes it
   while PAW and CH layers are not gated (true of the default never-skip sets: PAW on layer 1, CH among the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..flops import FlopCounter
+from ..engine.flops import FlopCounter
 
 if TYPE_CHECKING:
     from ..engine import DecodeTrace

@@ -78,13 +78,13 @@ def _mc_prompt(header: str, question: str, options: Iterable[str]) -> str:
 
 def mmlu_items(splits: tuple[str, ...] = MMLU_SPLITS) -> list[PoolItem]:
     """MMLU development questions, formatted like the evaluation (header, stem, "A. .." lines)."""
-    from fbs.eval.datasets import _mmlu_split, mmlu_subjects
+    from fbs.eval.datasets import mmlu_split, mmlu_subjects
 
     out = []
     for subject in mmlu_subjects():
         header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
         for split in splits:
-            for i, row in enumerate(_mmlu_split(subject, split)):
+            for i, row in enumerate(mmlu_split(subject, split)):
                 opts, gold = tuple(str(c) for c in row["choices"]), int(row["answer"])
                 out.append(PoolItem(
                     id=f"mmlu/{subject}/{split}/{i}", source="mmlu", question=row["question"], options=opts,
@@ -160,9 +160,9 @@ def eval_question_keys() -> tuple[dict[str, set[str]], dict[str, set[str]], dict
     try:
         keys, shots = set(), set()
         for subject in ds.mmlu_subjects():
-            for row in ds._mmlu_split(subject, "test"):
+            for row in ds.mmlu_split(subject, "test"):
                 keys |= {normalize(row["question"]), normalize(ds._mmlu_block(row))}
-            for row in list(ds._mmlu_split(subject, "dev"))[:5]:  # load_mmlu's 5-shot exemplars
+            for row in list(ds.mmlu_split(subject, "dev"))[:5]:  # load_mmlu's 5-shot exemplars
                 shots.add(normalize(row["question"]))
         targets["mmlu_test"], exemplars["mmlu_test"] = keys, shots
     except Exception as e:  # noqa: BLE001 - any missing source is reported, not fatal

@@ -29,7 +29,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from ..flops import FlopCounter
+from ..engine.flops import FlopCounter
 from .credit import (Credits, action_returns, compute_credits, normalize_advantages, quality_credits,
                      token_divergence)
 

@@ -25,18 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from .. import FBSConfig, FBSForCausalLM
-from ..loading import load_fbs
-from ..model import write_manifest
+from ..model.checkpoint import write_manifest
+from ..model.loading import load_fbs
 from ..provenance import provenance
 from ..train import checkpoint as ckpt
 from ..train.config import apply_overrides
-from ..train.stage1 import _install_sigterm  # same SIGTERM -> checkpoint-after-step contract
+from ..train.stage1 import install_sigterm  # same SIGTERM -> checkpoint-after-step contract
 from .pool import PoolItem, load_default_pool, load_pool, save_pool
 from .ppo import GateClippedPPOLoss, PPOStats, ppo_step
 from .rollout import RolloutOptions, Trajectory, generate_trajectory
+from ..train.common import read_yaml_config
 
 logger = logging.getLogger(__name__)
 
@@ -186,11 +186,7 @@ class Stage2Config:
 
     @classmethod
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | None = None) -> "Stage2Config":
-        d = {}
-        if path is not None:
-            d = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(d, dict):
-                raise Stage2ConfigError(f"{path} must hold a mapping of Stage2Config fields")
+        d = read_yaml_config(path, Stage2ConfigError, "Stage2Config")
         try:
             return cls.from_dict(apply_overrides(d, overrides or []))
         except ValueError as e:
@@ -352,7 +348,7 @@ class Stage2Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.max_steps, initial=self.step, desc="stage2", unit="step", dynamic_ncols=True)
-        old = _install_sigterm(self)
+        old = install_sigterm(self)
         try:
             with open(self.out_dir / "log.jsonl", "a") as log:
                 while self.step < self.max_steps and (stop_after is None or self.step < stop_after) and not self._stop:

@@ -1,9 +1,9 @@
 """Continuous batching over the FBS engine: requests join and leave a running batch at token boundaries.
 
-The engine's ``_Decoder`` decodes a fixed batch of prompts from the first token to the last. Here it is
+The engine's ``Decoder`` decodes a fixed batch of prompts from the first token to the last. Here it is
 composed differently:
 
-* Every request gets its own one-row decoder (``engine._start``). Its options (tau, sampling, stop rules,
+* Every request gets its own one-row decoder (``engine.start``). Its options (tau, sampling, stop rules,
   structure protection), its prefill, its sampling, its trace recorder and its final
   :class:`~fbs.engine.GenerationResult` are those of ``fbs.engine.generate`` for that prompt.
 * After the prefill, the request's K/V entries and chunk states move into a free row (a *slot*) of a
@@ -30,19 +30,19 @@ from collections.abc import Callable
 
 import torch
 
-from ..cache import KVCache
-from ..engine import (CAPACITY_STEP, VALIDATORS, DecodeOptions, GenerationResult, _Decoder, _finish, _run, _start,
-                      _TraceRecorder)
+from ..engine.cache import KVCache
+from ..engine import (CAPACITY_STEP, VALIDATORS, DecodeOptions, GenerationResult, Decoder, finish, run, start,
+                      TraceRecorder)
 
 logger = logging.getLogger(__name__)
 
 #: DecodeOptions fields that must agree within one batch (the rest are per request).
 BATCH_FIELDS = ("batch_policy", "force_compute", "gate_sampling", "never_skip", "weights")
-#: Names of the per-step records of :class:`fbs.engine._TraceRecorder`.
-_RECORDS = ("executed", "intended", "kv", "p", "k", "bound", "ctx", "valid")
+#: Names of the per-step records of :class:`fbs.engine.TraceRecorder`.
+_RECORDS = TraceRecorder.FIELDS
 
 
-class SlotBatch(_Decoder):
+class SlotBatch(Decoder):
     """A decoder whose ``slots`` rows are slots over one static KV cache.
 
     A decode step attends over the cache's whole capacity (masked), so the capacity follows the members: the
@@ -59,7 +59,7 @@ class SlotBatch(_Decoder):
         super().__init__(model, [[0]] * slots, dataclasses.replace(key_opts, max_new_tokens=1), tokenizer)
         self.max_capacity = capacity
         self.prompts = [[] for _ in range(slots)]
-        self.members: list[_Decoder | None] = [None] * slots
+        self.members: list[Decoder | None] = [None] * slots
         self.owners: list[object] = [None] * slots
         self.active = []
         self._fit(1)  # the base class sized its cache for the placeholder prompts
@@ -78,7 +78,7 @@ class SlotBatch(_Decoder):
         for r in self.active:
             self.cache.load_row(r, old, r)
 
-    def join(self, dec: _Decoder, owner=None) -> int:
+    def join(self, dec: Decoder, owner=None) -> int:
         """Move a prefilled one-row decoder into a free slot; returns the slot. Its own cache is released."""
         slot = self.members.index(None)
         self._fit(len(dec.prompts[0]) + dec.opts.max_new_tokens)
@@ -103,7 +103,7 @@ class SlotBatch(_Decoder):
         member (its own sampling options and generator). The members' out lists are not extended here."""
         rows = list(self.active)
         tokens = [self.members[r].out[0][-1] for r in rows]
-        self.rec = _TraceRecorder(self.B, 1, self.L)
+        self.rec = TraceRecorder(self.B, 1, self.L)
         logits = self.decode_step(0, tokens)  # (b, V)
         picked = []
         for i, r in enumerate(rows):
@@ -120,8 +120,8 @@ class SlotBatch(_Decoder):
         return self.members[row]._row_tau(0)
 
 
-def accept(dec: _Decoder, token: int) -> bool:
-    """Book a new token for a one-row decoder as ``engine._run`` does; True when the row is finished."""
+def accept(dec: Decoder, token: int) -> bool:
+    """Book a new token for a one-row decoder as ``engine.run`` does; True when the row is finished."""
     dec.out[0].append(token)
     if dec.structure is not None:
         dec.depth[0] = max(0, dec.depth[0] + dec.structure.depth_delta[token])
@@ -184,7 +184,7 @@ class Request:
         self.deadline = float("inf")
         self.cancelled = False
         # owned by the scheduler thread
-        self.dec: _Decoder | None = None
+        self.dec: Decoder | None = None
         self.batch: SlotBatch | None = None
         self.slot: int | None = None
         self.holds_slot = False  # counted in the scheduler's busy slots (from admission to release)
@@ -309,11 +309,11 @@ class Scheduler:
     def _prefill(self, req: Request) -> None:
         req.queued_s = time.monotonic() - req.arrived
         t0 = time.perf_counter()
-        dec = _start(self.model, [req.prompt], None, self.tok, {**self.defaults, **req.options})
+        dec = start(self.model, [req.prompt], None, self.tok, {**self.defaults, **req.options})
         if dec.opts.lossless:
             # lossless: the engine's own speculative loop (draft at tau, verify at full depth) runs for this row
             # alone; each tick hands out one committed token (a new round is computed when they run out)
-            req.dec, req.solo, req.started = dec, _run(dec), time.perf_counter()
+            req.dec, req.solo, req.started = dec, run(dec), time.perf_counter()
             self._solo.append(req)
             return
         token = dec.pick(torch.stack(dec.prefill()), [0])[0]
@@ -326,7 +326,7 @@ class Scheduler:
         batch = self._batch_for(dec)
         req.batch, req.slot = batch, batch.join(dec, req)
 
-    def _batch_for(self, dec: _Decoder) -> SlotBatch:
+    def _batch_for(self, dec: Decoder) -> SlotBatch:
         o = dec.opts
         never = tuple(sorted({l % dec.L for l in o.never_skip}))
         key = (dec.policy, o.batch_policy, o.force_compute, o.gate_sampling, never, o.weights)
@@ -376,7 +376,7 @@ class Scheduler:
         if req.solo is None:
             decode_s = time.perf_counter() - req.started
             dec.timings.update(decode_s=decode_s, total_s=dec.timings["prefill_s"] + decode_s)
-        result = _finish(dec)
+        result = finish(dec)
         check = dec.opts.validator
         if check is not None and not req.fallback:
             check = VALIDATORS[check] if isinstance(check, str) else check

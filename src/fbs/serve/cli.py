@@ -1,4 +1,4 @@
-"""``fbs serve``: the OpenAI-compatible server (docs/serve.md). Only this module and loadtest's command print."""
+"""``fbs serve``: the OpenAI-compatible server (docs/serve.md). Only this module (and the load test's command, fbs.bench.serve_load) prints."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..fused import WEIGHTS
-from ..loading import add_model_arguments, load_from_args
+from ..engine.fused import WEIGHTS
+from ..model.loading import add_model_arguments, load_from_args
 from .batcher import Limits
 
 

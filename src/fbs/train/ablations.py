@@ -364,7 +364,7 @@ def run_ablations(recipe: TrainConfig, variants: Sequence[Variant], out_dir: str
 
 
 def _tokenizer(model: str):
-    from ..models import load_tokenizer
+    from ..model.bases import load_tokenizer
 
     return load_tokenizer(model)
 
@@ -472,7 +472,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_ablations(args: argparse.Namespace) -> int:
-    from .cli import config_from_args
+    from .common import config_from_args
     from .config import TrainConfigError
 
     variants = parse_variants(args.variants)

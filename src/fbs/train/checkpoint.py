@@ -31,8 +31,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..model import CheckpointError
-from ..models import sha256_file, sha256_record
+from ..model.checkpoint import CheckpointError
+from ..model.bases import sha256_file, sha256_record
 from ..provenance import provenance
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def load_checkpoint(path: str | os.PathLike, named_params: dict[str, torch.nn.Pa
     """Restore parameters, optimizer and RNG states in place; returns the trainer state dict.
 
     A damaged checkpoint (malformed state, a file whose size or sha256 differs from the recorded one, an
-    unreadable safetensors file) or one of another trainable set raises :class:`fbs.model.CheckpointError`."""
+    unreadable safetensors file) or one of another trainable set raises :class:`fbs.model.checkpoint.CheckpointError`."""
     path = Path(path)
     state = _read_state(path)
     params = _read_tensors(path / "trainable.safetensors")

@@ -1,6 +1,6 @@
 """``fbs train stage1``: the Stage-1 recipe from a YAML config plus ``--set key=value`` overrides.
 
-``fbs train flexidepth``: the FlexiDepth baseline on the same data and budget (:mod:`fbs.baselines.train_flexidepth`).
+``fbs train flexidepth``: the FlexiDepth baseline on the same data and budget (:mod:`fbs.train.flexidepth`).
 
 ``fbs train ablations``: the module ablations of paper §4.3 (:mod:`fbs.train.ablations`).
 
@@ -15,23 +15,7 @@ import json
 import sys
 from typing import Any
 
-
-def config_from_args(args: argparse.Namespace, config_cls, error_cls, flags: tuple[str, ...]):
-    """Load ``config_cls`` from ``--config`` YAML, ``--set`` overrides and the named shortcut flags.
-    Returns the config, or an exit code (2 on a bad config, 0 after ``--print-config``)."""
-    overrides = list(args.set or [])
-    overrides += [f"{flag}={getattr(args, flag)}" for flag in flags if getattr(args, flag) is not None]
-    if args.no_progress:
-        overrides.append("progress=false")
-    try:
-        cfg = config_cls.from_yaml(args.config, overrides)
-    except (error_cls, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(cfg.to_json())
-        return 0
-    return cfg
+from .common import config_from_args
 
 
 def run_resumable(train_fn, cfg, args):
@@ -76,7 +60,7 @@ def cmd_stage1(args: argparse.Namespace) -> int:
 
 
 def cmd_flexidepth(args: argparse.Namespace) -> int:
-    from ..baselines.train_flexidepth import FlexiDepthTrainConfig, train
+    from .flexidepth import FlexiDepthTrainConfig, train
 
     done = run_recipe(args, FlexiDepthTrainConfig, ("out_dir", "max_steps", "data", "model"), train)
     if isinstance(done, int):
@@ -103,7 +87,7 @@ def _blocks(args: argparse.Namespace, tokenizer):
 def cmd_kangaroo(args: argparse.Namespace) -> int:
     import torch
 
-    from ..loading import load_from_args
+    from ..model.loading import load_from_args
     from ..provenance import provenance
     from .speculative import train_kangaroo_adapter
 
@@ -123,7 +107,7 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_search(args: argparse.Namespace) -> int:
-    from ..loading import load_from_args
+    from ..model.loading import load_from_args
     from ..provenance import provenance
     from .speculative import save_skip_set, search_draft_layers
 
@@ -142,7 +126,7 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
 
 
 def _draft_arguments(p: argparse.ArgumentParser) -> None:
-    from ..loading import add_model_arguments
+    from ..model.loading import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--data", default="wiki_demo", help="wiki_demo or a corpus directory from `fbs data build`")
@@ -189,7 +173,7 @@ def register(subparsers: Any) -> None:
     ablation_arguments(a)
     a.set_defaults(func=cmd_ablations)
     k = sub.add_parser("kangaroo", help="Kangaroo's draft adapter: distil the full model's next-token distribution "
-                                        "into one attention layer after the first N layers (fbs.kangaroo)")
+                                        "into one attention layer after the first N layers (fbs.baselines.kangaroo)")
     _draft_arguments(k)
     k.add_argument("--exit-layer", type=int, required=True, help="the draft runs layers 0..N-1, then the adapter")
     k.add_argument("--steps", type=int, default=300)

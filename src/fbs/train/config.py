@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from ..config import FBSConfig
+from ..model.config import FBSConfig
+from .common import read_yaml_config
 
 TRAINABLE = ("all", "fbs", "adapters")
 
@@ -277,11 +278,7 @@ class TrainConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path | None, overrides: list[str] | None = None) -> "TrainConfig":
-        d = {}
-        if path is not None:
-            d = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(d, dict):
-                raise TrainConfigError(f"{path} must hold a mapping of TrainConfig fields")
+        d = read_yaml_config(path, TrainConfigError, "TrainConfig")
         return cls.from_dict(apply_overrides(d, overrides or []))
 
     def with_overrides(self, overrides: list[str]) -> "TrainConfig":

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..data.corpus import pack
+
 logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
 
@@ -32,13 +34,6 @@ class Batch(NamedTuple):
     input_ids: torch.Tensor            # (B, T)
     bios_labels: torch.Tensor | None   # (B, T)
     positions: torch.Tensor            # (B,) global positions (for logs and tests)
-
-
-def pack(docs: list[list[int]], block_size: int, sep: int) -> torch.Tensor:
-    """Concatenate documents with ``sep`` after each and cut into full blocks: (N, block_size)."""
-    flat = [t for d in docs for t in (*d, sep)]
-    n = len(flat) // block_size
-    return torch.tensor(flat[: n * block_size], dtype=torch.long).view(n, block_size)
 
 
 def wiki_demo_blocks(tokenizer, block_size: int, eval_blocks: int) -> BlockData:

@@ -319,8 +319,8 @@ class BudgetThreshold:
     gate probabilities that skips ``rate`` of the gated pairs. Estimated from the micro-batches already seen
     (the previous micro-batch's quantile by default: p changes only at optimizer steps), since a forward
     needs tau before its own probabilities exist. Without it, gates
-    whose mean p sits near the budget can put most pairs above a fixed 0.5 at once (measured: 81% skipped
-    two steps after the gates were switched on, KL 8.5 nats)."""
+    whose mean p sits near the budget can put most pairs above a fixed 0.5 at once (most pairs skipped
+    right after the gates were switched on)."""
 
     def __init__(self, momentum: float = 0.0):
         self.momentum = momentum

@@ -1,11 +1,11 @@
-"""Fitting the drafts of lossless speculative decoding (:mod:`fbs.speculative`) on corpus text.
+"""Fitting the drafts of lossless speculative decoding (:mod:`fbs.engine.speculative`) on corpus text.
 
 * :func:`train_kangaroo_adapter` — Kangaroo (Liu et al. 2024): distil the full model's next-token distribution
   into the adapter on top of its first N layers (soft cross-entropy against the full model's probabilities, as
   Kangaroo's training script does); the base model and LM head stay frozen.
 * :func:`search_draft_layers` — Draft&Verify (Zhang et al. 2024): greedy forward selection of the static set of
   skipped layers that maximises the expected speed-up of self-speculative decoding, acceptance measured by
-  lossless decoding of held-out prompts and speed from the byte cost model (:func:`fbs.speculative.expected_speedup`;
+  lossless decoding of held-out prompts and speed from the byte cost model (:func:`fbs.engine.speculative.expected_speedup`;
   no timings, so the result does not depend on the machine's load).
 
 ``fbs train kangaroo`` and ``fbs train draft-search`` (:mod:`fbs.train.cli`) run them.
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..flops import LayerCost
-from ..kangaroo import KangarooAdapter
-from ..speculative import acceptance_mle, best_gamma, draft_step_cost, expected_speedup
+from ..engine.flops import LayerCost
+from ..baselines.kangaroo import KangarooAdapter
+from ..engine.speculative import acceptance_mle, best_gamma, draft_step_cost, expected_speedup
 
 logger = logging.getLogger(__name__)
 

@@ -34,14 +34,15 @@ import torch
 from torch import nn
 
 from .. import FBSForCausalLM
-from ..loading import load_checkpoint, load_fbs
-from ..model import BACKBONE_NAME, SkipTraining, write_manifest
-from ..modules.gate import relative_updates
+from ..model.causal_lm import BACKBONE_NAME, SkipTraining
+from ..model.checkpoint import write_manifest
+from ..model.gate import relative_updates
+from ..model.loading import load_checkpoint, load_fbs
 from ..provenance import provenance
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import Batch, BlockData, BlockOrder, corpus_blocks, micro_batch, top_tokens, wiki_demo_blocks
-from .lora import LoRALinear, add_adapters, save_adapters
+from .adapters import LoRALinear, add_adapters, save_adapters
 from .losses import (BudgetThreshold, HarmTargets, LossParts, LossWeights, SkipDistillLoss, Stage1Loss, distill_loss,
                      lm_loss, oracle_targets)
 
@@ -210,7 +211,7 @@ def build_model(cfg: TrainConfig, base: nn.Module | None = None) -> FBSForCausal
 
 
 def _backbone_delta_files(path: Path) -> list[Path]:
-    from .lora import ADAPTERS_NAME
+    from .adapters import ADAPTERS_NAME
 
     return [f for f in (path / ADAPTERS_NAME, path / BACKBONE_NAME) if f.is_file()]
 
@@ -308,10 +309,11 @@ class EvalResult:
 
 
 def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
-    ra = a.argsort().argsort().double()
-    rb = b.argsort().argsort().double()
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
+    """Spearman's rho of two 1-D tensors (:func:`fbs.eval.stats.spearman`); 0 when one is constant."""
+    from ..eval.stats import spearman
+
+    rho = spearman(a.detach().double().cpu().numpy(), b.detach().double().cpu().numpy())
+    return 0.0 if math.isnan(rho) else rho
 
 
 @torch.no_grad()
@@ -620,7 +622,7 @@ class Trainer:
         cfg = self.cfg
         log = _Logger(self.out_dir, self.acc.is_main_process, cfg.tensorboard)
         bar = _progress(cfg, self.step, self.acc.is_main_process)
-        old = _install_sigterm(self)
+        old = install_sigterm(self)
         if cfg.eval_at_start and self.step == 0:
             log.write({"step": 0, "eval": self.evaluate([self.eval_tau()])[0].to_dict()})
         rng = ckpt.capture_rng()
@@ -688,7 +690,7 @@ class _nullcontext:
         return False
 
 
-def _install_sigterm(trainer: Trainer):
+def install_sigterm(trainer: Trainer):
     """SIGTERM requests a checkpoint after the current step (main thread only)."""
     def handler(signum, frame):
         logger.warning("SIGTERM: stopping after this step")
@@ -776,7 +778,7 @@ def export(model: FBSForCausalLM, cfg: TrainConfig, path: Path, results: list[di
 
 def load_trained(path: str | Path, base: nn.Module | None = None) -> FBSForCausalLM:
     """Load an :func:`export` directory: FBS weights, adapters and trained backbone tensors
-    (:func:`fbs.loading.load_checkpoint` applies them)."""
+    (:func:`fbs.model.loading.load_checkpoint` applies them)."""
     return load_checkpoint(Path(path), base=base).eval()
 
 

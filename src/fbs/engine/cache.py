@@ -1,0 +1,215 @@
+"""A static per-layer KV cache with explicit per-layer, per-row lengths, and the engine's attention context.
+
+Under the ``hole`` policy a skipped token writes nothing at that layer, so layers (and rows) hold
+different numbers of entries; each entry keeps the RoPE position it was rotated with. Occupancy is never
+inferred from tensor contents: lengths are Python ints, so the hot path needs no host reads.
+
+Buffers are preallocated at full capacity (gpt-fast's static cache). A one-token decode step writes each
+row's entry at its own slot and attends over the whole buffer with a length mask, so every step has the
+same shapes (what a compiled layer step needs); prefill writes and reads views of the filled part.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .. import native
+from ..model.chunk import ChunkOut, ChunkState
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 device=None, dtype=torch.float32):
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        # RoPE position of every stored entry, per layer and row (python lists: appends cost nothing)
+        self.positions: list[list[list[int]]] = [[[] for _ in range(batch)] for _ in range(num_layers)]
+        self.lengths = [[0] * batch for _ in range(num_layers)]  # python ints: no host syncs on the hot path
+        self.capacity = capacity
+        self.batch = batch
+
+    def get_seq_length(self, layer: int, row: int) -> int:
+        return self.lengths[layer][row]
+
+    def advance(self, layer: int, rows: list[int], positions: list[list[int]]) -> list[int]:
+        """Book T new entries per row (positions[i] are row i's T positions); returns each row's first slot."""
+        lens = self.lengths[layer]
+        starts = [lens[r] for r in rows]
+        t = len(positions[0])
+        if max(starts) + t > self.capacity:
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded at layer {layer}")
+        for i, r in enumerate(rows):
+            self.positions[layer][r].extend(positions[i])
+            lens[r] += t
+        return starts
+
+    def write(self, layer: int, rows: list[int], k: torch.Tensor, v: torch.Tensor, positions: list[list[int]]) -> None:
+        """Append T entries per row. k, v: (len(rows), Hkv, T, hd); positions[i] are row i's T positions."""
+        t = k.shape[2]
+        starts = self.advance(layer, rows, positions)
+        if len(set(starts)) == 1 and rows == list(range(rows[0], rows[0] + len(rows))):
+            s, sl = starts[0], slice(rows[0], rows[0] + len(rows))
+            self.k[layer][sl, :, s:s + t] = k
+            self.v[layer][sl, :, s:s + t] = v
+        else:
+            for i, r in enumerate(rows):
+                s = starts[i]
+                self.k[layer][r, :, s:s + t] = k[i]
+                self.v[layer][r, :, s:s + t] = v[i]
+
+    def crop(self, rows: list[int], keep: list[int], layers=None) -> None:
+        """Forget every entry of row ``rows[i]`` whose position is >= ``keep[i]``, at ``layers`` (default all):
+        rolls back what a rejected speculative draft wrote. A row's entries are stored in position order, so it
+        keeps a prefix of each layer (under ``hole`` layers hold different counts); the buffers are not cleared,
+        lengths mask them out."""
+        for l in range(len(self.k)) if layers is None else layers:
+            for r, p in zip(rows, keep):
+                pos = self.positions[l][r]
+                n = bisect.bisect_left(pos, p)
+                del pos[n:]
+                self.lengths[l][r] = n
+
+    def view(self, layer: int, rows: list[int]):
+        """Keys, values (b, Hkv, n, hd) of the rows and a bool mask (b, 1, 1, n) of valid entries (None if all)."""
+        lens = [self.lengths[layer][r] for r in rows]
+        n = max(lens)
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        sl = slice(rows[0], rows[0] + len(rows)) if contiguous else rows
+        k, v = self.k[layer][sl, :, :n], self.v[layer][sl, :, :n]
+        if min(lens) == n:
+            return k, v, None
+        mask = torch.arange(n).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, n)
+        return k, v, mask.to(k.device)[:, None, None, :]
+
+    # ---- slots (continuous batching: a row is a slot that requests join and leave) ----
+    def load_row(self, row: int, src: "KVCache", src_row: int = 0) -> None:
+        """Replace row ``row`` with a copy of ``src``'s row ``src_row`` (e.g. one prompt's prefill), every layer."""
+        for l in range(len(self.k)):
+            n = src.lengths[l][src_row]
+            if n > self.capacity:
+                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded at layer {l}: the row holds {n}")
+            self.k[l][row, :, :n] = src.k[l][src_row, :, :n]
+            self.v[l][row, :, :n] = src.v[l][src_row, :, :n]
+            self.positions[l][row] = list(src.positions[l][src_row])
+            self.lengths[l][row] = n
+
+    def clear_row(self, row: int) -> None:
+        """Empty row ``row`` (its stale tensors stay: lengths mask them out)."""
+        for l in range(len(self.k)):
+            self.positions[l][row] = []
+            self.lengths[l][row] = 0
+
+
+class CacheContext:
+    """Where a layer step's K/V go during decoding: some rows of a :class:`KVCache`, their chunk caches and
+    positions. ``cos``/``sin`` (b, T, hd) are the rows' rotary tables for the T new tokens."""
+
+    soft_window = False
+    truncate = True  # PAW computes horizons up to max k(t) only
+    #: when a dict, :meth:`chunk` appends per CH layer the rows' chunk state after each token it consumes (a
+    #: speculative verifier keeps the state after the last accepted token)
+    trail: dict[int, list[ChunkState]] | None = None
+    #: one-token chunk steps run :func:`fbs.native.chunk_step` in place (the engine's native int8 step sets it)
+    native_chunk = False
+
+    def __init__(self, cache: KVCache, chunks: dict[int, ChunkState], rows: list[int], positions: list[list[int]],
+                 cos: torch.Tensor, sin: torch.Tensor, policy: str, preview_emb=None, preview_keys=None,
+                 scaling: float = 1.0):
+        self.cache, self.chunks, self.rows, self.positions = cache, chunks, rows, positions
+        self.cos, self.sin, self.policy, self.scaling = cos, sin, policy, scaling
+        self.preview_emb, self.preview_keys = preview_emb, preview_keys or {}
+        self.all_rows = rows == list(range(cache.batch))
+        self._rows_t = None
+        self._slots: dict[tuple[int, ...], torch.Tensor] = {}
+
+    @property
+    def rows_t(self) -> torch.Tensor:
+        if self._rows_t is None:
+            self._rows_t = torch.tensor(self.rows, device=self.cos.device)
+        return self._rows_t
+
+    def select(self, idx: list[int]) -> "CacheContext":
+        """The context of a subset of these rows (``idx`` indexes ``self.rows``)."""
+        ti = torch.tensor(idx, device=self.cos.device)
+        return CacheContext(self.cache, self.chunks, [self.rows[i] for i in idx], [self.positions[i] for i in idx],
+                            self.cos.index_select(0, ti), self.sin.index_select(0, ti), self.policy,
+                            self.preview_emb, self.preview_keys, self.scaling)
+
+    # ---- attention --------------------------------------------------------
+    def attend(self, l: int, q, k, v, hole=None) -> torch.Tensor:
+        """Write the rows' K/V, then attend over everything cached at layer l (causal among the new tokens)."""
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        t = q.shape[2]
+        fresh = all(self.cache.lengths[l][r] == 0 for r in self.rows)
+        self.write(l, k, v)
+        gqa = k.shape[1] != q.shape[1]
+        if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
+            return sdpa(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
+        kk, vv, mask = self.cache.view(l, self.rows)
+        if t > 1:  # tokens after cached ones (a verified draft): causal among them, each row up to its own length
+            n = kk.shape[2]
+            lens = torch.tensor([self.cache.lengths[l][r] for r in self.rows], device=q.device)
+            last = lens[:, None] - t + torch.arange(t, device=q.device)          # (b, t) slot of each new token
+            mask = (torch.arange(n, device=q.device) <= last[..., None])[:, None]  # (b, 1, t, n)
+        return sdpa(q, kk, vv, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+
+    def write(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(l, self.rows, k, v, self.positions)
+
+    def decode_slots(self, l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """For a one-token step of fixed shapes: the layer's full K/V buffers, each row's slot (b,) for its new
+        entry, and the row indices (None when the step covers every row of the cache, in order). Books the
+        entries; the caller writes them (see :func:`fbs.engine.fused.attend_static`)."""
+        slots = self._slot_tensor(tuple(self.cache.advance(l, self.rows, self.positions)))
+        return self.cache.k[l], self.cache.v[l], slots, None if self.all_rows else self.rows_t
+
+    def _slot_tensor(self, starts: tuple[int, ...]) -> torch.Tensor:
+        """One tensor per distinct slot list of the step (every layer's, unless layers skip under ``hole``)."""
+        slots = self._slots.get(starts)
+        if slots is None:
+            slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
+        return slots
+
+    def book(self, l: int, wrote: list[bool] | None) -> None:
+        """Book the entries a native run (:meth:`fbs.engine.fused.FusedOps.native_run`) wrote at layer l: every row's
+        (``wrote`` None) or those flagged; it wrote them at each row's current length."""
+        if wrote is None:
+            self.cache.advance(l, self.rows, self.positions)
+        elif any(wrote):
+            idx = [i for i, w in enumerate(wrote) if w]
+            self.cache.advance(l, [self.rows[i] for i in idx], [self.positions[i] for i in idx])
+
+    # ---- chunk head -------------------------------------------------------
+    def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:
+        rows = self.rows_t
+        if xn.shape[1] > 1 and all(p[0] == 0 for p in self.positions):  # a prompt from scratch: the parallel form
+            out, state = head(xn, return_state=True)
+            self.chunks[l].assign(rows, state)
+            return out
+        if self.native_chunk and xn.shape[1] == 1 and self.trail is None:
+            return ChunkOut(*native.chunk_step(head, xn, rows, self.chunks[l]), None, None)
+        state = self.chunks[l].select(rows)
+        steps = []
+        for j in range(xn.shape[1]):  # tokens after cached ones: one online step each
+            steps.append(head.step(xn[:, j:j + 1], state))
+            if self.trail is not None:
+                self.trail.setdefault(l, []).append(state.clone())
+        self.chunks[l].assign(rows, state)
+        if len(steps) == 1:
+            return ChunkOut(*steps[0], None, None)
+        c, logits, bound = zip(*steps)
+        return ChunkOut(torch.cat(c, 1), torch.cat(logits, 1), torch.stack(bound, 1), None, None)
+
+    def chunk_write(self, l: int, head, xn: torch.Tensor) -> None:
+        """``project`` for a skipped CH layer: the token joins the chunk cache, nothing is added to its state."""
+        rows = self.rows_t
+        if self.native_chunk and xn.shape[1] == 1:
+            native.chunk_step(head, xn, rows, self.chunks[l], attend=False)
+            return
+        state = self.chunks[l].select(rows)
+        head.step(xn, state, attend=False)
+        self.chunks[l].assign(rows, state)

@@ -1,0 +1,653 @@
+"""Decoding engine: prefill with every layer, then one token per step with true layer skipping.
+
+For the newest token of each row, before layer l runs, the skip gate gives p; the layer is skipped when
+p > tau (or by a forced plan, or by Bernoulli sampling). A skipped layer runs none of its attention,
+FFN, PAW or CH for that token; under the ``project`` KV policy it still writes the token's K/V (and chunk
+cache entry), computed from the unchanged state, so later tokens see what training showed them.
+
+Batches: rows disagree about skipping. ``batch_policy="gather"`` runs a layer only for the rows that
+compute; ``"all"`` runs it for every row unless all rows skip; ``"majority"`` skips it for every row when
+more than half the rows skip it, else runs it for every row. The trace records intended skips (what the
+gates said) and executed ones (what ran).
+
+Each layer is one :func:`fbs.model.layer.layer_step`, the same step the parallel forward runs, over the engine's
+KV-cache context. The linear algebra (``weights=``) is either the HF modules themselves (``"hf"``, the
+reference: forward hooks see every call) or fused inference copies of the same weights built once per model
+and weight format (:mod:`fbs.engine.fused`: fp32, bf16 or int8 weight-only), optionally compiled (``compile=True``:
+one compiled artifact for all layers, the skip loop stays in Python).
+
+The eager int8 step on a CPU with AVX2 / AVX-512 goes one level further (:mod:`fbs.native`): each run of
+consecutive layers without PAW or CH is one native call that computes, per layer, what ``layer_step`` computes
+over the fused int8 weights, makes the threshold decision under the batch policy, and runs attention and FFN only
+for the rows that compute; the decisions come back once per run for the trace. That kernel is tested against the
+``layer_step`` path (same tokens, decisions and trace; logits to float rounding), which stays the definition.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .cache import CacheContext, KVCache
+from .flops import FlopCounter
+from .fused import WEIGHTS, decode_ops
+from ..model.chunk import ChunkState
+from ..model.layer import COMPUTE, Mix, layer_step
+from ..model.skip import BATCH_POLICIES, batch_run, gated_layers, logit_threshold, planned_skip, skips
+
+CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
+STRUCTURE_CHARS = "\n{}[]():,\"'`"
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+@dataclasses.dataclass
+class DecodeOptions:
+    """All decoding knobs; defaults live here only."""
+
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_id: int | list[int] | None = None
+    ignore_eos: bool = False
+    stop_strings: list[str] | None = None
+    pad_token_id: int | None = None
+    tau: float | None = None                 # None: the model's config.tau
+    kv_policy: str | None = None             # None: the model's config.kv_policy
+    gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
+    force_compute: bool = False              # every layer runs (equivalence / baselines)
+    skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
+    never_skip: tuple[int, ...] = ()         # extra never-skip layers for this call
+    protect_structure: bool = False          # appendix E.9: raise tau on structure tokens / open brackets
+    structure_tau: float = 1.0               # tau while protected (1.0 = protected tokens skip nothing)
+    validator: str | Callable[[str], bool] | None = None  # json | brackets | python | callable
+    fallback_tau: float = 0.9                # tau of the fallback rerun
+    batch_policy: str = "gather"             # gather | all | majority
+    output_scores: bool = False              # keep each step's next-token logits in the result
+    weights: str = "fp32"                    # hf (the HF modules) | fp32 | bf16 | int8 (fused inference copies)
+    compile: bool | str = False              # torch.compile the fused one-token step (True: inductor; or a backend)
+    record_gate_p: bool = True               # keep gate probabilities in the trace (else NaN where not kept)
+    lossless: bool = False                   # speculative self-drafting (fbs.engine.speculative): the skipping model
+                                             # drafts, full depth verifies: force_compute's output (greedy) or
+                                             # its distribution (sampling)
+    draft_tokens: int = 4                    # lossless: most tokens drafted per verify pass (gamma)
+    adapt_draft: bool = True                 # lossless: adapt gamma to the acceptance rate (draft_stop set: adapt it)
+    draft_stop: float = 0.0                  # lossless: stop drafting once the draft's top-1 probability is below it
+    draft_adapter: Any = None                # lossless: a fbs.baselines.kangaroo.KangarooAdapter drafts instead (Kangaroo)
+    skip_policy: object | None = None        # a baseline's skip policy (fbs.baselines) decides instead of the gates
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError("min_new_tokens must be in [0, max_new_tokens]")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"batch_policy must be one of {', '.join(map(repr, BATCH_POLICIES))}, "
+                             f"got {self.batch_policy!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.compile and self.weights == "hf":
+            raise ValueError("compile=True runs the fused weights; use weights='fp32', 'bf16' or 'int8'")
+        if self.kv_policy not in (None, "hole", "project"):
+            raise ValueError(f"kv_policy must be 'hole' or 'project', got {self.kv_policy!r}")
+        if isinstance(self.validator, str) and self.validator not in VALIDATORS:
+            raise ValueError(f"validator must be one of {sorted(VALIDATORS)} or a callable")
+        if self.draft_tokens < 1 or not 0.0 <= self.draft_stop < 1.0:
+            raise ValueError("draft_tokens must be >= 1 and draft_stop in [0, 1)")
+        if self.lossless and self.validator is not None:
+            raise ValueError("lossless output is the full-depth output: a validator fallback would regenerate it")
+        if self.draft_adapter is not None and not self.lossless:
+            raise ValueError("draft_adapter drafts for lossless decoding: pass lossless=True")
+        if self.skip_policy is not None and self.skip_plan is not None:
+            raise ValueError("skip_policy and skip_plan both decide the skips; pass one")
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One decode step: the token each active row produced."""
+
+    step: int
+    rows: list[int]
+    tokens: list[int]
+
+
+@dataclasses.dataclass
+class DecodeTrace:
+    """What ran, per (row, generated token, layer). N = generated tokens (rows that stopped are padded)."""
+
+    executed: torch.Tensor        # (B, N, L) bool: the layer (its FFN under skip_granularity="ffn") ran for that token
+    intended_skip: torch.Tensor   # (B, N, L) bool: the gate (or plan) said skip
+    kv_written: torch.Tensor      # (B, N, L) bool: a K/V entry was written
+    gate_p: torch.Tensor          # (B, N, L) float, NaN where no gate was evaluated
+    window_k: torch.Tensor        # (B, N) long, k(t) at the first PAW layer (-1: PAW did not run)
+    chunk_boundary: torch.Tensor  # (B, N) bool, the token started a chunk at the first CH layer
+    context_len: torch.Tensor     # (B, N) long, tokens before this one (its position)
+    valid: torch.Tensor           # (B, N) bool, a token was generated at this step
+    tflops_rel: float             # paper's Eq.: executed layer invocations / all (decode tokens)
+    tflops_rel_exact: float       # executed MACs incl. attention, K/V projections, LM head, FBS overhead
+    fallback: list[bool]          # per row: the validator failed and the row was regenerated
+    skip_granularity: str = "layer"  # "ffn": a pair not executed still ran its attention (and wrote K/V)
+
+    @property
+    def skip_ratio(self) -> float:
+        """Share of (token, layer) pairs not executed, over all layers of generated tokens."""
+        n = self.valid.sum().item() * self.executed.shape[-1]
+        return 0.0 if n == 0 else 1.0 - (self.executed & self.valid.unsqueeze(-1)).sum().item() / n
+
+    @property
+    def intended_skip_ratio(self) -> float:
+        n = self.valid.sum().item() * self.executed.shape[-1]
+        return 0.0 if n == 0 else (self.intended_skip & self.valid.unsqueeze(-1)).sum().item() / n
+
+    def to_dict(self) -> dict:
+        return {
+            "executed": self.executed.int().tolist(), "intended_skip": self.intended_skip.int().tolist(),
+            "gate_p": torch.nan_to_num(self.gate_p, nan=-1.0).tolist(), "window_k": self.window_k.tolist(),
+            "chunk_boundary": self.chunk_boundary.int().tolist(), "context_len": self.context_len.tolist(),
+            "skip_ratio": self.skip_ratio, "intended_skip_ratio": self.intended_skip_ratio,
+            "tflops_rel": self.tflops_rel, "tflops_rel_exact": self.tflops_rel_exact, "fallback": self.fallback,
+        }
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    sequences: torch.Tensor       # (B, T_prompt_max + N) prompt (left-aligned as given) + new tokens, padded
+    new_tokens: list[list[int]]   # per row, the generated ids
+    trace: DecodeTrace
+    timings: dict[str, float]     # prefill_s, decode_s, total_s
+    scores: list[torch.Tensor] | None = None  # per row (n_new, V) logits that chose each new token
+    speculative: Any = None       # lossless decoding: fbs.engine.speculative.SpecStats (passes, acceptance, draft work)
+
+
+# --------------------------------------------------------------------------- validators (appendix E.9)
+def _valid_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _balanced(text: str) -> bool:
+    stack = []
+    for ch in text:
+        if ch in _OPEN:
+            stack.append(_CLOSE[_OPEN.index(ch)])
+        elif ch in _CLOSE:
+            if not stack or stack.pop() != ch:
+                return False
+    return not stack
+
+
+def _valid_python(text: str) -> bool:
+    try:
+        ast.parse(text)
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+VALIDATORS: dict[str, Callable[[str], bool]] = {"json": _valid_json, "brackets": _balanced, "python": _valid_python}
+
+
+# --------------------------------------------------------------------------- input handling
+def rows_from_input(input_ids, attention_mask) -> list[list[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            rows = input_ids.tolist()
+        else:
+            rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)]
+    else:
+        rows = [list(map(int, r)) for r in input_ids]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("empty prompt: every row needs at least one token")
+    return rows
+
+
+class _Structure:
+    """Per-token structure facts for structure-token protection."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        if tokenizer is None:
+            raise ValueError("protect_structure needs a tokenizer (pass tokenizer= or load the model by name)")
+        texts = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+        texts = [tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in texts]
+        self.is_structure = [any(c in STRUCTURE_CHARS for c in t) for t in texts] + [False] * (vocab_size - len(texts))
+        self.depth_delta = [sum(t.count(c) for c in _OPEN) - sum(t.count(c) for c in _CLOSE) for t in texts]
+        self.depth_delta += [0] * (vocab_size - len(texts))
+
+
+# --------------------------------------------------------------------------- the engine
+#: dtype of each per-(row, step[, layer]) field of :class:`DecodeTrace`.
+TRACE_DTYPES = {"executed": torch.bool, "intended_skip": torch.bool, "kv_written": torch.bool, "gate_p": torch.float32,
+                "window_k": torch.long, "chunk_boundary": torch.bool, "context_len": torch.long, "valid": torch.bool}
+
+
+class TraceRecorder:
+    """Per-step records in plain Python lists (cheap on the hot path), turned into tensors once (:func:`finish`).
+
+    Fields, each indexed [row][step] (and [layer] for the first four): ``executed``, ``intended``, ``kv``, ``p``
+    (gate logits), ``k``, ``bound``, ``ctx``, ``valid``; :data:`TRACE_DTYPES` gives each :class:`DecodeTrace`
+    field's dtype."""
+
+    def __init__(self, batch: int, steps: int, layers: int):
+        grid = lambda v: [[[v] * layers for _ in range(steps)] for _ in range(batch)]  # noqa: E731
+        self.executed, self.intended, self.kv, self.p = grid(False), grid(False), grid(False), grid(float("nan"))
+        self.k = [[-1] * steps for _ in range(batch)]
+        self.bound = [[False] * steps for _ in range(batch)]
+        self.ctx = [[0] * steps for _ in range(batch)]
+        self.valid = [[False] * steps for _ in range(batch)]
+
+    def rows(self, keep: int) -> dict[str, list]:
+        """Field name of :class:`DecodeTrace` -> nested lists truncated to ``keep`` steps."""
+        cut = lambda rows: [r[:keep] for r in rows]  # noqa: E731
+        return {"executed": cut(self.executed), "intended_skip": cut(self.intended), "kv_written": cut(self.kv),
+                "gate_p": cut(self.p), "window_k": cut(self.k), "chunk_boundary": cut(self.bound),
+                "context_len": cut(self.ctx), "valid": cut(self.valid)}
+
+    #: the per-step record fields
+    FIELDS = ("executed", "intended", "kv", "p", "k", "bound", "ctx", "valid")
+
+    def replace_row(self, row: int, other: "TraceRecorder", other_row: int) -> None:
+        for name in self.FIELDS:
+            getattr(self, name)[row] = getattr(other, name)[other_row]
+
+
+class Decoder:
+    """State of one generate call: cache, chunk states, per-row bookkeeping, trace buffers.
+
+    Built by :func:`start`; :func:`run` drives it. Public surface (what the server's batcher and speculative
+    decoding use): ``prompts`` / ``out`` (per row, prompt and generated ids), ``active`` (the rows still
+    decoding), ``rec`` (:class:`TraceRecorder`), ``opts``, :meth:`prefill`, :meth:`decode_step` (one token per
+    active row), :meth:`context` (the KV-cache context of a step), :meth:`pick` and :meth:`finished`.
+    Subclasses may override :meth:`decode_step` (the batcher runs several requests' rows in one step)."""
+
+    def __init__(self, model, prompts: list[list[int]], opts: DecodeOptions, tokenizer):
+        self.m, self.opts, self.tok = model, opts, tokenizer
+        spec, cfg = model.base.spec, model.config
+        self.L, self.B = spec.num_layers, len(prompts)
+        self.prompts = prompts
+        longest = max(len(p) for p in prompts)
+        if longest + opts.max_new_tokens > spec.max_positions:
+            raise ValueError(
+                f"prompt of {longest} tokens plus max_new_tokens={opts.max_new_tokens} exceeds the model's context "
+                f"of {spec.max_positions}; shorten the prompt or lower max_new_tokens"
+            )
+        self.dev = model.preview_ids.device
+        dtype = model.base.embedding_weight.dtype
+        # lossless decoding verifies up to draft_tokens + 1 positions past a row's last committed one
+        capacity = longest + opts.max_new_tokens + (opts.draft_tokens + 1 if opts.lossless else 0)
+        if opts.compile:  # compiled steps see the cache's full shape: round it so calls share graphs (and the disk cache)
+            capacity = min(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP, max(capacity, spec.max_positions))
+        self.cache = KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev, dtype)
+        self.chunks = {l: ChunkState(self.B, cfg.chunk_cache_size, cfg.chunk_rank, self.dev, dtype)
+                       for l in model.layers_cfg.ch}
+        self.tau = cfg.tau if opts.tau is None else opts.tau
+        self.policy = opts.kv_policy or cfg.kv_policy
+        self.gated = gated_layers(self.L, model.layers_cfg.gated, (*model.layers_cfg.never_skip, *opts.never_skip))
+        self.plan = None
+        if opts.skip_plan is not None:
+            plan = torch.as_tensor(opts.skip_plan, dtype=torch.bool)
+            if plan.dim() not in (1, 2):
+                raise ValueError(f"skip_plan must be (L,) or (N, L), one plan for every row, got shape "
+                                 f"{tuple(plan.shape)}; run rows with different plans as separate calls")
+            if plan.shape[-1] != self.L:
+                raise ValueError(f"skip_plan's last dimension must be {self.L} layers, got {tuple(plan.shape)}")
+            if plan.dim() == 1:
+                plan = plan.expand(opts.max_new_tokens, self.L)
+            bad = [l for l in range(self.L) if plan[:, l].any() and l in model.layers_cfg.never_skip]
+            if bad and not opts.force_compute:
+                raise ValueError(f"skip_plan skips never-skip layers {bad}; change never_skip_first/last in the config")
+            self.plan = plan.tolist()
+        self.gen = None
+        if opts.seed is not None:
+            self.gen = torch.Generator(device=self.dev).manual_seed(opts.seed)
+        self.structure = _Structure(tokenizer, spec.vocab_size) if opts.protect_structure else None
+        self.depth = [0] * self.B  # open-bracket depth of prompt + output, for structure protection
+        if self.structure is not None:
+            for r, prompt in enumerate(prompts):
+                for t in prompt:
+                    self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
+        self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
+        self.ops = decode_ops(model, opts.weights, opts.compile)
+        self.granularity = cfg.skip_granularity
+        eos = opts.eos_token_id
+        if eos is None and not opts.ignore_eos:
+            eos = getattr(getattr(model.base.hf, "generation_config", None), "eos_token_id", None)
+            if eos is None and tokenizer is not None:
+                eos = tokenizer.eos_token_id
+        self.eos = set() if opts.ignore_eos or eos is None else set([eos] if isinstance(eos, int) else eos)
+        self.rec = TraceRecorder(self.B, opts.max_new_tokens, self.L)
+        self.flops = FlopCounter(model)
+        self.out: list[list[int]] = [[] for _ in range(self.B)]
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.B)]
+        self.active = list(range(self.B))
+        self.spec = None  # lossless decoding's bookkeeping (fbs.engine.speculative), set by its run
+        # a baseline's per-call policy state (fbs.baselines): prefill_mix / decide / mix / bypass / observe
+        self.skipper = None if opts.skip_policy is None or opts.force_compute else opts.skip_policy.start(self)
+        self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
+        self._segments: dict[int, range] | None = None  # native layer runs (_native_segments), made on first use
+        self._seg_gated: dict[int, list[bool]] = {}     # per segment, which of its layers this call gates
+
+    def context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
+        ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
+                           self.m.base.scaling)
+        ctx.native_chunk = getattr(self.ops, "native_layers", None) is not None  # the native int8 step's CH too
+        return ctx
+
+    # ---- prefill ------------------------------------------------------------
+    def prefill(self, tap: Callable[[int, list[int], torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+        """Run every layer over each prompt; returns next-token logits per row. ``tap(l, rows, x)`` sees the input
+        of every layer (Kangaroo's adapter reads the prompt's hidden states at its exit layer)."""
+        groups: dict[int, list[int]] = {}
+        for r, p in enumerate(self.prompts):
+            groups.setdefault(len(p), []).append(r)
+        logits = [None] * self.B
+        ops = self.ops
+        for length, rows in groups.items():
+            # rows of equal length run as one batch (rows need not be contiguous for the cache)
+            ids = torch.tensor([self.prompts[r] for r in rows], device=self.dev)
+            pos = torch.arange(length, device=self.dev).expand(len(rows), length)
+            x = ops.embed(ids)
+            cos, sin = ops.rope(x, pos)
+            ctx = self.context(rows, [list(range(length))] * len(rows), cos, sin)
+            for l in range(self.L):
+                if tap is not None:
+                    tap(l, rows, x)
+                mix = COMPUTE if self.skipper is None else self.skipper.prefill_mix(l, x, pos)
+                x = layer_step(self.m, ops, l, x, ctx, mix).x
+            last = ops.head(x[:, -1:])[:, 0]
+            for i, r in enumerate(rows):
+                logits[r] = last[i]
+        return logits
+
+    # ---- decode -------------------------------------------------------------
+    def _needs_gate(self, l: int) -> bool:
+        return self.gated[l] and self.plan is None and not self.opts.force_compute and self.skipper is None
+
+    def _skip_decision(self, l, step, rows, logit, thresholds=None) -> tuple[list[bool], list[float] | None]:
+        """Returns (skip per row, gate logits per row or None). ``logit`` (b,) is read once; ``thresholds``:
+        the rows' logit thresholds (:meth:`_row_threshold`)."""
+        o = self.opts
+        if o.force_compute:
+            return [False] * len(rows), None
+        if self.plan is not None:
+            steps = [step] * len(rows) if isinstance(step, int) else step
+            return planned_skip(self.plan, steps, l), None
+        if logit is None:
+            return [False] * len(rows), None
+        if o.gate_sampling:
+            if isinstance(logit, list):  # from the native kernel (fbs.native): already on the host
+                logit = torch.tensor(logit, device=self.dev)
+            p = torch.sigmoid(logit.float())
+            both = torch.stack([logit.float(), torch.bernoulli(p, generator=self.gen)]).tolist()
+            return [d > 0.5 for d in both[1]], both[0]
+        values = logit if isinstance(logit, list) else logit.tolist()  # the layer's one host read
+        if thresholds is None:
+            thresholds = [self._row_threshold(r) for r in rows]
+        return skips(values, thresholds), values
+
+    def _row_threshold(self, row: int) -> float:
+        """The logit threshold of this row's tau (p > tau <=> logit > log(tau / (1 - tau)))."""
+        return logit_threshold(self._row_tau(row))
+
+    def _row_tau(self, row: int) -> float:
+        if self.structure is None:
+            return self.tau
+        last = self.out[row][-1] if self.out[row] else self.prompts[row][-1]
+        if self.depth[row] > 0 or self.structure.is_structure[last]:
+            return max(self.tau, self.opts.structure_tau)
+        return self.tau
+
+    def _batch_run(self, skip: list[bool]) -> list[bool]:
+        """Which rows run the layer (or its FFN) under this call's batch policy (:func:`fbs.model.skip.batch_run`)."""
+        return batch_run(skip, self.opts.batch_policy)
+
+    def decode_step(self, step: int | list[int], tokens: list[int]) -> torch.Tensor:
+        """One token for every active row; returns next-token logits (b, V) for the active rows. ``step`` is the
+        index of the generated token the rows consume: one for all, or one per row (speculative drafts)."""
+        rows, m, rec, ops = self.active, self.m, self.rec, self.ops
+        b = len(rows)
+        steps = [step] * b if isinstance(step, int) else list(step)
+        pos_list = [len(self.prompts[r]) + s for r, s in zip(rows, steps)]
+        x = ops.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
+        cos, sin = ops.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
+        ctx = self.context(rows, [[p] for p in pos_list], cos, sin)
+        zlow = x.new_zeros(b, 1, m.config.preview_rank)
+        zero_z, zterms = True, None     # zlow is still zero; the gates' terms of zlow, made when a gate needs them
+        x_prev, prev_skip = None, None  # previous layer's input; (b, 1) 1.0 where it was skipped (None: none was)
+        thresholds = None               # per row, the logit threshold of its tau (fixed within a step)
+        for i, r in enumerate(rows):
+            rec.ctx[r][steps[i]], rec.valid[r][steps[i]] = pos_list[i], True
+        segments = self._native_segments()
+        policy, write_skipped = BATCH_POLICIES[self.opts.batch_policy], self.policy == "project"
+        done = 0  # layers below it ran in a native segment
+        for l in range(self.L):
+            if l < done:
+                continue
+            seg = segments.get(l)
+            if seg is not None:  # consecutive plain layers in one native call
+                gated = self._gated_in(seg)
+                any_gated = any(gated)
+                if any_gated:
+                    if zterms is None:
+                        zterms = ops.preview_terms(None if zero_z else zlow, b)
+                    if thresholds is None:
+                        thresholds = [self._row_threshold(r) for r in rows]
+                x, x_prev, logits, skip, run = ops.native_run(
+                    seg, x, ctx, x_prev, prev_skip, zterms if any_gated else None, gated,
+                    self._forced_runs(seg, gated, step, rows), thresholds, policy, write_skipped)
+                for k, lk in enumerate(seg):
+                    part = slice(k * b, (k + 1) * b)
+                    self._record(steps, lk, rows, skip[part], run[part], logits[part] if gated[k] else None,
+                                 None, None, None)
+                if m.gates.use_prev_skip:
+                    last = run[-b:]
+                    prev_skip = None if all(last) else self._skip_indicator(last)
+                done = seg.stop
+                continue
+            gated = self._needs_gate(l)
+            if gated:
+                if zterms is None:
+                    zterms = ops.preview_terms(None if zero_z else zlow, b)
+                if thresholds is None:
+                    thresholds = [self._row_threshold(r) for r in rows]
+                pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True)
+            else:
+                pre = None
+            if self.skipper is not None:  # a baseline's policy decides
+                pre = ops.pre(l, x, ctx, None, None, None, False)
+                skip, logits = self.skipper.decide(l, step, rows, x, pre)
+            else:
+                skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None, thresholds)
+            run = self._batch_run(skip)
+            if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn") and not (
+                    all(run) and self.granularity == "layer" and ops.attends_natively(l)):
+                pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs, or all of it
+                #                                                    natively (its K/V inside the native call)
+            if self.granularity == "ffn":
+                new, zlow_new, sel, paw, ch = self._ffn_only(l, x, ctx, pre, run, zlow)
+            else:
+                new, zlow_new, sel, paw, ch = self._whole_layer(l, x, ctx, pre, run, zlow)
+            self._record(steps, l, rows, skip, run, logits, sel, paw, ch)
+            if paw is not None:
+                zlow, zero_z, zterms = zlow_new, False, None
+            if m.gates.use_prev_skip:
+                prev_skip = None if all(run) else self._skip_indicator(run)
+            x_prev, x = x, new
+        return ops.head(x)[:, 0]
+
+    def _native_segments(self) -> dict[int, range]:
+        """First layer -> the run of consecutive layers that one native call computes (the ops' native whole-layer
+        steps, :attr:`fbs.engine.fused.FusedOps.native_layers`), when this call can use them: hard threshold gates or
+        forced decisions, whole-layer skips, no baseline policy. Empty otherwise. Made once per call."""
+        if self._segments is None:
+            self._segments = {}
+            layers = getattr(self.ops, "native_layers", None)
+            if layers is not None and self.skipper is None and not self.opts.gate_sampling \
+                    and self.granularity == "layer":
+                l = 0
+                while l < self.L:
+                    if layers[l] is None:
+                        l += 1
+                        continue
+                    end = l
+                    while end < self.L and layers[end] is not None:
+                        end += 1
+                    self._segments[l] = range(l, end)
+                    l = end
+        return self._segments
+
+    def _gated_in(self, seg: range) -> list[bool]:
+        key = seg.start
+        gated = self._seg_gated.get(key)
+        if gated is None:
+            gated = self._seg_gated[key] = [self._needs_gate(l) for l in seg]
+        return gated
+
+    def _forced_runs(self, seg: range, gated: list[bool], step, rows: list[int]) -> list[bool]:
+        """The rows that run each ungated layer of ``seg`` under a skip plan (layer-major, True for gated layers),
+        or [] when every row runs every ungated layer (no plan)."""
+        if self.plan is None:
+            return []
+        runs = []
+        for l, g in zip(seg, gated):
+            runs.extend([True] * len(rows) if g else self._batch_run(self._skip_decision(l, step, rows, None)[0]))
+        return runs
+
+    def _skip_indicator(self, run: list[bool]) -> torch.Tensor:
+        """(b, 1) 1.0 for the rows that skipped, one tensor per pattern (made once per call)."""
+        key = tuple(run)
+        t = self._indicators.get(key)
+        if t is None:
+            t = self._indicators[key] = torch.tensor([[0.0 if r else 1.0] for r in run], device=self.dev)
+        return t
+
+    def _whole_layer(self, l, x, ctx, pre, run, zlow):
+        """Layer granularity: the layer runs for the rows in ``run``; the others keep x (and, under ``project``,
+        write their K/V and chunk entry from the unchanged state). Returns (x', zlow', rows that ran, PAW, CH)."""
+        b = x.shape[0]
+        sel = [i for i in range(b) if run[i]]
+        new, out = x, None
+        if len(sel) == b:
+            out = layer_step(self.m, self.ops, l, x, ctx, self._run_mix(l, sel), xn=None if pre is None else pre.xn,
+                             kv=None if pre is None else pre.kv, zlow=zlow)
+            new, zlow_new = out.x, out.zlow
+        elif sel:
+            ti = torch.tensor(sel, device=self.dev)
+            kv = None if pre.kv is None else (pre.kv[0][ti], pre.kv[1][ti])
+            out = layer_step(self.m, self.ops, l, x[ti], ctx.select(sel), self._run_mix(l, sel), xn=pre.xn[ti], kv=kv,
+                             zlow=zlow[ti])
+            new = x.index_copy(0, ti, out.x)
+            zlow_new = zlow.index_copy(0, ti, out.zlow) if out.paw is not None else zlow
+        skipped = [i for i in range(b) if not run[i]]
+        if skipped and self.policy == "project":
+            sub = ctx if not sel else ctx.select(skipped)
+            ti = torch.tensor(skipped, device=self.dev)
+            xn = pre.xn if not sel else pre.xn[ti]
+            kv = self.ops.kv(l, xn, sub) if pre.kv is None else ((pre.kv[0], pre.kv[1]) if not sel else
+                                                                 (pre.kv[0][ti], pre.kv[1][ti]))
+            sub.write(l, *kv)
+            if str(l) in self.m.ch:
+                sub.chunk_write(l, self.m.ch[str(l)], xn)
+        if skipped and self.skipper is not None:  # a policy may process the skipped rows (FlexiDepth's adapter)
+            new = self.skipper.bypass(l, skipped, x, new)
+        if out is None:
+            return new, zlow, sel, None, None
+        return new, zlow_new, sel, out.paw, out.ch
+
+    def _ffn_only(self, l, x, ctx, pre, run, zlow):
+        """FFN granularity: attention, PAW and CH run for every row; the FFN only for the rows in ``run``."""
+        b = x.shape[0]
+        sel = [i for i in range(b) if run[i]]
+        mix = Mix("ffn") if len(sel) == b else Mix("ffn", ffn_rows=torch.tensor(sel, device=self.dev, dtype=torch.long))
+        if self.skipper is not None:
+            mix = self.skipper.mix(l, sel)
+        out = layer_step(self.m, self.ops, l, x, ctx, mix, xn=pre.xn, kv=pre.kv, zlow=zlow)
+        if self.skipper is not None:
+            self.skipper.observe(l, run, out)
+        return out.x, out.zlow, list(range(b)), out.paw, out.ch
+
+    def _run_mix(self, l: int, sel: list[int]) -> Mix:
+        """How the rows ``sel`` (indices into the step's rows) that run layer l combine: plain, or the policy's."""
+        return COMPUTE if self.skipper is None else self.skipper.mix(l, sel)
+
+    def _record(self, steps, l, rows, skip, run, logits, sel, paw, ch) -> None:
+        rec, m = self.rec, self.m
+        kv_always = self.policy == "project" or self.granularity == "ffn"
+        keep_p = logits is not None and self.opts.record_gate_p
+        for i, r in enumerate(rows):
+            rec.executed[r][steps[i]][l] = run[i]
+            rec.intended[r][steps[i]][l] = skip[i]
+            rec.kv[r][steps[i]][l] = run[i] or kv_always
+            if keep_p:
+                rec.p[r][steps[i]][l] = logits[i]  # a logit; finish turns the whole grid into probabilities
+        if paw is not None and l == m.layers_cfg.paw[0]:
+            for i, k in zip(sel, paw.k_hard[:, 0].tolist()):
+                rec.k[rows[i]][steps[i]] = k
+        if ch is not None and l == m.layers_cfg.ch[0]:
+            for i, bv in zip(sel, ch.boundary.view(-1).tolist()):
+                rec.bound[rows[i]][steps[i]] = bv
+
+    # ---- sampling -----------------------------------------------------------
+    def pick(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        o = self.opts
+        logits = logits.float()
+        if o.output_scores:
+            for i, r in enumerate(rows):
+                self.scores[r].append(logits[i].clone())
+        for i, r in enumerate(rows):
+            if len(self.out[r]) < o.min_new_tokens and self.eos:
+                logits[i, list(self.eos)] = float("-inf")
+        if not o.do_sample:
+            return logits.argmax(-1).tolist()
+        probs = self.warp(logits).softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.gen)[:, 0].tolist()
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from (..., V): temperature, then top-k and top-p (-inf outside)."""
+        o = self.opts
+        logits = logits / o.temperature
+        if o.top_k > 0:
+            kth = logits.topk(min(o.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if o.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) > o.top_p  # keep the smallest prefix reaching top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        return logits
+
+    def finished(self, row: int, token: int) -> bool:
+        o = self.opts
+        n = len(self.out[row])
+        if n >= o.max_new_tokens:
+            return True
+        if n < o.min_new_tokens:
+            return False
+        if token in self.eos:
+            return True
+        if o.stop_strings and self.tok is not None:
+            # a tail long enough for the longest stop string: a character may take up to 4 byte-level tokens,
+            # and the string may start inside the tail's first token
+            window = max(16, 4 * max(map(len, o.stop_strings)) + 1)
+            tail = self.tok.decode(self.out[row][-window:], skip_special_tokens=False)
+            return any(s in tail for s in o.stop_strings)
+        return False

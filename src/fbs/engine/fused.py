@@ -1,0 +1,555 @@
+"""The engine's linear algebra: the HF modules (``weights="hf"``) or fused inference copies of the same weights.
+
+:func:`decode_ops` returns the ops object a :func:`fbs.model.layer.layer_step` runs with during decoding. Besides the
+layer pieces it has ``pre``: RMSNorm_1, the layer's K/V and, for a gated layer, the gate logit.
+
+Fused copies (:class:`FusedOps`) are an inference-time view built once per model and weight format and
+rebuilt when any source parameter changes (the HF modules stay the source of truth, e.g. for training):
+
+* per layer, W_kvg = [W_k; W_v; A_l] where A_l is the gate's input projection folded through the shared
+  residual projection (the gate reads RMSNorm_1(h), the same input as K/V), so one matmul gives K, V and the
+  gate's hidden pre-activation; then W_q, W_o, [W_gate; W_up] and W_down;
+* the gates' terms that do not depend on a layer's input (hidden bias + preview term, all gated layers in one
+  matmul per preview summary) and their constant relative-update terms (first layer, skipped previous layer),
+  so that a gated layer adds few small ops to its ``pre`` (see :func:`_gate_logit`) and one host read;
+* the LM head (tied or not) in the same format;
+* weights in fp32, bf16 or int8 per output channel (:mod:`fbs.engine.quant`); fp32 computes what the HF modules do.
+
+One-token steps run two fixed-shape functions per layer, ``pre`` (norm, K/V, gate) and ``block`` (Q, cache
+write, attention over the static cache, O, FFN), optionally ``torch.compile``d: one artifact serves every
+layer because weights and cache buffers are arguments, and the skip loop stays in Python, so changing skip
+patterns never recompiles. Prefill (many tokens) runs the HF modules themselves: GEMMs on the fp32 source
+weights, exactly HF's arithmetic, whatever the decode format.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import native
+from .cache import CacheContext
+from ..model.layer import HFOps
+from ..model.gate import relative_update
+from .quant import FORMATS, Weight, matmul
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = ("hf",) + FORMATS
+
+
+class Pre(NamedTuple):
+    """What a layer computes before its skip decision, for the rows of a step."""
+
+    xn: torch.Tensor                                   # (b, T, d) RMSNorm_1(x)
+    kv: tuple[torch.Tensor, torch.Tensor] | None       # (b, Hkv, T, hd) rotated K and V, when already projected
+    logit: torch.Tensor | list[float] | None           # (b,) gate logits (skip when > logit(tau)), gated layers;
+                                                       # Python floats when the native kernel computed them
+
+
+def decode_ops(model, weights: str = "fp32", compile: bool = False):
+    """The ops of one generate call: HF modules (``"hf"``) or the model's cached fused copies."""
+    if weights == "hf":
+        return HFDecodeOps(model)
+    if weights not in FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    per_model = _FUSED.setdefault(model, {})
+    stamp = _source_stamp(model)
+    key = (weights, compile, native.enabled())
+    cached = per_model.get(key)
+    if cached is None or cached[0] != stamp:
+        if cached is not None:
+            logger.info("model weights changed since the %s copies were built: rebuilding them", weights)
+        per_model[key] = (stamp, FusedOps(model, weights, compile))
+    return per_model[key][1]
+
+
+_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _source_stamp(model) -> tuple:
+    """Identity and version counter of every parameter the fused copies are built from."""
+    params = list(model.base.parameters()) + list(model.gates.parameters())
+    return tuple((p.data_ptr(), p._version) for p in params)
+
+
+# --------------------------------------------------------------------------- HF modules
+class HFDecodeOps(HFOps):
+    """The HF modules plus the algebraically fused gates (:class:`fbs.model.gate.FusedGates`)."""
+
+    def __init__(self, model):
+        super().__init__(model.base)
+        self.gates = model.gates.fused()
+
+    def preview_terms(self, zlow: torch.Tensor | None, rows: int):
+        """The gates' preview terms of a step's ``rows`` rows; ``zlow`` None: no PAW layer ran yet (zero terms)."""
+        return None if zlow is None else self.gates.preview_terms(zlow)
+
+    def attends_natively(self, l: int) -> bool:
+        return False
+
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
+        xn = self.norm1(l, x)
+        if not gated:
+            return Pre(xn, None, None)
+        rel = x.new_ones(x.shape[:-1]) if x_prev is None else relative_update(x, x_prev)
+        return Pre(xn, None, self.gates.logits(l, xn, rel, zterms, prev_skip)[:, 0])
+
+
+# --------------------------------------------------------------------------- fused copies
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, native_step: bool = False) -> torch.Tensor:
+    """HF's Llama/Qwen RMSNorm: statistics in fp32, weight applied in the input dtype (the casts are skipped when
+    they would be no-ops: each is a dispatch of its own in a one-token step). ``native_step``: one native call
+    (fp32 rows, :func:`fbs.native.rms_norm`)."""
+    if native_step:
+        return native.rms_norm(x, w, eps)
+    xf = x if x.dtype == torch.float32 else x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * (y if y.dtype == x.dtype else y.to(x.dtype))
+
+
+def _linear(x, w, s, b):
+    y = matmul(x, w, s)
+    return y if b is None else y + b
+
+
+def _heads(y: torch.Tensor, n: int, hd: int, norm, eps: float) -> torch.Tensor:
+    """(b, T, n*hd) -> (b, n, T, hd), with the per-head RMSNorm of Qwen3 when ``norm`` is given."""
+    b, t, _ = y.shape
+    y = y.view(b, t, n, hd)
+    if norm is not None:
+        y = _rms(y, norm, eps)
+    return y.transpose(1, 2)
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's rotary tables (b, 1, hd) of a one-token step as :func:`_rope` reads them: (b, 1, 1, hd) cos and sin
+    with its first half negated, made once per step instead of once per layer and projection."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` in fewer ops and bit for bit: rotate_half(x) = cat(-x2, x1) and
+    roll(x) = cat(x2, x1), so rotate_half(x) * sin = roll(x) * cat(-sin1, sin2) exactly (a sign flip is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def _pre_step(x, x_prev, terms, rel_term, prev_skip, cos, sin, ln1, kvg, kvg_s, kvg_b, kn, gate, *, nkv: int,
+              hd: int, eps: float, native_step: bool = False):
+    """RMSNorm_1, K/V (rotated) and, with ``gate`` (see :func:`_gate_logit`), the gate logit (b,). ``cos`` /
+    ``sin``: :func:`_rope_tables`. ``native_step``: the norm in a native kernel (see :class:`FusedOps`)."""
+    xn = _rms(x, ln1, eps, native_step)
+    y = _linear(xn, kvg, kvg_s, kvg_b)                               # (b, 1, 2*nkv*hd [+ G])
+    width = nkv * hd
+    if gate is None:
+        k, v, g = y[..., :width], y[..., width:2 * width], None
+    else:  # one op for the three parts; the gate's width G (0 without the residual input) is fixed per layer
+        k, v, g = y.split_with_sizes([width, width, y.shape[-1] - 2 * width], -1)
+    k = _rope(_heads(k, nkv, hd, kn, eps), cos, sin)
+    v = _heads(v, nkv, hd, None, eps)
+    if torch.compiler.is_compiling():  # a view of y has y's row stride, which the gate's columns change: the compiled
+        v = v.clone(memory_format=torch.contiguous_format)  # block step would go shape-generic (sizes read per call)
+    if gate is None:  # y too: the gate's columns for the native kernel (fbs.native) when the layer has a gate
+        return xn, k, v, y
+    return xn, k, v, _gate_logit(g, x, x_prev, terms, rel_term, prev_skip, gate)
+
+
+def _gate_logit(g, x, x_prev, terms, rel_term, prev_skip, gate):
+    """A skip gate's logit (b,) for one token per row: out(silu(hidden)) with hidden = the gate's columns of the
+    fused K/V matmul ``g`` (b, 1, G; width 0 without the residual input) + ``terms`` (its bias and preview term,
+    :meth:`FusedOps.preview_terms`) + w_rel log(||x - x_prev|| / ||x_prev|| + 1e-3) [+ w_prev prev_skip].
+    ``x_prev`` None: the relative-update term is the constant ``rel_term`` (or absent when None).
+    ``gate`` = (w_rel, w_prev, out_w (G,), out_b (1,), 1e-3 as a tensor). Written in few ops, each of which is a
+    dispatch in eager mode (e.g. addmv rather than a linear over (b, 1, G), which dispatches a dozen)."""
+    w_rel, w_prev, out_w, out_b, eps = gate
+    h = terms if g.shape[-1] == 0 else g + terms
+    if x_prev is not None:
+        u = torch.linalg.vector_norm(x - x_prev, dim=-1, keepdim=True)                      # (b, 1, 1)
+        u_prev = torch.linalg.vector_norm(x_prev, dim=-1, keepdim=True).clamp_min_(1e-6)
+        h = torch.addcmul(h, torch.addcdiv(eps, u, u_prev).log_(), w_rel)
+    elif rel_term is not None:
+        h = h + rel_term
+    if prev_skip is not None:
+        h = torch.addcmul(h, prev_skip.unsqueeze(-1), w_prev)
+    return torch.addmv(out_b, F.silu(h).view(-1, h.shape[-1]), out_w)
+
+
+def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int, native_step: bool = False):
+    """h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h), with gate and up as one matmul."""
+    y = matmul(_rms(h, ln2, eps, native_step), gu, gu_s)
+    return h + matmul(F.silu(y[..., :inter]) * y[..., inter:], dn, dn_s)
+
+
+def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s,
+                dn, dn_s, *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool,
+                native_step: bool = False):
+    """One new token per row: Q, write K/V at each row's slot of the static cache, attend over the slots
+    filled so far, O and (with ``ffn``) the FFN. ``idx`` (b,): the rows' cache rows; ``valid`` (b, 1, 1, C): the
+    slots each row attends to (both from :meth:`FusedOps._slots`); ``rows`` None: the step's rows are the cache's
+    rows (attend over the whole buffers), else ``idx`` (gather them). ``native_step``: the write and the
+    attention in one native call over each row's filled prefix only (:func:`fbs.native.attend_one`), the norm
+    native too."""
+    b = x.shape[0]
+    q = _rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
+    if native_step:
+        o = native.attend_one(q, k, v, kc, vc, idx, slots, scale)                 # (b, 1, H * hd)
+    else:
+        kc[idx, :, slots] = k[:, :, 0]
+        vc[idx, :, slots] = v[:, :, 0]
+        keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
+                                           enable_gqa=keys.shape[1] != heads).transpose(1, 2).reshape(b, 1, heads * hd)
+    h = x + matmul(o, wo, wo_s)
+    return _ffn_step(h, ln2, gu, gu_s, dn, dn_s, eps=eps, inter=inter, native_step=native_step) if ffn else h
+
+
+def _head_step(x, norm, w, s, *, eps: float, native_step: bool = False):
+    return matmul(_rms(x, norm, eps, native_step), w, s)
+
+
+class _Terms:
+    """The gates' per-token terms of a step: ``flat`` (b, 1, n * G) (what :func:`fbs.native.run_layers` reads) and,
+    indexed by a gate's position, its (b, 1, G) view (the per-op step's; split on first use: the split is 3 ATen
+    calls per gated layer, which a step that runs its gated layers natively never needs)."""
+
+    def __init__(self, flat: torch.Tensor, width: int):
+        self.flat, self.width, self._views = flat, width, None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self._views is None:
+            self._views = self.flat.split(self.width, -1)
+        return self._views[i]
+
+
+def _gate_inputs(gate, x, x_prev, zterms, prev_skip) -> tuple:
+    """A gated layer's per-token inputs as its step reads them: (terms, x_prev, relative-update constant, previous
+    skip). The relative update is computed from ``x_prev``, or a constant when it is 1 (no previous layer) or 0
+    (``x_prev is x``: every row skipped the previous layer). All None for an ungated layer (``gate`` None)."""
+    if gate is None:
+        return None, None, None, None
+    xp = rel = None
+    if gate.rel_first is not None:
+        xp, rel = (None, gate.rel_first) if x_prev is None else (None, gate.rel_zero) if x_prev is x else (x_prev, None)
+    return zterms[gate.index], xp, rel, (prev_skip if gate.step[1] is not None else None)
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+class _Layer(NamedTuple):
+    ln1: torch.Tensor
+    kvg: Weight
+    kvg_b: torch.Tensor | None
+    q: Weight
+    q_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: Weight
+    ln2: torch.Tensor
+    gu: Weight
+    down: Weight
+    gate: "_Gate | None"      # gated layers
+
+
+class _Gate(NamedTuple):
+    """A gated layer's gate as the one-token step reads it (its input projection is in the layer's W_kvg)."""
+
+    index: int                     # position among the gated layers: which of the per-token terms is its
+    step: tuple                    # (w_rel, w_prev, out_w, out_b, eps) for _gate_logit; w_rel / w_prev None if unused
+    native: tuple                  # the same for fbs.native.gate_logits (fbs.native.gate_args)
+    cols: tuple[int, int]          # (offset, width) of its columns in the layer's W_kvg output (width 0: none)
+    rel_first: torch.Tensor | None  # w_rel log(1 + 1e-3): no previous layer (relative update 1)
+    rel_zero: torch.Tensor | None   # w_rel log(0 + 1e-3): every row skipped the previous layer (update 0)
+
+
+def _compile_dir() -> str:
+    from ..model.bases import cache_root
+
+    return str(cache_root() / "inductor")
+
+
+#: inductor options of the compiled step on CPU (cpp_wrapper: the step's kernels are called from C++, which
+#: removes most of the per-kernel Python overhead of a one-token step)
+CPU_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
+
+
+#: graphs dynamo may keep per compiled function: (gated or not) x (formats) x (a static and a dynamic shape)
+RECOMPILE_LIMIT = 32
+
+
+def _compiler(backend: bool | str, device: torch.device):
+    """``torch.compile`` of one step function, whole-graph; ``True`` = inductor (with :data:`CPU_INDUCTOR_OPTIONS`
+    on CPU), a string = that backend (e.g. ``"eager"`` to test graph capture). Shapes start static; a second
+    batch size or cache capacity makes dynamo compile one shape-generic graph instead of one per size."""
+    # each step function is one code object shared by every layer and weight format; dynamo's default limit of
+    # 8 graphs per code object is too tight for formats x gated/ungated layers (a global, only ever raised)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if backend is True or backend == "inductor":
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _compile_dir())  # compiled kernels persist across runs
+        opts = dict(CPU_INDUCTOR_OPTIONS) if device.type == "cpu" else {}
+        return lambda fn: torch.compile(fn, fullgraph=True, options=opts)
+    return lambda fn: torch.compile(fn, fullgraph=True, backend=backend)
+
+
+class FusedOps:
+    """Fused (and optionally compiled) copies of a model's decoder weights in one format; see the module doc."""
+
+    def __init__(self, model, fmt: str = "fp32", compile: bool = False):
+        base, spec = model.base, model.base.spec
+        self.base, self.spec, self.fmt = base, spec, fmt
+        self.hf = HFOps(base)  # many-token inputs (prefill): the HF modules' own GEMMs on the fp32 source weights
+        self.dtype = base.embedding_weight.dtype
+        #: int8 weights in the native kernel's packed layout (eager CPU steps with AVX2 / AVX-512, fbs.native);
+        #: a compiled step keeps torch._weight_int8pack_mm in its graph
+        self.native_int8 = (fmt == "int8" and not compile and base.embedding_weight.device.type == "cpu"
+                            and native.int8_isa() is not None)
+        fused_gates = model.gates.fused()
+        self.gates = fused_gates
+        self.gated = tuple(model.gates.layer_ids)
+        self.layers = [self._layer(l, fused_gates) for l in range(spec.num_layers)]
+        # all gates' input-independent terms of a token: hidden bias + preview term (one matmul), (b, 1, n * G)
+        biases = [fused_gates.a[l][1] for l in self.gated]
+        self._term_b = torch.cat([b.detach() for b in biases]) if biases else None
+        self._term_w = None if fused_gates.z_all is None else fused_gates.z_all.detach()
+        self._gate_width = biases[0].shape[0] if biases else 0
+        self._zero_terms: dict[int, tuple] = {}  # rows -> the terms of a zero preview summary
+        self.norm_w = base.norm.weight.detach()
+        self.eps = float(getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", 1e-6)))
+        self.head_w = self._weight(base.lm_head.weight)
+        self.emb = base.embedding_weight.detach()
+        hd, eps, inter = spec.head_dim, self.eps, spec.intermediate_size
+        # the native int8 step also attends and normalizes natively (fbs.native; int8 is not bit-faithful anyway,
+        # fp32 keeps SDPA and the norm's ATen ops: HF's arithmetic)
+        ns = dict(native_step=self.native_int8 and self.dtype == torch.float32)
+        self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps, **ns)
+        self._k_block = dict(heads=spec.num_heads, hd=hd, eps=eps, scale=base.scaling, inter=inter, **ns)
+        self._k_ffn, self._k_head = dict(eps=eps, inter=inter, **ns), dict(eps=eps, **ns)
+        self._rope_memo: tuple = (None, None)      # (the step's cos, its _rope_tables)
+        self._slot_memo: tuple = (None, None, -1)  # (slots, rows, capacity, idx, valid)
+        self.compiled = compile
+        fns = (_pre_step, _block_step, _ffn_step, _head_step)
+        if compile:
+            wrap = _compiler(compile, self.emb.device)
+            fns = tuple(wrap(f) for f in fns)
+            for w in self.layers:  # W_kvg is taller on gated layers (the gate's columns): one static graph per
+                for t in (*w.kvg.tensors, w.kvg_b):  # height, not a shape-generic one that reads sizes every call
+                    if t is not None:
+                        torch._dynamo.mark_static(t)
+        self._pre_fn, self._block_fn, self._ffn_fn, self._head_fn = fns
+        #: gate logits from the native kernel (eager fp32 CPU steps; a compiled step fuses the gate's ops itself)
+        self.native_gates = (not compile and bool(self.gated) and self.dtype == torch.float32
+                             and self.emb.device.type == "cpu" and native.module() is not None)
+        #: per layer, the whole one-token layer in one native call (fbs.native.Int8Layer), or None where the
+        #: layer runs as PyTorch ops (PAW / CH layers, Qwen3's per-head norms, widths not a multiple of 16);
+        #: None altogether unless the step is the native int8 one. See :meth:`native_layer`.
+        self._native_all = self._native_layers() if ns["native_step"] else None  # every layer it can run
+        self.native_layers = None if self._native_all is None else [
+            None if str(l) in model.paw or str(l) in model.ch else n for l, n in enumerate(self._native_all)]
+
+    def _layer(self, l: int, fg) -> _Layer:
+        layer = self.base.layers[l]
+        attn, mlp = layer.self_attn, layer.mlp
+        rows = [attn.k_proj.weight, attn.v_proj.weight]
+        bias = [attn.k_proj.bias, attn.v_proj.bias] if attn.k_proj.bias is not None else None
+        gate = self._gate(l, fg) if l in self.gated else None
+        a = fg.a[l][0] if gate is not None else None  # its hidden bias is in the per-token terms (preview_terms)
+        if a is not None:  # fold the gate's input projection into the K/V matmul
+            rows.append(a)
+            if bias is not None:
+                bias.append(torch.zeros(a.shape[0], dtype=a.dtype, device=a.device))
+        kvg_b = torch.cat([b.detach() for b in bias]) if bias is not None else None
+        norm = lambda m: None if m is None else m.weight.detach()  # noqa: E731
+        return _Layer(
+            ln1=layer.input_layernorm.weight.detach(), kvg=self._weight(torch.cat([r.detach() for r in rows])),
+            kvg_b=kvg_b, q=self._weight(attn.q_proj.weight),
+            q_b=None if attn.q_proj.bias is None else attn.q_proj.bias.detach(),
+            q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
+            o=self._weight(attn.o_proj.weight), ln2=layer.post_attention_layernorm.weight.detach(),
+            gu=self._weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+            down=self._weight(mlp.down_proj.weight), gate=gate,
+        )
+
+    def _native_layers(self) -> list | None:
+        """Per layer its :class:`fbs.native.Int8Layer`, or None where the per-op step must run it (Qwen3's per-head
+        norms); None altogether for widths that are not a multiple of 16 or head dims it does not take."""
+        spec, mod = self.spec, native.module()
+        d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+        if any(n % native.INT8_CHUNK for n in (d, spec.num_heads * hd, inter)) or hd > 256 or hd % 2:
+            return None
+        out = []
+        for w in self.layers:
+            if w.q_norm is not None or w.k_norm is not None:
+                out.append(None)
+                continue
+            layer = mod.Int8Layer(d, spec.num_heads, spec.num_kv_heads, hd, inter, self.eps, self.base.scaling,
+                                  w.ln1.contiguous(), *w.kvg.tensors, _dense(w.kvg_b), *w.q.tensors, _dense(w.q_b),
+                                  *w.o.tensors, w.ln2.contiguous(), *w.gu.tensors, *w.down.tensors)
+            if w.gate is not None:
+                w_rel, w_prev, out_w, out_b, eps = w.gate.native
+                layer.set_gate(w.gate.index, *w.gate.cols, w_rel, w_prev, _dense(w.gate.rel_first), out_w, out_b, eps)
+            out.append(layer)
+        return out
+
+    def native_run(self, layers: range, x, ctx, x_prev, prev_skip, zterms, gated: list[bool], runs: list[bool],
+                   thresholds, policy: int, write_skipped: bool):
+        """Consecutive layers ``layers`` of a one-token step (each in :attr:`native_layers`) in one native call:
+        per layer norm, K/V (+ gate), the decision, the cache writes, attention and FFN of the rows that run.
+        A layer with ``gated[k]`` decides by the rows' logit ``thresholds`` under the batch ``policy`` (0 gather,
+        1 all, 2 majority) with the step's preview terms ``zterms`` (:meth:`preview_terms`); the others run the rows
+        flagged in ``runs`` (layer-major, b per layer; empty: every row). ``x_prev`` / ``prev_skip``: the previous
+        layer's input (None: none) and (b, 1) skip indicator (None: no row skipped it). ``write_skipped``: rows that
+        skip still write K/V (``project``). Books the cache entries written. Returns (x', input of the last layer,
+        logits, skip, run), the last three flat lists (b per layer; logits NaN where no gate ran); x' is that input
+        itself when no row ran the last layer."""
+        lens, b = ctx.cache.lengths, len(ctx.rows)
+        slots = [lens[l][r] for l in layers for r in ctx.rows]
+        ps = [] if prev_skip is None else prev_skip.view(-1).tolist()
+        out = native.run_layers([self.native_layers[l] for l in layers], x, x_prev, ps,
+                                None if zterms is None else zterms.flat, *self._rope_of(ctx),
+                                ctx.cache.k[layers.start:layers.stop], ctx.cache.v[layers.start:layers.stop],
+                                ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped)
+        run = out[4]
+        for k, l in enumerate(layers):
+            ctx.book(l, None if write_skipped else run[k * b:(k + 1) * b])
+        return out
+
+    def _weight(self, w: torch.Tensor) -> Weight:
+        return Weight(w, self.fmt, packed=self.native_int8)
+
+    def _gate(self, l: int, fg) -> _Gate:
+        detach = lambda t: None if t is None else t.detach()  # noqa: E731
+        w_rel, w_prev = detach(fg.w_rel.get(l)), detach(fg.w_prev.get(l))
+        one = torch.ones((), dtype=self.dtype, device=self.base.embedding_weight.device)
+        rel = lambda u: None if w_rel is None else torch.log(u + 1e-3) * w_rel  # noqa: E731  (the step's arithmetic)
+        step = (w_rel, w_prev, fg.out_w[l].detach()[0], fg.out_b[l].detach(), torch.full_like(one, 1e-3))
+        a = fg.a[l][0]
+        cols = (2 * self.spec.num_kv_heads * self.spec.head_dim, 0 if a is None else a.shape[0])
+        return _Gate(self.gated.index(l), step, native.gate_args(step), cols, rel(one), rel(one * 0))
+
+    # ---- whole-model pieces ---------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.emb)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        return self.base.rope(x, positions)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 1:
+            return self.hf.head(x)
+        x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
+        return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
+
+    def preview_terms(self, zlow: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, ...]:
+        """Per gated layer, the (rows, 1, G) part of its gate's hidden pre-activation that does not depend on the
+        layer's input: hidden bias + preview term of ``zlow`` (rows, 1, R), all layers in one matmul; ``zlow`` None
+        stands for a zero preview summary (no PAW layer ran yet): the biases alone, built once per row count."""
+        if self._term_b is None:
+            return ()
+        if zlow is None or self._term_w is None:
+            terms = self._zero_terms.get(rows)
+            if terms is None:
+                terms = self._zero_terms[rows] = _Terms(self._term_b.expand(rows, 1, -1).contiguous(), self._gate_width)
+            return terms
+        return _Terms(F.linear(zlow, self._term_w, self._term_b), self._gate_width)
+
+    # ---- one layer ------------------------------------------------------------
+    def _one_token(self, x: torch.Tensor, ctx) -> bool:
+        return x.shape[1] == 1 and isinstance(ctx, CacheContext)
+
+    def norm1(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        return _rms(x, self.layers[l].ln1, self.eps, self._k_pre["native_step"] and x.shape[1] == 1)
+
+    def attends_natively(self, l: int) -> bool:
+        """One-token attention and FFN of layer l run as the two native halves of its :class:`fbs.native.Int8Layer`
+        (:meth:`_cached`, with the K/V of :meth:`pre` when it ran): the engine skips ``pre`` for it when nothing
+        needs it before the layer (no gate, every row runs)."""
+        return self._native_all is not None and self._native_all[l] is not None
+
+    def pre(self, l: int, x, ctx, x_prev, zterms, prev_skip, gated: bool) -> Pre:
+        """One-token steps: RMSNorm_1, K/V and (``gated``) the gate logit in one function, from one matmul.
+        ``zterms``: :meth:`preview_terms` of the step; ``x_prev``: the previous layer's input (None: none), ``x``
+        itself when every row skipped that layer; ``prev_skip`` (b, 1) 1.0 where it was skipped, or None."""
+        w = self.layers[l]
+        gate = w.gate if gated else None
+        terms, xp, rel, ps = _gate_inputs(gate, x, x_prev, zterms, prev_skip)
+        fast = gate is not None and self.native_gates  # the gate's ops in one native call (fbs.native)
+        xn, k, v, out = self._pre_fn(x, xp, terms, rel, ps, *self._rope_of(ctx), w.ln1, *w.kvg.tensors, w.kvg_b,
+                                     w.k_norm, None if gate is None or fast else gate.step, **self._k_pre)
+        if fast:
+            return Pre(xn, (k, v), native.gate_logits(out, *gate.cols, terms, x, xp, rel, ps, gate.native))
+        return Pre(xn, (k, v), None if gate is None else out)
+
+    def kv(self, l: int, xn: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        if xn.shape[1] != 1:
+            return self.hf.kv(l, xn, ctx)
+        w, n, hd = self.layers[l], self.spec.num_kv_heads, self.spec.head_dim
+        y = _linear(xn, *w.kvg.tensors, w.kvg_b)
+        k = _rope(_heads(y[..., :n * hd], n, hd, w.k_norm, self.eps), *self._rope_of(ctx))
+        return k, _heads(y[..., n * hd:2 * n * hd], n, hd, None, self.eps)
+
+    def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
+        w = self.layers[l]
+        rope = self._rope_of(ctx)
+        if self.attends_natively(l):  # the native halves (a PAW / CH layer of the native int8 step)
+            layer = self._native_all[l]
+            xn = self.norm1(l, x) if xn is None else xn
+            kc, vc, slots, rows = ctx.decode_slots(l)
+            idx, _ = self._slots(slots, rows, kc.shape[2])
+            h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv)
+            return native.ffn_layer(layer, h) if ffn else h
+        if kv is None:
+            xn2, k, v, _ = self._pre_fn(x, None, None, None, None, *rope, w.ln1, *w.kvg.tensors,
+                                        w.kvg_b, w.k_norm, None, **self._k_pre)
+            xn = xn2 if xn is None else xn
+        else:
+            k, v = kv
+        kc, vc, slots, rows = ctx.decode_slots(l)
+        idx, valid = self._slots(slots, rows, kc.shape[2])
+        return self._block_fn(x, xn, k, v, *rope, kc, vc, slots, idx, valid, rows, *w.q.tensors, w.q_b, w.q_norm,
+                              *w.o.tensors, w.ln2, *w.gu.tensors, *w.down.tensors, ffn=ffn, **self._k_block)
+
+    def _rope_of(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`_rope_tables` of the step's ``ctx.cos`` / ``ctx.sin``, made on its first layer (memo by identity:
+        a step's context keeps its tables)."""
+        if self._rope_memo[0] is not ctx.cos:
+            self._rope_memo = (ctx.cos, _rope_tables(ctx.cos, ctx.sin))
+        return self._rope_memo[1]
+
+    def _slots(self, slots: torch.Tensor, rows: torch.Tensor | None, capacity: int):
+        """The cache rows (b,) and the attention mask (b, 1, 1, C) of the slots ``slots`` (b,), made once per
+        distinct slot tensor (:meth:`fbs.engine.cache.CacheContext.decode_slots` returns one per step and slot list)."""
+        key = (slots, rows, capacity)
+        memo = self._slot_memo
+        if memo[0] is not slots or memo[1] is not rows or memo[2] != capacity:
+            idx = torch.arange(slots.shape[0], device=slots.device) if rows is None else rows
+            valid = torch.arange(capacity, device=slots.device).unsqueeze(0) <= slots.unsqueeze(1)  # (b, C)
+            memo = self._slot_memo = (*key, idx, valid[:, None, None, :])
+        return memo[3], memo[4]
+
+    def attention(self, l: int, x, xn, ctx, hole=None, kv=None) -> torch.Tensor:
+        if self._one_token(x, ctx):
+            return self._cached(l, x, xn, ctx, kv, ffn=False)
+        return self.hf.attention(l, x, xn, ctx, hole, kv)
+
+    def ffn(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[1] != 1:
+            return self.hf.ffn(l, h)
+        if self.attends_natively(l):
+            return native.ffn_layer(self._native_all[l], h.contiguous())
+        w = self.layers[l]
+        return self._ffn_fn(h, w.ln2, *w.gu.tensors, *w.down.tensors, **self._k_ffn)
+
+    def ffn_delta(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        return self.ffn(l, h) - h
+
+    def block(self, l: int, x, xn, ctx, kv=None) -> torch.Tensor:
+        if self._one_token(x, ctx):
+            return self._cached(l, x, xn, ctx, kv, ffn=True)
+        return self.hf.block(l, x, xn, ctx, kv)

@@ -1,0 +1,613 @@
+"""Lossless speculative decoding over the FBS engine: the model drafts with fewer layers, full depth verifies.
+
+Three drafters share one verifier:
+
+* **FBS lossless** (``lossless=True``): the engine's own skipping decode step drafts, gates at tau;
+* **Draft&Verify** (Zhang et al. 2024; ``lossless=True, skip_plan=static plan, draft_stop=...``): the same step
+  with a static set of skipped layers (found by ``fbs train draft-search``), drafting until the draft's top-1
+  probability falls below a threshold that follows the recent match rate;
+* **Kangaroo** (Liu et al. 2024; ``lossless=True, draft_adapter=adapter, draft_stop=...``): the first N layers,
+  a one-layer adapter and the shared LM head (:mod:`fbs.baselines.kangaroo`); verification resumes at layer N from the
+  hidden states the draft already computed.
+
+One round, for each active row whose last committed token t sits at position P (not yet consumed):
+
+1. **draft** d_1..d_g, each step consuming the previous token (and writing the KV cache as any decode step does);
+2. **roll back** what the verifier recomputes: K/V at positions >= P, and CH's chunk states (from a snapshot);
+3. **verify**: layers ``start..L-1`` over [t, d_1..d_g] in one cached pass (:func:`fbs.model.layer.layer_step` over g+1
+   tokens; rows with shorter drafts are padded and the pads cropped), giving g+1 next-token distributions;
+4. **accept**: greedy, the longest prefix with d_{j+1} = argmax p_j plus argmax p_a, so the output is the
+   full-depth (``force_compute``) output; sampling, speculative sampling's rule (:func:`accept_sampled`), so each
+   token follows the full model's (warped) distribution;
+5. **crop** every layer's cache to the kept positions, set the chunk states to those after the last kept token.
+
+PAW keeps no state between tokens (its window is recomputed from each token's own state), so nothing of it needs
+rolling back. Verification runs the HF modules (fp32 source weights, the prefill path) whatever ``weights`` the
+draft uses: an int8 draft is verified in fp32, and the output equals the fp32 full-depth output.
+
+The draft length adapts per row (``adapt_draft``): with ``draft_stop`` the threshold follows Draft&Verify's
+schedule; otherwise gamma maximises the expected speed-up (:func:`expected_speedup`) at the recent acceptance rate,
+with the draft's cost from the byte cost model (:func:`fbs.engine.flops.step_bytes`). Gamma 0 (no draft pays: plain
+full-depth steps, with a one-token probe every ``PROBE_EVERY`` rounds) is allowed.
+
+Results: the trace describes what the verifier computed (every layer for every kept token); its TFLOPs(rel) count
+everything that ran (drafts, rejected candidates, pads, verification) against plain decoding; ``result.speculative``
+is a :class:`SpecStats` (passes, proposed, accepted, the draft's skip share, final gamma / threshold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .cache import CacheContext, KVCache
+from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
+from .flops import LayerCost, step_bytes
+from ..model.layer import layer_step
+
+#: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
+#: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
+VERIFY_TOKEN_COST = 0.15
+#: Draft&Verify's threshold schedule (their defaults): EMA weight of the match rate, target match rate, step,
+#: EMA weight of the threshold.
+DV_MATCH_EMA, DV_TARGET, DV_STEP, DV_THRESHOLD_EMA = 0.5, 0.9, 0.01, 0.9
+#: Decay per round of the acceptance counts behind the adaptive gamma (the last ~10 rounds weigh), and the prior.
+ACCEPT_DECAY, ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT = 0.9, 0.8, 2.0
+#: A row whose drafts do not pay (gamma 0: plain full-depth steps) drafts one token every this many rounds, so
+#: that its acceptance estimate can recover.
+PROBE_EVERY = 8
+
+
+# --------------------------------------------------------------------------- the cost model of a round
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens a round commits when each of ``gamma`` drafts is accepted with probability ``alpha`` independently
+    (Leviathan et al. 2023, Eq. 1): (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, draft_cost: float,
+                     verify_token_cost: float = VERIFY_TOKEN_COST) -> float:
+    """Tokens per unit of cost against plain decoding (one token per decode step): a draft step costs
+    ``draft_cost`` decode steps, a verification pass of gamma+1 tokens 1 + ``verify_token_cost`` * gamma."""
+    return expected_tokens(alpha, gamma) / (gamma * draft_cost + 1.0 + verify_token_cost * gamma)
+
+
+def best_gamma(alpha: float, draft_cost: float, max_gamma: int, verify_token_cost: float = VERIFY_TOKEN_COST,
+               min_gamma: int = 1) -> int:
+    """The draft length in min_gamma..max_gamma with the highest :func:`expected_speedup` (gamma 0 is plain
+    decoding, speed-up 1: the answer when no draft pays)."""
+    return max(range(min_gamma, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, draft_cost, verify_token_cost))
+
+
+def draft_step_cost(cost: LayerCost, context: float, executed_layers: float, kv_policy: str = "hole",
+                    weights: str = "fp32") -> float:
+    """A draft step's bytes (in the draft's ``weights``) over a full-depth fp32 step's: the verifier and the
+    plain steps of gamma 0 run the fp32 HF modules whatever the draft's format, so an int8 draft costs about a
+    quarter of the unit, not the ratio of two int8 steps (decoding is bandwidth-bound: :func:`fbs.engine.flops.step_bytes`)."""
+    weights = "fp32" if weights == "hf" else weights
+    full = step_bytes(cost, context, None, kv_policy, 1, "fp32")
+    return step_bytes(cost, context, executed_layers, kv_policy, 1, weights) / full
+
+
+def acceptance_mle(accepted: float, failures: float) -> float:
+    """Per-draft acceptance rate under the geometric model: rounds that accepted a of g drafts give a successes and,
+    when a < g, one failure (a round accepting all is censored)."""
+    total = accepted + failures
+    return accepted / total if total > 0 else ACCEPT_PRIOR
+
+
+# --------------------------------------------------------------------------- speculative sampling
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
+                   generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023) for one row.
+
+    ``p`` (g+1, V): the target's probabilities at the g+1 verified positions; ``q`` (g, V): the draft's, from which
+    ``drafts[j]`` was drawn. Draft j is kept with probability min(1, p_j(d)/q_j(d)); the first rejected one is
+    replaced by a draw from norm(max(p_j - q_j, 0)); when all are kept, one more token is drawn from p_g. Every
+    committed token is then distributed as under p. Returns (drafts accepted, the token drawn after them).
+    """
+    g = len(drafts)
+    a = g
+    if g:
+        d = torch.tensor(drafts, device=p.device)
+        pd, qd = p[:g].gather(1, d[:, None])[:, 0], q.gather(1, d[:, None])[:, 0]
+        u = torch.rand(g, generator=generator, device=p.device)
+        rejected = (u * qd >= pd).tolist()  # keep iff u < p(d) / q(d); q(d) > 0 as d was drawn from q
+        a = rejected.index(True) if True in rejected else g
+    if a < g:
+        residual = (p[a] - q[a]).clamp_min(0)
+        dist = residual if float(residual.sum()) > 0 else p[a]  # p == q: nothing to correct
+    else:
+        dist = p[g]
+    return a, int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+
+
+# --------------------------------------------------------------------------- results
+@dataclasses.dataclass
+class SpecStats:
+    """What one lossless generate call did; counts are means per row (appendix B.4's sums per sequence)."""
+
+    drafter: str             # fbs (gates) | plan (static skip plan: Draft&Verify) | kangaroo
+    rows: int
+    passes: float            # target passes, the prompt's included (K)
+    proposed: float          # drafted tokens sent to verification (sum of m_t)
+    accepted: float          # drafted tokens accepted (sum of a_t)
+    rejections: float        # passes that rejected a draft (a_t < m_t): with ``accepted``, the MLE of the
+                             # per-draft acceptance rate (:func:`acceptance_mle`)
+    draft_steps: float       # one-token draft passes
+    draft_skip_ratio: float  # share of the draft passes' (token, layer) pairs not executed
+    gamma: list[int]         # per row: the draft length at the end (adapted)
+    threshold: list[float]   # per row: the draft-stop threshold at the end (adapted with draft_stop)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def verified_advance_ratio(self) -> float | None:
+        """Committed tokens per verified position: sum(a_t + 1) / sum(m_t + 1)."""
+        return (self.accepted + self.passes) / (self.proposed + self.passes) if self.proposed else None
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return (self.accepted + self.passes) / self.passes if self.passes else 0.0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, verified_advance_ratio=self.verified_advance_ratio,
+                   tokens_per_pass=self.tokens_per_pass)
+        return out
+
+
+# --------------------------------------------------------------------------- chunk states per token
+class _ChunkLog:
+    """CH chunk states after each token of the current round, per (CH layer, row), from the cache contexts'
+    trails; after verification every row gets the state after its last kept token."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.states: dict[tuple[int, int], list] = {}
+
+    def add(self, ctx) -> None:
+        for l, seq in (ctx.trail or {}).items():
+            for i, r in enumerate(ctx.rows):
+                idx = torch.tensor([i], device=self.dev)
+                self.states.setdefault((l, r), []).extend(st.select(idx) for st in seq)
+
+    def keep(self, chunks, kept: dict[int, int]) -> None:
+        """Row r keeps its state after round token ``kept[r] - 1``; the log starts over."""
+        for (l, r), seq in self.states.items():
+            if r in kept:
+                chunks[l].assign(torch.tensor([r], device=self.dev), seq[kept[r] - 1])
+        self.states = {}
+
+
+# --------------------------------------------------------------------------- drafters
+class _EngineDraft:
+    """The engine's own decode step drafts: FBS gates at tau, a static skip plan (Draft&Verify), or a baseline's
+    ``skip_policy`` (:mod:`fbs.baselines`)."""
+
+    start = 0  # verification runs every layer, from the embeddings
+
+    def __init__(self, spec: "_Speculation"):
+        self.s, self.dec = spec, spec.dec
+        policy = getattr(self.dec, "skipper", None) is not None
+        self.kind = "policy" if policy else "plan" if self.dec.plan is not None else "fbs"
+        self.granularity = self.dec.granularity
+        self.snapshot: dict = {}
+
+    def begin(self, rows: list[int]) -> None:
+        rt = torch.tensor(rows, device=self.dec.dev)
+        self.snapshot = {l: st.select(rt) for l, st in self.dec.chunks.items()}
+
+    def step(self, rows: list[int], steps: list[int], tokens: list[int]) -> torch.Tensor:
+        dec = self.dec
+        dec.active = rows
+        logits = dec.decode_step(steps, tokens)
+        rec = dec.rec
+        for r, s in zip(rows, steps):  # what the draft ran, for the accounting (the recorder is reused)
+            self.s.draft_log[r].append((list(rec.executed[r][s]), list(rec.kv[r][s]), list(rec.p[r][s]), rec.k[r][s]))
+        return logits
+
+    def finish(self, rows: list[int], steps: list[int], tokens: list[int]) -> None:
+        """A row's last draft token is consumed by the verifier only."""
+
+    def executed_layers(self, row: int) -> float:
+        return self.s.share[row] * self.dec.L
+
+    def rollback(self, rows: list[int], positions: list[int]) -> None:
+        self.dec.cache.crop(rows, positions)
+        rt = torch.tensor(rows, device=self.dec.dev)
+        for l, st in self.snapshot.items():
+            self.dec.chunks[l].assign(rt, st)
+
+    def verify_input(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        return self.s.verify_ops.embed(torch.tensor(seqs, device=self.dec.dev))
+
+    def commit(self, rows: list[int], positions: list[int], kept: list[int], lengths: list[int]) -> None:
+        pass
+
+
+class _KangarooDraft:
+    """Kangaroo: the first ``exit_layer`` layers (full depth, the decode step's arithmetic), the adapter with its
+    own one-layer KV cache, the shared LM head. Every round token goes through the shallow layers (the last draft
+    token too: its hidden state feeds verification, which starts at the exit layer)."""
+
+    kind = "kangaroo"
+    granularity = "layer"
+
+    def __init__(self, spec: "_Speculation", adapter):
+        self.s, self.dec, self.adapter = spec, spec.dec, adapter
+        self.start = adapter.exit_layer
+        base = self.dec.m.base.spec
+        if not 0 < self.start < self.dec.L:
+            raise ValueError(f"the adapter exits after layer {self.start}, the model has {self.dec.L} layers")
+        self.cache = KVCache(1, self.dec.B, base.num_kv_heads, base.head_dim, self.dec.cache.capacity, self.dec.dev,
+                             self.dec.m.base.embedding_weight.dtype)
+        self.hidden: dict[int, list[torch.Tensor]] = {}
+
+    def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
+        """The prompt's hidden states at the exit layer write the adapter's K/V (``Decoder.prefill``'s tap)."""
+        if l == self.start:
+            self._write(rows, [list(range(x.shape[1]))] * len(rows), x)
+
+    def _ctx(self, rows, pos, x) -> CacheContext:
+        """The adapter's layer of its own cache, as the engine's context (no CH, no PAW)."""
+        cos, sin = self.dec.ops.rope(x, torch.tensor(pos, device=x.device))
+        return CacheContext(self.cache, {}, rows, pos, cos, sin, "project", scaling=self.adapter.scaling)
+
+    def _write(self, rows, pos, x) -> None:
+        ctx = self._ctx(rows, pos, x)
+        ctx.write(0, *self.adapter.kv(x, ctx.cos, ctx.sin))
+
+    def begin(self, rows: list[int]) -> None:
+        self.hidden = {r: [] for r in rows}
+
+    def _shallow(self, rows, steps, tokens) -> tuple[torch.Tensor, list[list[int]]]:
+        """Layers 0..exit-1 for one token per row (they write the cache: exact entries); keeps the hidden states."""
+        dec = self.dec
+        pos = [[len(dec.prompts[r]) + s] for r, s in zip(rows, steps)]
+        x = dec.ops.embed(torch.tensor(tokens, device=dec.dev).view(-1, 1))
+        x, ks, _ = self.s.layers(dec.ops, rows, x, pos, 0, self.start)
+        ex = [l < self.start for l in range(dec.L)]
+        for i, r in enumerate(rows):
+            self.hidden[r].append(x[i:i + 1])
+            k = -1 if ks is None else int(ks[i, 0])
+            self.s.draft_log[r].append((ex, ex, [float("nan")] * dec.L, k))
+        return x, pos
+
+    def step(self, rows: list[int], steps: list[int], tokens: list[int]) -> torch.Tensor:
+        x, pos = self._shallow(rows, steps, tokens)
+        ctx = self._ctx(rows, pos, x)
+        self.s.adapter_calls += len(rows)
+        self.s.adapter_keys += sum(self.cache.lengths[0][r] + 1 for r in rows)
+        h = self.adapter(x, ctx.cos, ctx.sin, lambda q, k, v: ctx.attend(0, q, k, v))
+        return self.adapter.logits(h, self.dec.m.base.lm_head)[:, 0]
+
+    def finish(self, rows: list[int], steps: list[int], tokens: list[int]) -> None:
+        self._shallow(rows, steps, tokens)
+
+    def executed_layers(self, row: int) -> float:
+        c = self.dec.flops.cost
+        return self.start + c.attn_proj / c.dense
+
+    def rollback(self, rows: list[int], positions: list[int]) -> None:
+        """The draft wrote nothing at layers >= exit (the verifier's), and exact entries below."""
+
+    def verify_input(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        t = len(seqs[0])
+        xs = [torch.cat(self.hidden[r] + [self.hidden[r][-1]] * (t - len(self.hidden[r])), 1) for r in rows]
+        return torch.cat(xs, 0)
+
+    def commit(self, rows: list[int], positions: list[int], kept: list[int], lengths: list[int]) -> None:
+        """Crop the adapter's cache; a row that kept its whole round also needs the adapter's entry of the last
+        round token (consumed by the shallow layers only)."""
+        self.cache.crop(rows, [p + k for p, k in zip(positions, kept)])
+        full = [i for i, r in enumerate(rows) if kept[i] == lengths[i]]
+        if full:
+            x = torch.cat([self.hidden[rows[i]][kept[i] - 1] for i in full], 0)
+            self._write([rows[i] for i in full], [[positions[i] + kept[i] - 1] for i in full], x)
+
+
+# --------------------------------------------------------------------------- one generate call
+class _Speculation:
+    """The state of one lossless generate call over an engine decoder (cache, chunk states, sampling, EOS)."""
+
+    def __init__(self, dec):
+        self.dec, o = dec, dec.opts
+        self.verify_ops = getattr(dec.ops, "hf", dec.ops)  # fused ops keep the HF modules for many-token inputs
+        self.log = _ChunkLog(dec.dev)
+        B = dec.B
+        self.draft_log: list[list] = [[] for _ in range(B)]      # the current round's draft passes, per row
+        self.draft_rounds: list[tuple[int, list]] = []          # (P, passes) of every finished round and row
+        self.verify_rounds: list[tuple[int, int, list]] = []    # (P, tokens, PAW k per token)
+        self.adapter_calls = self.adapter_keys = self.head_rows = 0
+        self.drafter = _KangarooDraft(self, o.draft_adapter) if o.draft_adapter is not None else _EngineDraft(self)
+        self.gamma = [o.draft_tokens] * B
+        self.threshold = [o.draft_stop] * B
+        self.match = [0.0] * B
+        self.succ = [ACCEPT_PRIOR * ACCEPT_PRIOR_WEIGHT] * B
+        self.fail = [(1 - ACCEPT_PRIOR) * ACCEPT_PRIOR_WEIGHT] * B
+        self.share = [1.0] * B                                  # EMA of the draft's executed share of layers
+        self.passes, self.proposed, self.accepted, self.draft_steps = [1] * B, [0] * B, [0] * B, [0] * B
+        self.rejections = [0] * B
+        self.idle = [0] * B                                     # rounds a row spent at gamma 0
+        self.final = TraceRecorder(B, o.max_new_tokens, dec.L)  # what the verifier computed, per kept token
+
+    # ---- one round -----------------------------------------------------------
+    def round(self, rows: list[int]) -> dict[int, list[int]]:
+        """Draft, verify, accept and commit for the active ``rows``; returns each row's committed tokens."""
+        dec, o = self.dec, self.dec.opts
+        n = {r: len(dec.out[r]) for r in rows}
+        P = [len(dec.prompts[r]) + n[r] - 1 for r in rows]
+        budget = {r: min(self._gamma_now(r), o.max_new_tokens - n[r] - 1) for r in rows}
+        drafts, q = self._draft(rows, n, budget)
+        self.drafter.rollback(rows, P)
+        seqs = [[dec.out[r][-1]] + drafts[r] for r in rows]
+        t = max(len(s) for s in seqs)
+        padded = [s + [s[-1]] * (t - len(s)) for s in seqs]  # pads follow the real tokens; cropped below
+        x = self.drafter.verify_input(rows, padded)
+        x, ks, bounds = self.layers(self.verify_ops, rows, x, [[p + j for j in range(t)] for p in P],
+                                    self.drafter.start, dec.L)
+        raw = self.verify_ops.head(x).float()                   # (b, t, V)
+        self.head_rows += raw.shape[0] * t
+        committed = {}
+        kept = []
+        for i, r in enumerate(rows):
+            tokens, a = self._accept(raw[i], drafts[r], q[r], n[r])
+            committed[r] = self._commit(r, tokens, raw[i], n[r])
+            c = len(committed[r])
+            kept.append(c)
+            self._record(r, n[r], P[i], c, ks[i] if ks is not None else None, bounds[i] if bounds is not None else None)
+            self.verify_rounds.append((P[i], t, [-1] * t if ks is None else ks[i].tolist()))
+            self._adapt(r, min(a, c - 1), len(drafts[r]), P[i])
+        dec.cache.crop(rows, [p + c for p, c in zip(P, kept)])
+        self.log.keep(dec.chunks, dict(zip(rows, kept)))
+        self.drafter.commit(rows, P, kept, [len(s) for s in seqs])
+        for r in rows:
+            if self.draft_log[r]:
+                self.draft_rounds.append((len(dec.prompts[r]) + n[r] - 1, self.draft_log[r]))
+            self.draft_log[r] = []
+        return committed
+
+    def _gamma_now(self, r: int) -> int:
+        """The row's draft length this round: its gamma, or a one-token probe every PROBE_EVERY rounds at gamma 0."""
+        if self.gamma[r] > 0:
+            return self.gamma[r]
+        self.idle[r] += 1
+        return 1 if self.idle[r] % PROBE_EVERY == 0 else 0
+
+    def _draft(self, rows, n, budget):
+        """Up to ``budget[r]`` tokens per row (fewer when the draft's confidence drops below the threshold)."""
+        dec = self.dec
+        drafts = {r: [] for r in rows}
+        q = {r: [] for r in rows}
+        self.drafter.begin(rows)
+        idle = [r for r in rows if budget[r] == 0]
+        if idle:  # no draft: the verifier consumes the last committed token alone
+            self.drafter.finish(idle, [n[r] - 1 for r in idle], [dec.out[r][-1] for r in idle])
+        drafting = [r for r in rows if budget[r] > 0]
+        cur = {r: dec.out[r][-1] for r in drafting}
+        j = 0
+        while drafting:
+            steps = [n[r] - 1 + j for r in drafting]
+            logits = self.drafter.step(drafting, steps, [cur[r] for r in drafting]).float()
+            logits = self._mask_eos(logits[:, None], [s + 1 for s in steps])[:, 0]
+            toks, probs, conf = self._draw(logits)
+            going, stopped = [], []
+            for i, r in enumerate(drafting):
+                self.draft_steps[r] += 1
+                drafts[r].append(toks[i])
+                if probs is not None:
+                    q[r].append(probs[i])
+                done = len(drafts[r]) >= budget[r] or conf[i] < self.threshold[r]
+                (stopped if done else going).append(r)
+                cur[r] = toks[i]
+            if stopped:
+                self.drafter.finish(stopped, [n[r] + j for r in stopped], [cur[r] for r in stopped])
+            drafting, j = going, j + 1
+        return drafts, {r: torch.stack(v) if v else None for r, v in q.items()}
+
+    def _draw(self, logits: torch.Tensor):
+        """Draft tokens (b,), the draft's probabilities (b, V) when sampling, and its top-1 probabilities (only
+        read with ``draft_stop``: else ones)."""
+        o = self.dec.opts
+        if not o.do_sample:
+            toks = logits.argmax(-1).tolist()
+            return toks, None, logits.softmax(-1).amax(-1).tolist() if o.draft_stop > 0 else [1.0] * len(toks)
+        probs = self.dec.warp(logits).softmax(-1)
+        toks = torch.multinomial(probs, 1, generator=self.dec.gen)[:, 0].tolist()
+        return toks, probs, probs.amax(-1).tolist()
+
+    def _mask_eos(self, logits: torch.Tensor, first: list[int]) -> torch.Tensor:
+        """Mask EOS in ``logits`` (b, t, V) where the predicted token's index (``first[i] + j``) is below
+        ``min_new_tokens``, as the engine's pick does."""
+        dec = self.dec
+        if not dec.eos or dec.opts.min_new_tokens == 0:
+            return logits
+        eos = list(dec.eos)
+        for i, f in enumerate(first):
+            k = dec.opts.min_new_tokens - f
+            if k > 0:
+                logits[i, :k, eos] = float("-inf")
+        return logits
+
+    def _accept(self, raw: torch.Tensor, drafts: list[int], q, n: int) -> tuple[list[int], int]:
+        """The round's tokens for one row from the verifier's logits (t, V): accepted drafts plus one."""
+        logits = self._mask_eos(raw.clone()[None], [n])[0]
+        g = len(drafts)
+        if not self.dec.opts.do_sample:
+            target = logits[:g + 1].argmax(-1).tolist()
+            a = 0
+            while a < g and drafts[a] == target[a]:
+                a += 1
+            return drafts[:a] + [target[a]], a
+        p = self.dec.warp(logits[:g + 1]).softmax(-1)
+        a, nxt = accept_sampled(p, q if q is not None else p[:0], drafts, self.dec.gen)
+        return drafts[:a] + [nxt], a
+
+    def _commit(self, r: int, tokens: list[int], raw: torch.Tensor, n: int) -> list[int]:
+        dec = self.dec
+        out = []
+        for j, tok in enumerate(tokens):
+            dec.out[r].append(tok)
+            out.append(tok)
+            if dec.opts.output_scores:
+                dec.scores[r].append(raw[j].clone())
+            if dec.structure is not None:
+                dec.depth[r] = max(0, dec.depth[r] + dec.structure.depth_delta[tok])
+            if dec.finished(r, tok):
+                break
+        return out
+
+    def _record(self, r, n, p, c, ks, bounds) -> None:
+        """The verifier consumed round tokens 0..c-1 (generated tokens n-1 .. n+c-2) at full depth."""
+        f, L = self.final, self.dec.L
+        for j in range(c):
+            s = n - 1 + j
+            f.executed[r][s], f.kv[r][s] = [True] * L, [True] * L
+            f.ctx[r][s], f.valid[r][s] = p + j, True
+            if ks is not None:
+                f.k[r][s] = int(ks[j])
+            if bounds is not None:
+                f.bound[r][s] = bool(bounds[j])
+        self.passes[r] += 1
+
+    def _adapt(self, r: int, a: int, g: int, context: int) -> None:
+        """Draft counts, then the row's next draft length (or threshold) from its recent acceptance."""
+        o = self.dec.opts
+        self.proposed[r] += g
+        self.accepted[r] += a
+        self.rejections[r] += int(a < g)
+        steps = self.draft_log[r]
+        if steps and self.drafter.kind != "kangaroo":
+            share = sum(sum(ex) for ex, *_ in steps) / (len(steps) * self.dec.L)
+            self.share[r] = 0.7 * self.share[r] + 0.3 * share
+        if g == 0 or not o.adapt_draft:
+            return
+        self.succ[r] = ACCEPT_DECAY * self.succ[r] + a
+        self.fail[r] = ACCEPT_DECAY * self.fail[r] + (1.0 if a < g else 0.0)
+        if o.draft_stop > 0:  # Draft&Verify: the threshold follows the match rate
+            self.match[r] = DV_MATCH_EMA * self.match[r] + (1 - DV_MATCH_EMA) * a / g
+            th = self.threshold[r]
+            new = th + DV_STEP if self.match[r] < DV_TARGET else (th if g == self.gamma[r] else th - DV_STEP)
+            self.threshold[r] = min(max(DV_THRESHOLD_EMA * th + (1 - DV_THRESHOLD_EMA) * new, 0.0), 0.999)
+            return
+        alpha = acceptance_mle(self.succ[r], self.fail[r])
+        cost = draft_step_cost(self.dec.flops.cost, context, self.drafter.executed_layers(r), self.dec.policy,
+                               o.weights)
+        self.gamma[r] = best_gamma(alpha, cost, o.draft_tokens, min_gamma=0)
+
+    # ---- the verifier's pass (and Kangaroo's shallow layers) ------------------
+    def layers(self, ops, rows, x, pos, start: int, stop: int):
+        """Layers start..stop-1 at full depth over x (b, t, d) at positions ``pos``, writing the cache; returns the
+        output, PAW's k (b, t) at its first layer and CH's boundaries (b, t) at its first layer (None if not run)."""
+        dec = self.dec
+        cos, sin = ops.rope(x, torch.tensor(pos, device=dec.dev))
+        ctx = dec.context(rows, pos, cos, sin)
+        ctx.trail = {}
+        ks = bounds = None
+        for l in range(start, stop):
+            out = layer_step(dec.m, ops, l, x, ctx)
+            x = out.x
+            if out.paw is not None and l == dec.m.layers_cfg.paw[0]:
+                ks = out.paw.k_hard.reshape(len(rows), -1)
+            if out.ch is not None and l == dec.m.layers_cfg.ch[0]:
+                bounds = out.ch.boundary.reshape(len(rows), -1)
+        self.log.add(ctx)
+        return x, ks, bounds
+
+    # ---- accounting ------------------------------------------------------------
+    def _trace(self, rounds, granularity: str) -> DecodeTrace | None:
+        """The passes of ``rounds`` [(P, [(executed, kv, gate logit, k), ...]), ...] as one trace, a row per round
+        (each round starts from a cache holding every position < P at every layer)."""
+        if not rounds:
+            return None
+        L, S = self.dec.L, max(len(steps) for _, steps in rounds)
+        rec = TraceRecorder(len(rounds), S, L)
+        for i, (p, steps) in enumerate(rounds):
+            for j, (ex, kv, gp, k) in enumerate(steps):
+                rec.executed[i][j], rec.kv[i][j], rec.p[i][j], rec.k[i][j] = ex, kv, gp, k
+                rec.ctx[i][j], rec.valid[i][j] = p + j, True
+        fields = {k: torch.tensor(v, dtype=TRACE_DTYPES[k]) for k, v in rec.rows(S).items()}
+        return DecodeTrace(**fields, tflops_rel=0.0, tflops_rel_exact=0.0, fallback=[], skip_granularity=granularity)
+
+    def tflops(self, trace: DecodeTrace) -> tuple[float, float]:
+        """(tflops_rel, tflops_rel_exact) of everything that ran while decoding (drafts, rejected candidates, pads,
+        verification, adapter), against plain decoding of the tokens the verifier consumed (``trace``)."""
+        counter, L = self.dec.flops, self.dec.L
+        c = counter.cost
+        ref = counter.counts(trace)
+        if ref.tokens == 0:
+            return 0.0, 0.0
+        ran = [l >= self.drafter.start for l in range(L)]
+        verify = [(p, [(ran, ran, [float("nan")] * L, k) for k in ks]) for p, _, ks in self.verify_rounds]
+        inv = macs = 0.0
+        for passes in (self._trace(self.draft_rounds, self.drafter.granularity), self._trace(verify, "layer")):
+            if passes is not None:
+                n = counter.counts(passes)
+                inv, macs = inv + n.invocations, macs + n.layers + n.overhead
+        inv += self.adapter_calls * c.attn_proj / c.dense
+        macs += self.adapter_calls * c.attn_proj + self.adapter_keys * c.per_key
+        heads = self.head_rows + (self.adapter_calls if self.drafter.kind == "kangaroo" else sum(self.draft_steps))
+        macs += heads * c.lm_head
+        return inv / (ref.tokens * L), macs / ref.baseline
+
+    def stats(self) -> SpecStats:
+        B = self.dec.B
+        steps = [s for _, rnd in self.draft_rounds for s in rnd]
+        executed = sum(sum(ex) for ex, *_ in steps)
+        return SpecStats(
+            drafter=self.drafter.kind, rows=B, passes=sum(self.passes) / B, proposed=sum(self.proposed) / B,
+            accepted=sum(self.accepted) / B, rejections=sum(self.rejections) / B, draft_steps=sum(self.draft_steps) / B,
+            draft_skip_ratio=1.0 - executed / (len(steps) * self.dec.L) if steps else 0.0,
+            gamma=list(self.gamma), threshold=list(self.threshold))
+
+
+def run_lossless(dec) -> Iterator[StepOutput]:
+    """The engine's generate loop for ``lossless=True`` (``fbs.engine.run`` delegates here): yields the tokens
+    each round commits, one :class:`fbs.engine.StepOutput` per token index."""
+    spec = dec.spec = _Speculation(dec)
+    t0 = time.perf_counter()
+    tap = spec.drafter.prefill_tap if isinstance(spec.drafter, _KangarooDraft) else None
+    logits = torch.stack(dec.prefill(tap=tap))
+    dec.timings = {"prefill_s": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    tokens = dec.pick(logits, dec.active)
+    step = 0
+    for r, t in zip(dec.active, tokens):
+        dec.out[r].append(t)
+        if dec.structure is not None:
+            dec.depth[r] = max(0, dec.depth[r] + dec.structure.depth_delta[t])
+    yield StepOutput(step, list(dec.active), list(tokens))
+    rows = [r for r, t in zip(dec.active, tokens) if not dec.finished(r, t)]
+    while rows:
+        committed = spec.round(rows)
+        for k in range(max(len(v) for v in committed.values())):
+            step += 1
+            have = [r for r in rows if len(committed[r]) > k]
+            yield StepOutput(step, have, [committed[r][k] for r in have])
+        rows = [r for r in rows if not dec.finished(r, dec.out[r][-1])]
+    dec.rec = spec.final
+    dec.timings["decode_s"] = time.perf_counter() - t1
+    dec.timings["total_s"] = time.perf_counter() - t0
+
+
+def draft_plan(layers, num_layers: int) -> torch.Tensor:
+    """A Draft&Verify skip set as the engine's static plan (L,): ``layers`` is a list of layer indices, a comma
+    list ("3,5,7") or a JSON file with a ``layers`` list (``fbs train draft-search`` writes one)."""
+    import json
+    from pathlib import Path
+
+    if isinstance(layers, str):
+        path = Path(layers)
+        layers = json.loads(path.read_text())["layers"] if path.is_file() else \
+            [int(x) for x in layers.split(",") if x.strip()]
+    plan = torch.zeros(num_layers, dtype=torch.bool)
+    plan[list(layers)] = True
+    return plan

@@ -1,0 +1,109 @@
+"""Loading an FBS model, in one place: a checkpoint, the weights shipped for a bundled base, or fresh modules.
+
+The CLI, the benchmark, evaluation, RL and training all build their model through :func:`load_fbs`;
+``FBSForCausalLM.from_pretrained`` is :func:`load_checkpoint`. A checkpoint holds the FBS modules
+(``fbs_model.safetensors`` + ``fbs_config.json``) and, after Stage-1, what training changed in the backbone:
+LoRA adapters (merged into the weights at load, :mod:`fbs.model.lora`) and trained backbone tensors.
+
+Public entry points:
+    shipped_checkpoint(base)                    the FBS weights shipped in the package for a bundled base, or None
+    choose_checkpoint(base, checkpoint, shipped)  the checkpoint load_fbs uses (None: fresh modules)
+    load_fbs(base, checkpoint, shipped=..., config=..., **overrides)   -> FBSForCausalLM
+    load_checkpoint(path, base, tokenizer, check_base=True, check_integrity=True, **overrides) -> FBSForCausalLM
+    verify_checkpoint(path)                     the weights files match the checkpoint's integrity record
+    changes_backbone(path)                      the checkpoint changes backbone weights (adapters, tensors)
+    add_model_arguments(parser) / load_from_args(args)   the model options shared by every ``fbs`` command
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from torch import nn
+
+from .config import FBSConfig
+from .causal_lm import FBSForCausalLM
+from .checkpoint import CONFIG_NAME, STRUCTURAL, CheckpointError, changes_backbone, verify_checkpoint  # noqa: F401
+from .checkpoint import load_checkpoint as _load_checkpoint
+from .bases import DEFAULT_BASE
+
+logger = logging.getLogger(__name__)
+
+#: Trained FBS weights shipped in the package, one directory ``fbs-<bundled base name>`` each.
+ASSETS = Path(__file__).parents[1] / "assets"
+
+
+def _base_name(base) -> str | None:
+    if isinstance(base, nn.Module):
+        return getattr(base, "fbs_base_name", None)
+    return None if base is None else str(base)
+
+
+def shipped_checkpoint(base) -> Path | None:
+    """The trained FBS weights shipped in the package for a bundled base model (name or loaded instance)."""
+    name = _base_name(base)
+    path = ASSETS / f"fbs-{name}"
+    return path if name and (path / CONFIG_NAME).is_file() else None
+
+
+def choose_checkpoint(base, checkpoint: str | os.PathLike | None = None, shipped: bool = True) -> Path | None:
+    """``checkpoint`` if given, else the shipped weights for ``base`` (unless ``shipped=False``), else None."""
+    if checkpoint is not None:
+        return Path(checkpoint)
+    return shipped_checkpoint(base) if shipped else None
+
+
+def load_checkpoint(path: str | os.PathLike, base=None, tokenizer=None, *, check_base: bool = True,
+                    check_integrity: bool = True, **overrides) -> FBSForCausalLM:
+    """Load an FBS checkpoint onto its base model; see :func:`fbs.model.checkpoint.load_checkpoint`."""
+    return _load_checkpoint(FBSForCausalLM, path, base=base, tokenizer=tokenizer, check_base=check_base,
+                            check_integrity=check_integrity, **overrides)
+
+
+def load_fbs(base=DEFAULT_BASE, checkpoint: str | os.PathLike | None = None, *, shipped: bool = True,
+             config: FBSConfig | None = None, tokenizer=None, check_base: bool = True, check_integrity: bool = True,
+             **overrides) -> FBSForCausalLM:
+    """The FBS model over ``base`` (bundled name, HF directory or HF model instance).
+
+    From ``checkpoint`` if given; else from the weights shipped for a bundled base unless ``shipped=False``;
+    else fresh modules built from ``config`` (default ``FBSConfig()``; ignored when a checkpoint is loaded).
+    ``overrides`` (tau, kv_policy, never_skip_*) apply in every case; ``check_base`` / ``check_integrity``
+    as in :func:`load_checkpoint`.
+    """
+    ckpt = choose_checkpoint(base, checkpoint, shipped)
+    if ckpt is not None:
+        logger.info("loading FBS checkpoint %s", ckpt)
+        return load_checkpoint(ckpt, base=base, tokenizer=tokenizer, check_base=check_base,
+                               check_integrity=check_integrity, **overrides)
+    return FBSForCausalLM.from_base(base, config=(config or FBSConfig()).replace(**overrides), tokenizer=tokenizer)
+
+
+# --------------------------------------------------------------------------- command-line options
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that choose a model: base, checkpoint or shipped weights or fresh modules, tau, KV policy."""
+    p.add_argument("--model", default=DEFAULT_BASE,
+                   help="base model: a bundled name (smollm2-135m, qwen2.5-coder-0.5b) or an HF directory")
+    p.add_argument("--checkpoint", help="FBS checkpoint directory (default: the weights shipped for --model)")
+    p.add_argument("--fresh", action="store_true", help="ignore shipped weights: untrained FBS modules")
+    p.add_argument("--tau", type=float, help="skip threshold (default: the checkpoint's operating point)")
+    p.add_argument("--kv-policy", choices=("hole", "project"), help="KV cache policy for skipped layers")
+    p.add_argument("--no-base-check", action="store_true",
+                   help="load a checkpoint (or Kangaroo adapter) that records no base-model fingerprint, or "
+                        "another base's (unsafe)")
+    p.add_argument("--no-integrity-check", action="store_true",
+                   help="load a checkpoint whose weights files do not match (or lack) its sha256 record (unsafe)")
+
+
+def load_from_args(args: argparse.Namespace) -> FBSForCausalLM:
+    """The model :func:`add_model_arguments`' options ask for."""
+    overrides = {k: v for k, v in (("tau", args.tau), ("kv_policy", args.kv_policy)) if v is not None}
+    if getattr(args, "no_base_check", False):
+        overrides["check_base"] = False
+    if getattr(args, "no_integrity_check", False):
+        overrides["check_integrity"] = False
+    return load_fbs(args.model, args.checkpoint, shipped=not args.fresh, **overrides)

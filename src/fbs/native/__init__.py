@@ -1,0 +1,247 @@
+"""Optional native (C++) kernels of the engine's eager one-token step: a thin Python face over ``csrc/``.
+
+The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86/``, bindings in
+``bindings.cpp``):
+
+* ``gate.cpp``: **gate logits** (:func:`gate_logits`). A skip gate's logit is a few hundred flops
+  (:func:`fbs.engine.fused._gate_logit`), but in eager PyTorch it is a dozen operator dispatches plus a host read;
+  the kernel computes the same logits in one call and returns them as Python floats.
+* ``int8.cpp`` + ``arch/x86/int8_avx512.cpp`` / ``int8_avx2.cpp``: **int8 weight-only products for a few rows**
+  (:func:`int8_linear`): ``x (M, K) fp32 @ (q * s)^T`` with q (N, K) int8 and s (N,) bf16 per-channel scales, as
+  ``torch._weight_int8pack_mm`` computes it but with fp32 activations, over weights repacked once
+  (:func:`int8_pack`) so that each thread reads one linear stream: tiles of 4 output channels, K in 16-byte
+  chunks, channel-interleaved, with software prefetch. The instruction set is chosen at run time; without AVX2
+  (not x86) the PyTorch op stays in use.
+* ``attention.cpp`` + ``arch/x86/attention_*.cpp``: **one-query attention** (:func:`attend_one`): each row's new
+  K/V written at its slot and its query attending over that row's filled prefix only. fp32 decoding keeps SDPA
+  (HF's op, so that fp32 stays bit-faithful).
+* ``norm.cpp``: **RMSNorm** (:func:`rms_norm`) in one call.
+* ``layer.cpp``: **a whole decoder layer** (:class:`Int8Layer`, built by :class:`fbs.engine.fused.FusedOps` per
+  layer without PAW / CH): RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision
+  (``skip.h``, the rule of :mod:`fbs.model.skip`), the cache writes, and attention and FFN of the rows that run.
+* ``chunk.cpp``: **the chunk head's online step** (:func:`chunk_step`), in place on the engine's chunk state.
+
+The extension is built with ``torch.utils.cpp_extension.load`` the first time it is needed, once per machine:
+the build lives under ``$FBS_CACHE_DIR/native/fbs-<hash>`` (default ``~/.cache/fbs/native``), the hash taken over
+the sources, the generated policy header and the torch version. The build writes ``skip_policy.h`` from
+:data:`fbs.model.skip.BATCH_POLICIES` into its directory, so the C++ policy codes are the Python table's. The
+kernels are used only where they compute what the PyTorch ops compute up to float rounding: CPU, fp32
+activations, eager (a ``torch.compile``d step keeps the PyTorch ops in its graph). Without a C++ toolchain (with
+OpenMP), or with ``FBS_NATIVE=0``, the engine keeps the PyTorch ops; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..model.bases import cache_root
+from ..model.chunk import LABEL_I
+from ..model.skip import policy_header
+
+logger = logging.getLogger(__name__)
+
+#: The extension's C++ sources (package data): one file per kernel, per-ISA files under ``arch/``, the bindings.
+CSRC = Path(__file__).parent / "csrc"
+#: The header the build generates from :data:`fbs.model.skip.BATCH_POLICIES` (the native layer's policy codes).
+POLICY_HEADER = "skip_policy.h"
+
+
+def sources() -> list[Path]:
+    """The ``.cpp`` files the extension is built from, in a fixed order."""
+    return sorted(CSRC.rglob("*.cpp"))
+
+
+def _source_digest() -> str:
+    """Hash of every C++ source and header, the generated policy header and the torch version: one build each."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.rglob("*")):
+        if path.suffix in (".cpp", ".h"):
+            h.update(str(path.relative_to(CSRC)).encode())
+            h.update(path.read_bytes())
+    h.update(policy_header().encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:12]
+
+
+_lock = threading.Lock()
+_module = None
+_failed: str | None = None
+
+
+def enabled() -> bool:
+    """Native kernels are wanted: ``FBS_NATIVE`` is unset or not ``0``."""
+    return os.environ.get("FBS_NATIVE", "1") != "0"
+
+
+def _build_dir() -> Path:
+    return cache_root() / "native" / f"fbs-{_source_digest()}"
+
+
+def module():
+    """The compiled extension, building it on first use; None when disabled or the build failed (logged once)."""
+    global _module, _failed
+    if not enabled() or _failed is not None:
+        return None
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import load
+
+                path = _build_dir()
+                path.mkdir(parents=True, exist_ok=True)
+                header = path / POLICY_HEADER
+                if not header.is_file() or header.read_text() != policy_header():
+                    header.write_text(policy_header())
+                if not (path / "fbs_native.so").exists():  # a pause the user should see explained
+                    print(f"fbs: building the native kernels in {path} (once per machine)", file=sys.stderr)
+                _module = load("fbs_native", sources=[str(p) for p in sources()], extra_include_paths=[str(path)],
+                               extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                               build_directory=str(path), verbose=False)
+            except Exception as e:  # no compiler, no ninja, a read-only cache ...: the PyTorch ops stay in use
+                _failed = f"{type(e).__name__}: {e}"
+                logger.warning("native kernels unavailable, using PyTorch ops (%s)", _failed.splitlines()[0])
+    return _module
+
+
+def status() -> dict:
+    """What the engine runs with, for records (builds nothing): enabled, loaded, the int8 kernel's instruction set
+    (None when not loaded or without AVX2), and the build error if the build failed."""
+    isa = int8_isa() if _module is not None else None
+    return {"enabled": enabled(), "loaded": _module is not None, "int8_isa": isa, "build_error": _failed}
+
+
+def gate_args(gate: tuple) -> tuple:
+    """The fused gate tuple (w_rel, w_prev, out_w (G,), out_b (1,), eps) as :func:`gate_logits` takes it (the
+    scalars as Python floats, read once)."""
+    w_rel, w_prev, out_w, out_b, eps = gate
+    dense = lambda t: None if t is None else t.contiguous()  # noqa: E731  (e.g. w_rel is a column of a weight)
+    return dense(w_rel), dense(w_prev), dense(out_w), float(out_b), float(eps)
+
+
+def gate_logits(y: torch.Tensor, off: int, gy: int, terms: torch.Tensor, x: torch.Tensor,
+                x_prev: torch.Tensor | None, rel_term: torch.Tensor | None, prev_skip: torch.Tensor | None,
+                args: tuple) -> list[float]:
+    """Per row of a one-token step, the logit :func:`fbs.engine.fused._gate_logit` computes, as Python floats.
+
+    ``y`` (b, 1, W): the fused K/V(+gate) matmul's output, whose columns ``off:off + gy`` are the gate's input
+    projection (``gy`` 0: the gate has none); ``terms`` (b, 1, G): its bias and preview term; ``args``:
+    :func:`gate_args`. Every tensor fp32 on the CPU with a unit last stride (the kernel checks; the engine's
+    residual stream and fused outputs are); the caller checks that :func:`module` is not None."""
+    w_rel, w_prev, out_w, out_b, eps = args
+    return _module.gate_logits(y, off, gy, terms, x, x_prev, rel_term, prev_skip, w_rel, w_prev, out_w, out_b, eps)
+
+
+# --------------------------------------------------------------------------- int8 weight-only products
+INT8_TILE, INT8_CHUNK = 4, 16  # the packed layout's tile height (output channels) and K chunk (bytes)
+_ISA_NAMES = {2: "avx512", 1: "avx2"}
+
+
+def int8_isa() -> str | None:
+    """The instruction set :func:`int8_linear` runs with here ("avx512" or "avx2"; ``FBS_NATIVE_ISA=avx2`` asks
+    for the narrower one), or None: no native int8 kernel (disabled, no build, or no AVX2)."""
+    mod = module()
+    best = mod.int8_isa() if mod is not None else 0
+    if best == 2 and os.environ.get("FBS_NATIVE_ISA", "").lower() == "avx2":
+        best = 1
+    return _ISA_NAMES.get(best)
+
+
+def int8_pack(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 -> the 1-D packed layout :func:`int8_linear` reads (tiles of 4 channels, K in 16-byte chunks,
+    channel-interleaved; zero padding to whole tiles and chunks). :func:`int8_unpack` inverts it exactly."""
+    n, k = q.shape
+    tn, kc = -(-n // INT8_TILE), -(-k // INT8_CHUNK)
+    padded = torch.zeros(tn * INT8_TILE, kc * INT8_CHUNK, dtype=torch.int8, device=q.device)
+    padded[:n, :k] = q
+    return padded.view(tn, INT8_TILE, kc, INT8_CHUNK).transpose(1, 2).contiguous().view(-1)
+
+
+def int8_unpack(p: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The (N, K) int8 matrix of a :func:`int8_pack` ed one."""
+    tn, kc = -(-n // INT8_TILE), -(-k // INT8_CHUNK)
+    return p.view(tn, kc, INT8_TILE, INT8_CHUNK).transpose(1, 2).reshape(tn * INT8_TILE, kc * INT8_CHUNK)[:n, :k]
+
+
+def int8_linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x (..., K) @ (q * s)^T`` for packed ``p`` (:func:`int8_pack`) and (N,) bf16 scales ``s``, in x's dtype
+    (computed in fp32). The caller checks :func:`int8_isa` (the engine does once, when it packs the weights)."""
+    k, n = x.shape[-1], s.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if k % INT8_CHUNK:
+        x2 = F.pad(x2, (0, INT8_CHUNK - k % INT8_CHUNK))
+    y = _module.int8_linear(x2.contiguous(), p, s, _isa_code()).view(*x.shape[:-1], n)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+_isa_memo: dict[str, int] = {}
+
+
+def _isa_code() -> int:
+    """:func:`int8_isa` as the kernel's code, looked up once per ``FBS_NATIVE_ISA`` value (it is read per matmul)."""
+    key = os.environ.get("FBS_NATIVE_ISA", "")
+    code = _isa_memo.get(key)
+    if code is None:
+        code = _isa_memo[key] = {"avx512": 2, "avx2": 1}.get(int8_isa(), 0)
+    return code
+
+
+# --------------------------------------------------------------------------- one-query attention
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+               idx: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """A one-token step's attention over the static cache (what :func:`fbs.engine.fused._block_step` does with index
+    writes and SDPA over the masked buffers): writes each row's ``k``/``v`` (b, Hkv, 1, hd) at ``slots`` (b,) of
+    cache rows ``idx`` (b,) in ``kc``/``vc`` (B, Hkv, C, hd), then attends ``q`` (b, H, 1, hd) over slots
+    0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them."""
+    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale, _isa_code())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm ``w * (x * rsqrt(mean(x^2) + eps))`` of fp32 rows (x contiguous, w (d,)), in one call."""
+    return _module.rms_norm(x.contiguous(), w, eps)
+
+
+# --------------------------------------------------------------------------- the chunk head's online step
+def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool = True):
+    """:meth:`fbs.model.chunk.ChunkHead.step` of one token per row in one call, on rows ``rows`` (b,) of the
+    full :class:`fbs.model.chunk.ChunkState` ``state`` in place (no select / assign copies). Returns (c (b, 1, d)
+    or None, bios logits (b, 1, 4), start (b,) bool) as the PyTorch step does. fp32 CPU."""
+    c, logits, start = _module.chunk_step(xn.contiguous(), rows, state.closed, state.n_closed, state.open_sum,
+                                          state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
+                                          head.query.weight, head.out.weight, head.scale, LABEL_I, attend)
+    return (c if attend else None), logits, torch.tensor(start, dtype=torch.bool)
+
+
+def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_skip: list[float],
+               zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
+               idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
+               policy: int, write_skipped: bool):
+    """Consecutive :class:`Int8Layer` s of a one-token step in one call (see
+    :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes)."""
+    return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
+                              thresholds, policy, write_skipped, _isa_code())
+
+
+def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                 vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None) -> torch.Tensor:
+    """The attention half of an :class:`Int8Layer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
+    K, V (b, Hkv, 1, hd) when already projected), written at ``slots`` of cache rows ``idx``, then
+    x + O(attention) over each row's prefix (PAW / CH add to it next)."""
+    k, v = (None, None) if kv is None else kv
+    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, _isa_code())
+
+
+def ffn_layer(layer, h: torch.Tensor) -> torch.Tensor:
+    """The FFN half of an :class:`Int8Layer`: h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)."""
+    return _module.ffn_layer(layer, h, _isa_code())

@@ -1,0 +1,47 @@
+// One new token per row attends over its cache prefix (GQA), after writing its own K/V at its slot:
+//   kc[idx[i], g, slot[i]] = k[i, g, 0];  vc likewise
+//   out[i, 0, h*hd:(h+1)*hd] = softmax(scale * q[i, h] . kc[idx[i], g(h), 0..slot[i]]) @ vc[idx[i], g(h), 0..slot[i]]
+// with g(h) = h / (H / Hkv). fp32; every tensor's last dimension unit-strided, caches contiguous (B, Hkv, C, hd).
+// One task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
+#pragma once
+
+#include "common.h"
+
+namespace fbs_attn {
+constexpr int64_t kMaxHd = 256;
+
+// p[0..n) = exp(p - max p) in place; *z = their sum
+inline void softmax_(float* p, int64_t n, float* z) {
+  float m = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
+  float s = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = std::exp(p[j] - m);
+    s += p[j];
+  }
+  *z = s;
+}
+
+// One query head q (hd) over n cached keys K and values V (n, hd): o (hd) = softmax(scale q . K) @ V; p: n floats
+// of scratch. Portable, and per instruction set (arch/x86/attention_*.cpp: hd a multiple of 16 or 8, <= kMaxHd).
+void head_scalar(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
+                 float* o);
+#ifdef FBS_X86
+void head_avx512(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
+                 float* o);
+void head_avx2(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* o);
+#endif
+
+// K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i]
+void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
+              const int64_t* I, const int64_t* L, float* KC, float* VC, int64_t Hkv, int64_t C, int64_t hd);
+
+// m queries (row j, head h at Q + j * qs0 + h * qs1) attend over slots 0..L[j] of cache row I[j] (GQA), one task
+// per (row, head); O (m, H * hd), the heads side by side
+void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+            const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O);
+}  // namespace fbs_attn
+
+// See fbs.native.attend_one.
+at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
+                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa);

@@ -1,0 +1,26 @@
+// The Python bindings of the fbs native extension (fbs.native): every kernel's entry point, in one place.
+#include <pybind11/stl.h>
+
+#include "attention.h"
+#include "chunk.h"
+#include "gate.h"
+#include "int8.h"
+#include "layer.h"
+#include "norm.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gate_logits", &gate_logits);
+  m.def("int8_linear", &int8_linear);
+  m.def("int8_isa", &int8_isa);
+  m.def("attend_one", &attend_one);
+  m.def("rms_norm", &rms_norm);
+  m.def("chunk_step", &chunk_step);
+  pybind11::class_<fbs_layer::Layer>(m, "Int8Layer")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                          at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, std::optional<at::Tensor>,
+                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+      .def("set_gate", &fbs_layer::Layer::set_gate);
+  m.def("run_layers", &fbs_layer::run_layers);
+  m.def("attend_layer", &fbs_layer::attend_layer);
+  m.def("ffn_layer", &fbs_layer::ffn_layer);
+}

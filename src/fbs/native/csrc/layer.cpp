@@ -1,0 +1,372 @@
+// The native decoder layer (layer.h): weights, the per-row pieces, one layer step, runs of layers, the halves.
+#include "layer.h"
+
+#include "attention.h"
+#include "gate.h"
+#include "int8.h"
+#include "norm.h"
+#include "skip.h"
+
+namespace fbs_layer {
+namespace {
+Packed packed(const at::Tensor& p, const at::Tensor& s, int64_t k) {
+  TORCH_CHECK(p.scalar_type() == at::kChar && p.dim() == 1 && p.is_contiguous() && s.scalar_type() == at::kBFloat16 &&
+                  s.dim() == 1 && s.is_contiguous(),
+              "fbs native layer: packed int8 weights and (N,) bf16 scales");
+  TORCH_CHECK(k % fbs_int8::kChunk == 0, "fbs native layer: input width ", k, " is not a multiple of 16");
+  const int64_t n = s.size(0);
+  TORCH_CHECK(p.numel() == (n + fbs_int8::kNB - 1) / fbs_int8::kNB * fbs_int8::kNB * k,
+              "fbs native layer: packed size does not match (", n, ", ", k, ")");
+  return Packed{p, s, n, k};
+}
+
+const float* fp32(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
+              "fbs native layer: ", what, " must be a contiguous fp32 CPU tensor of ", n, " elements");
+  return t.data_ptr<float>();
+}
+
+// x (hd) rotated in place: x * cos + roll(x, hd / 2) * sin_signed (fbs.engine.fused._rope)
+void rope(float* x, const float* c, const float* s, int64_t hd) {
+  float t[256];
+  const int64_t half = hd / 2;
+  for (int64_t j = 0; j < hd; ++j) t[j] = x[j] * c[j] + x[j < half ? j + half : j - half] * s[j];
+  std::copy_n(t, hd, x);
+}
+}  // namespace
+
+Layer::Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
+             at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
+             at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
+             at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s)
+    : d(d_),
+      heads(heads_),
+      nkv(nkv_),
+      hd(hd_),
+      inter(inter_),
+      eps(float(eps_)),
+      scale(float(scale_)),
+      ln1(ln1_),
+      ln2(ln2_) {
+  TORCH_CHECK(hd <= 256 && hd % 2 == 0 && heads % nkv == 0, "fbs native layer: head shapes");
+  fp32(ln1, d, "ln1");
+  fp32(ln2, d, "ln2");
+  kvg = packed(kvg_p, kvg_s, d);
+  q = packed(q_p, q_s, d);
+  o = packed(o_p, o_s, heads * hd);
+  gu = packed(gu_p, gu_s, d);
+  dn = packed(dn_p, dn_s, inter);
+  TORCH_CHECK(kvg.n >= 2 * nkv * hd && q.n == heads * hd && o.n == d && gu.n == 2 * inter && dn.n == d,
+              "fbs native layer: weight shapes do not match the layer");
+  if (kvg_b_) {
+    kvg_b = *kvg_b_;
+    fp32(kvg_b, kvg.n, "the K/V bias");
+  }
+  if (q_b_) {
+    q_b = *q_b_;
+    fp32(q_b, q.n, "the Q bias");
+  }
+}
+
+void Layer::set_gate(int64_t index, int64_t off, int64_t width, std::optional<at::Tensor> w_rel_,
+                     std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
+                     double out_b_, double g_eps_) {
+  G = out_w_.numel();
+  fp32(out_w_, G, "the gate's output weight");
+  TORCH_CHECK(width == 0 || (width == G && off + width <= kvg.n), "fbs native layer: gate columns");
+  gated = true;
+  g_index = index;
+  g_off = off;
+  g_w = width;
+  out_w = out_w_;
+  out_b = float(out_b_);
+  g_eps = float(g_eps_);
+  if (w_rel_) {
+    w_rel = *w_rel_;
+    fp32(w_rel, G, "w_rel");
+  }
+  if (w_prev_) {
+    w_prev = *w_prev_;
+    fp32(w_prev, G, "w_prev");
+  }
+  if (rel_first_) {
+    rel_first = *rel_first_;
+    fp32(rel_first, G, "rel_first");
+  }
+}
+
+void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const {
+  fbs_int8::mm(X, M, w.kp, w.P(), w.S(), w.n, Y, isa);
+}
+
+// K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
+void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
+                     const int64_t* SL) const {
+  const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
+  float* KC = kc.data_ptr<float>();
+  float* VC = vc.data_ptr<float>();
+  for (int64_t i = 0; i < st.b; ++i) {
+    if (!write[i]) continue;
+    for (int64_t g = 0; g < nkv; ++g) {
+      float* kd = KC + st.idx[i] * rs + g * hs + SL[i] * hd;
+      std::copy_n(Y + i * nk + g * hd, hd, kd);
+      rope(kd, st.cos + i * hd, st.sin + i * hd, hd);
+      std::copy_n(Y + i * nk + w + g * hd, hd, VC + st.idx[i] * rs + g * hs + SL[i] * hd);
+    }
+  }
+}
+
+// H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
+void Layer::attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
+                           const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const {
+  const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2);
+  std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
+  for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
+  mm(xs.data(), m, q, qv.data(), st.isa);
+  const float* QB = q_b.defined() ? q_b.data_ptr<float>() : nullptr;
+  for (int64_t j = 0; j < m; ++j) {
+    float* qj = qv.data() + j * qw;
+    if (QB)
+      for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
+    for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
+  }
+  std::vector<int64_t> rows(m), lens(m);  // each query's cache row and last slot
+  for (int64_t j = 0; j < m; ++j) {
+    rows[j] = st.idx[sel[j]];
+    lens[j] = SL[sel[j]];
+  }
+  fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr<float>(), vc.data_ptr<float>(),
+                   nkv, C, hd, scale, st.isa, att.data());
+  mm(att.data(), m, o, H, st.isa);
+  for (int64_t j = 0; j < m; ++j) {
+    const float* xi = X + sel[j] * d;
+    float* hj = H + j * d;
+    for (int64_t c = 0; c < d; ++c) hj[c] += xi[c];
+  }
+}
+
+// H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
+void Layer::ffn_rows(float* H, int64_t m, int64_t isa) const {
+  std::vector<float> hn(m * d), ff(m * 2 * inter), act(m * inter), dv(m * d);
+  fbs_norm::rows(H, ln2.data_ptr<float>(), eps, hn.data(), m, d);
+  mm(hn.data(), m, gu, ff.data(), isa);
+  for (int64_t j = 0; j < m; ++j) {
+    const float* gj = ff.data() + j * 2 * inter;
+    float* aj = act.data() + j * inter;
+    for (int64_t c = 0; c < inter; ++c) aj[c] = gj[c] / (1.0f + std::exp(-gj[c])) * gj[inter + c];
+  }
+  mm(act.data(), m, dn, dv.data(), isa);
+  for (int64_t c = 0; c < m * d; ++c) H[c] += dv[c];
+}
+
+// One layer for the step's b rows: reads X (b, d), writes OUT (b, d) (a skipped row's input copied) unless no
+// row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
+// decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant
+// rel_first), ps (per row 1.0 where the previous layer was skipped; null: none was) and the step's thresholds
+// and policy; else run_in. Fills logits (gated), skip and run (b each).
+int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
+                    const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
+                    double* logits, bool* skip, bool* run) const {
+  const int64_t b = st.b, nk = kvg.n, C = kc.size(2);
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C,
+                "fbs native layer: slot out of range");
+  std::vector<float> xn(b * d), y(b * nk);
+  fbs_norm::rows(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
+  mm(xn.data(), b, kvg, y.data(), st.isa);
+  if (kvg_b.defined()) {
+    const float* B = kvg_b.data_ptr<float>();
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
+  }
+  if (terms != nullptr) {
+    TORCH_CHECK(gated, "fbs native layer: gate inputs for a layer without a gate");
+    std::vector<float> hv(G);
+    const float* WR = w_rel.defined() ? w_rel.data_ptr<float>() : nullptr;
+    const float* RF = rel_first.defined() ? rel_first.data_ptr<float>() : nullptr;
+    const float* WP = w_prev.defined() ? w_prev.data_ptr<float>() : nullptr;
+    int64_t n_skip = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      logits[i] = fbs_gate::row(terms + i * t_stride, g_w > 0 ? y.data() + i * nk + g_off : nullptr, X + i * d,
+                                x_prev ? x_prev + i * d : nullptr, x_prev ? nullptr : RF, ps ? ps[i] : 0.f,
+                                ps != nullptr, WR, WP, out_w.data_ptr<float>(), out_b, g_eps, d, G, hv.data());
+      skip[i] = fbs_skip::skips(logits[i], st.thresholds[i]);
+      n_skip += skip[i];
+    }
+    for (int64_t i = 0; i < b; ++i) run[i] = fbs_skip::runs(st.policy, skip[i], n_skip, b);
+  } else {
+    for (int64_t i = 0; i < b; ++i) {
+      run[i] = run_in[i];
+      skip[i] = !run_in[i];
+    }
+  }
+  std::unique_ptr<bool[]> write(new bool[b]);
+  for (int64_t i = 0; i < b; ++i) write[i] = run[i] || st.write_skipped;
+  write_kv(st, y.data(), write.get(), kc, vc, SL);
+  std::vector<int64_t> sel;
+  for (int64_t i = 0; i < b; ++i)
+    if (run[i]) sel.push_back(i);
+  const int64_t m = sel.size();
+  if (m == 0) return 0;
+  std::vector<float> h(m * d);  // the running rows, compacted
+  attention_rows(st, X, xn.data(), sel, kc, vc, SL, h.data());
+  ffn_rows(h.data(), m, st.isa);
+  for (int64_t i = 0; i < b; ++i)
+    if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
+  for (int64_t j = 0; j < m; ++j) std::copy_n(h.data() + j * d, d, OUT + sel[j] * d);
+  return m;
+}
+
+Step make_step(const at::Tensor& x, int64_t d, int64_t hd, const at::Tensor& cos, const at::Tensor& sin,
+               const at::Tensor& idx, int64_t isa, int64_t policy, bool write_skipped,
+               const std::vector<double>& thresholds) {
+  TORCH_CHECK(isa >= 1 && isa <= fbs::best_isa(), "fbs native layer: instruction set ", isa, " not available");
+  const int64_t b = x.size(0);
+  fp32(x, b * d, "x");
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.is_contiguous() && idx.numel() == b,
+              "fbs native layer: (b,) int64 cache rows");
+  TORCH_CHECK(thresholds.empty() || (int64_t)thresholds.size() == b, "fbs native layer: one threshold per row");
+  return Step{b,
+              fp32(cos, b * hd, "cos"),
+              fp32(sin, b * hd, "sin"),
+              idx.data_ptr<int64_t>(),
+              isa,
+              policy,
+              write_skipped,
+              thresholds.data()};
+}
+
+void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
+  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+                  vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == L.nkv &&
+                  kc.size(3) == L.hd,
+              "fbs native layer: KV caches (B, Hkv, C, hd) fp32, contiguous");
+}
+
+// Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
+// not (gated: terms row i of the gate is zterms[i, 0, index * G : (index + 1) * G]); not gated: run flags
+// runs[k * b + i], or every row runs when runs is empty. x_prev / prev_skip: the previous layer's input and
+// skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
+// (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
+// ran). x out is the input of the last layer itself when no row ran it.
+std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
+    const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
+    const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
+    const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
+    const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
+    const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
+    int64_t isa) {
+  const int64_t n = layers.size();
+  TORCH_CHECK(n > 0 && (int64_t)kcs.size() == n && (int64_t)vcs.size() == n && (int64_t)gated.size() == n,
+              "fbs native layers: one cache pair and gate flag per layer");
+  const Layer& L0 = *layers[0];
+  const Step st = make_step(x, L0.d, L0.hd, cos, sin, idx, isa, policy, write_skipped, thresholds);
+  const int64_t b = st.b, d = L0.d;
+  TORCH_CHECK((int64_t)slots.size() == n * b && (runs.empty() || (int64_t)runs.size() == n * b),
+              "fbs native layers: slots (and runs) per layer and row");
+  TORCH_CHECK(prev_skip.empty() || (int64_t)prev_skip.size() == b, "fbs native layers: prev_skip per row");
+  const float* Z = nullptr;
+  int64_t z_stride = 0;
+  if (zterms) {
+    TORCH_CHECK(zterms->scalar_type() == at::kFloat && zterms->is_contiguous() && zterms->size(0) == b,
+                "fbs native layers: gate terms (b, 1, n * G) fp32, contiguous");
+    Z = zterms->data_ptr<float>();
+    z_stride = zterms->size(-1);
+  }
+  const float* XP0 = x_prev ? fp32(*x_prev, b * d, "x_prev") : nullptr;
+  std::vector<double> logits(n * b, std::nan("")), ps(prev_skip.begin(), prev_skip.end());
+  std::vector<float> psf(b);
+  std::vector<bool> skip_out(n * b), run_out(n * b);
+  std::unique_ptr<bool[]> sk(new bool[b]), rn(new bool[b]), all_run(new bool[b]);
+  for (int64_t i = 0; i < b; ++i) all_run[i] = true;
+  at::Tensor cur = x, prev = x_prev ? *x_prev : at::Tensor();
+  for (int64_t k = 0; k < n; ++k) {
+    const Layer& L = *layers[k];
+    TORCH_CHECK(L.d == d, "fbs native layers: layer widths differ");
+    at::Tensor kc = kcs[k], vc = vcs[k];
+    check_cache(L, kc, vc);
+    const float* terms = nullptr;
+    if (gated[k]) {
+      TORCH_CHECK(Z != nullptr && L.gated && (L.g_index + 1) * L.G <= z_stride && !thresholds.empty(),
+                  "fbs native layers: a gated layer needs its gate, the step's terms and thresholds");
+      terms = Z + L.g_index * L.G;
+    }
+    std::unique_ptr<bool[]> given;
+    if (!gated[k]) {
+      given.reset(new bool[b]);
+      for (int64_t i = 0; i < b; ++i) given[i] = runs.empty() ? true : bool(runs[k * b + i]);
+    }
+    for (int64_t i = 0; i < b; ++i) psf[i] = ps.empty() ? 0.f : float(ps[i]);
+    at::Tensor out = at::empty_like(cur);
+    const int64_t m = L.step(st, cur.data_ptr<float>(), out.data_ptr<float>(), kc, vc, slots.data() + k * b, terms,
+                             z_stride, prev.defined() ? prev.data_ptr<float>() : nullptr,
+                             ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(), rn.get());
+    bool every = true;
+    for (int64_t i = 0; i < b; ++i) {
+      skip_out[k * b + i] = sk[i];
+      run_out[k * b + i] = rn[i];
+      every = every && rn[i];
+    }
+    if (every)
+      ps.clear();
+    else {
+      ps.assign(b, 0.0);
+      for (int64_t i = 0; i < b; ++i) ps[i] = rn[i] ? 0.0 : 1.0;
+    }
+    prev = cur;
+    if (m > 0) cur = out;  // else the layer's output is its input, the same tensor
+  }
+  return {cur, prev, logits, skip_out, run_out};
+}
+const std::vector<double> kNoThresholds;
+
+at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
+                        const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                        int64_t isa) {
+  const Step st = make_step(x, L.d, L.hd, cos, sin, idx, isa, fbs_skip::kGather, true, kNoThresholds);
+  const int64_t b = st.b, nk = L.kvg.n;
+  const float* XN = fp32(xn, b * L.d, "xn");
+  check_cache(L, kc, vc);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == b,
+              "fbs native layer: (b,) int64 slots");
+  const int64_t* SL = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < kc.size(2),
+                "fbs native layer: slot out of range");
+  std::vector<int64_t> sel(b);
+  for (int64_t i = 0; i < b; ++i) sel[i] = i;
+  if (k && v) {  // K (rotated) and V already projected (a gated layer's pre step): (b, Hkv, 1, hd), rows strided
+    for (const at::Tensor* t : {&*k, &*v})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->size(0) == b && t->size(1) == L.nkv &&
+                      t->size(3) == L.hd && t->stride(3) == 1,
+                  "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
+    fbs_attn::write_kv(k->data_ptr<float>(), k->stride(0), k->stride(1), v->data_ptr<float>(), v->stride(0),
+                       v->stride(1), b, st.idx, SL, kc.data_ptr<float>(), vc.data_ptr<float>(), L.nkv, kc.size(2),
+                       L.hd);
+  } else {
+    std::vector<float> y(b * nk);
+    L.mm(XN, b, L.kvg, y.data(), isa);
+    if (L.kvg_b.defined()) {
+      const float* B = L.kvg_b.data_ptr<float>();
+      for (int64_t i = 0; i < b; ++i)
+        for (int64_t j = 0; j < nk; ++j) y[i * nk + j] += B[j];
+    }
+    std::unique_ptr<bool[]> write(new bool[b]);
+    for (int64_t i = 0; i < b; ++i) write[i] = true;
+    L.write_kv(st, y.data(), write.get(), kc, vc, SL);
+  }
+  at::Tensor h = at::empty_like(x);
+  L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>());
+  return h;
+}
+
+at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa) {
+  TORCH_CHECK(isa >= 1 && isa <= fbs::best_isa(), "fbs native layer: instruction set ", isa, " not available");
+  const int64_t b = h.numel() / L.d;
+  fp32(h, b * L.d, "h");
+  at::Tensor out = h.clone();
+  L.ffn_rows(out.data_ptr<float>(), b, isa);
+  return out;
+}
+}  // namespace fbs_layer

@@ -1,0 +1,95 @@
+// A whole decoder layer of the eager int8 one-token step natively (fbs.engine.fused.FusedOps.native_run), so that
+// a run of layers is one call (run_layers) instead of some forty ATen dispatches per layer:
+//   xn = RMSNorm_1(x);  y = xn @ [W_k; W_v; A]^T (+ b)       K, V and, on gated layers, the gate's hidden columns
+//   gated: logit = gate(y's gate columns, terms, relative update, previous skip) (gate.h); skip and run by the
+//          skip rule (skip.h: threshold per row, batch policy), or the caller's run list (ungated layers)
+//   K/V (K rotated) written at each row's slot for the rows that run, and for every row when write_skipped
+//   rows that run: h = x + O(attention(RoPE(Q xn)));  out = h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)
+//   rows that skip: out = x
+// Weights are int8 packed for fbs_int8 (K a multiple of 16), activations, norms, biases and caches fp32.
+#pragma once
+
+#include <tuple>
+
+#include "common.h"
+
+namespace fbs_layer {
+// One packed int8 weight (int8.h): N = n output channels, input width kp (a multiple of 16).
+struct Packed {
+  at::Tensor p, s;
+  int64_t n = 0, kp = 0;
+  const int8_t* P() const { return p.data_ptr<int8_t>(); }
+  const uint16_t* S() const { return reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()); }
+};
+
+// What one call shares across its layers: rows, rotary tables (b, hd), cache rows, decision rule.
+struct Step {
+  int64_t b;
+  const float *cos, *sin;
+  const int64_t* idx;
+  int64_t isa, policy;
+  bool write_skipped;
+  const double* thresholds;  // per row (gated layers)
+};
+
+struct Layer {
+  int64_t d, heads, nkv, hd, inter;
+  float eps, scale;
+  at::Tensor ln1, ln2, kvg_b, q_b;  // biases undefined when absent
+  Packed kvg, q, o, gu, dn;
+  // gate (gated layers): offset and width of its columns in y, its index among the gated layers (which terms are
+  // its own), w_rel, w_prev and rel_first = w_rel log(1 + 1e-3) (undefined when unused), out
+  bool gated = false;
+  int64_t g_off = 0, g_w = 0, G = 0, g_index = 0;
+  at::Tensor w_rel, w_prev, rel_first, out_w;
+  float out_b = 0.f, g_eps = 1e-3f;
+
+  Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
+        at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
+        at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
+        at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s);
+  void set_gate(int64_t index, int64_t off, int64_t width, std::optional<at::Tensor> w_rel_,
+                std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
+                double out_b_, double g_eps_);
+  void mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const;
+  // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
+  void write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
+                const int64_t* SL) const;
+  // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
+  void attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
+                      const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const;
+  // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
+  void ffn_rows(float* H, int64_t m, int64_t isa) const;
+  // One layer for the step's b rows: reads X (b, d), writes OUT (b, d) (a skipped row's input copied) unless no
+  // row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
+  // decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant
+  // rel_first), ps (per row 1.0 where the previous layer was skipped; null: none was) and the step's thresholds
+  // and policy; else run_in. Fills logits (gated), skip and run (b each).
+  int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
+               const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
+               double* logits, bool* skip, bool* run) const;
+};
+
+// Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
+// not (gated: terms row i of the gate is zterms[i, 0, index * G : (index + 1) * G]); not gated: run flags
+// runs[k * b + i], or every row runs when runs is empty. x_prev / prev_skip: the previous layer's input and
+// skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
+// (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
+// ran). x out is the input of the last layer itself when no row ran it.
+std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
+    const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
+    const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
+    const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
+    const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
+    const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
+    int64_t isa);
+
+// The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
+// step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
+// ffn_layer returns h + FFN(h).
+at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
+                        const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                        int64_t isa);
+at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa);
+}  // namespace fbs_layer
