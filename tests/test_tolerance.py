@@ -43,14 +43,29 @@ def test_zero_share_equals_the_hf_model(kind):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0, p - 1:-1]
     ref_nll = F.cross_entropy(ref, ids[p:], reduction="sum")
-    _, updates = tol.base_pass(base, [doc])
+    base_nll, updates, prompt_kv = tol.base_pass(base, [doc])
+    assert base_nll[0] == pytest.approx(float(ref_nll), rel=1e-5)
     for unit in tol.UNITS:
         empty = tol.oracle_masks(doc, updates[unit][0], [0.0])  # a 0 % mask: nothing skipped
         assert not empty.any()
-        out = tol.masked_forward(base, ids, p, {unit: empty})
-        torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
-        nll = tol.token_nll(out.logits, ids, p).sum()
-        torch.testing.assert_close(nll, ref_nll, rtol=1e-5, atol=1e-4)
+        for cache in (None, prompt_kv[0]):  # all positions, or the decoded ones after the cached prompt K/V
+            out = tol.masked_forward(base, ids, p, {unit: empty}, prompt_kv=cache)
+            torch.testing.assert_close(out.logits[0], ref, rtol=1e-4, atol=1e-4)
+            nll = tol.token_nll(out.logits, ids, p).sum()
+            torch.testing.assert_close(nll, ref_nll, rtol=1e-5, atol=1e-4)
+
+
+def test_cached_prompt_gives_the_same_skipped_forward():
+    hf = _tiny()
+    base = BaseDecoder(hf)
+    doc = _doc()
+    _, updates, prompt_kv = tol.base_pass(base, [doc])
+    plans = tol.oracle_masks(doc, updates["layer"][0], [0.2, 0.4])
+    ids = doc.input_ids.expand(2, -1)
+    full = tol.masked_forward(base, ids, doc.prompt_len, {"layer": plans})
+    cached = tol.masked_forward(base, ids, doc.prompt_len, {"layer": plans}, prompt_kv=prompt_kv[0])
+    torch.testing.assert_close(cached.logits, full.logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(full.logits[0], full.logits[1], atol=1e-3)  # the shares do change the logits
 
 
 def test_oracle_mask_skips_exactly_the_requested_share_smallest_updates_first():

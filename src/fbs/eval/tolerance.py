@@ -542,6 +542,7 @@ def plot_scaling(profiles: Sequence[dict], out: Path) -> Path | None:
         ax.set_ylabel(f"skip share at <= {profiles[0]['options']['tolerance']:g}x PPL (%)")
         ax.grid(alpha=0.3)
     axes[0].set_xscale("log")
+    axes[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].legend(fontsize=7, ncol=3, loc="center left")
     for p in profiles:
         for mask, ls in (("oracle", "-"), ("static", "--")):
