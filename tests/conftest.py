@@ -99,8 +99,9 @@ def recorded_fused_calls(ops, names=("ffn", "block", "attention")):
 
 
 def cpu_isas() -> set[str]:
-    """The native kernels' code paths this CPU can run, from what it reports: "avx2" (AVX2 + FMA) and "avx512"
-    (AVX-512F + FMA); read from /proc/cpuinfo, else from torch's CPU capability."""
+    """The native kernels' code paths this CPU can run, from what it reports: "avx2" (AVX2 + FMA), "avx512"
+    (AVX-512F + FMA) and "avx512_vnni" (AVX-512F/BW + VNNI + FMA, the quantized products); read from
+    /proc/cpuinfo, else from torch's CPU capability."""
     flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -110,7 +111,8 @@ def cpu_isas() -> set[str]:
     if not flags:
         cap = torch.backends.cpu.get_cpu_capability().lower()  # "avx512", "avx2", "default", ...
         return {"avx512": {"avx2", "avx512"}, "avx2": {"avx2"}}.get(cap, set())
-    return {name for name, need in (("avx2", {"avx2", "fma"}), ("avx512", {"avx512f", "fma"})) if need <= flags}
+    return {name for name, need in (("avx2", {"avx2", "fma"}), ("avx512", {"avx512f", "fma"}),
+                                    ("avx512_vnni", {"avx512f", "avx512bw", "avx512_vnni", "fma"})) if need <= flags}
 
 
 def require_native(isa: str | None = None):
@@ -132,6 +134,9 @@ def require_native(isa: str | None = None):
     runs = {2: "avx512", 1: "avx2"}.get(native.module().int8_isa())  # the kernel's own pick, FBS_NATIVE_ISA aside
     if runs != widest:
         pytest.fail(f"this CPU reports {widest or 'neither AVX2 nor AVX-512'} but the native int8 kernel runs {runs}")
+    if ("avx512_vnni" in cpu) != (native.module().quant_isa() == 3):
+        pytest.fail(f"this CPU reports {'' if 'avx512_vnni' in cpu else 'no '}AVX-512 VNNI but the quantized products "
+                    f"pick instruction set {native.module().quant_isa()}")
     if isa is not None and isa not in cpu:
         pytest.skip(f"this CPU does not report {isa}")
     return native.module()

@@ -61,3 +61,28 @@ def test_shipped_weights_skip_and_decode_like_the_parallel_forward(smol):
         plan[0, t0:t0 + n] = ~res.trace.executed[0, :n]
         par = model(res.sequences, gate_mode="plan", skip_plan=plan).logits[0, t0 - 1:-1]
     assert (res.scores[0] - par).abs().max() < 1e-3
+
+
+def test_gguf_blocks_are_exactly_the_fp32_weights(smol):
+    """The Q4_1 / Q8_0 blocks read from the shipped GGUF (rows in HF order) dequantize bit for bit to the fp32
+    weights the model was converted to: a weight format keeping the blocks is the same model."""
+    from fbs.model.bases import bundled_gguf
+    from fbs.model import gguf
+    from fbs.model.gguf import read_blocks
+
+    hf = smol[0]
+    blocks = read_blocks(bundled_gguf("smollm2-135m"), hf.config.num_attention_heads, hf.config.num_key_value_heads)
+    sd = hf.state_dict()
+    layers = hf.config.num_hidden_layers
+    assert len(blocks) == 7 * layers + 1
+    assert {b.kind for k, b in blocks.items() if "layers" in k} == {"q4_1"}
+    assert blocks["model.embed_tokens.weight"].kind == "q8_0"
+    for name, b in blocks.items():
+        assert torch.equal(b.dequantized(), sd[name]), name
+    # the row order matters: Q in the GGUF's own (rotary-permuted) order is a different matrix
+    q = blocks["model.layers.0.self_attn.q_proj.weight"].dequantized()
+    order = gguf._row_order("blk.0.attn_q.weight", q.shape[0], hf.config.num_attention_heads,
+                            hf.config.num_key_value_heads)
+    unpermuted = torch.empty_like(q)
+    unpermuted[order] = q
+    assert not torch.equal(unpermuted, sd["model.layers.0.self_attn.q_proj.weight"])

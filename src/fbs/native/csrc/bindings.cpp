@@ -7,6 +7,7 @@
 #include "int8.h"
 #include "layer.h"
 #include "norm.h"
+#include "quant.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_logits", &gate_logits);
@@ -14,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_isa", &int8_isa);
   m.def("attend_one", &attend_one);
   m.def("rms_norm", &rms_norm);
+  m.def("quant_isa", &quant_isa);
+  m.def("quant_activations", &quant_activations);
+  m.def("quant_linear", &quant_linear);
   m.def("chunk_step", &chunk_step);
   pybind11::class_<fbs_layer::Layer>(m, "Int8Layer")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,

@@ -15,9 +15,10 @@
 #endif
 
 namespace fbs {
-// Instruction-set codes the Python side passes (fbs.native._ISA_NAMES): 2 AVX-512 + FMA, 1 AVX2 + FMA,
-// 0 neither (the caller keeps the PyTorch ops).
-constexpr int64_t kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
+// Instruction-set codes the Python side passes (fbs.native._ISA_NAMES, fbs.native.quant.ISA_NAMES): 2 AVX-512 +
+// FMA, 1 AVX2 + FMA, 3 AVX-512 with BW and VNNI (the block-quantized products, quant.h), 0 none of them (the
+// caller keeps the PyTorch ops).
+constexpr int64_t kIsaNone = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Vnni = 3;
 
 // The best instruction set of this CPU.
 int64_t best_isa();

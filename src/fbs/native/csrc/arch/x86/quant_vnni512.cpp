@@ -1,0 +1,108 @@
+// AVX-512 VNNI tiles of the block-quantized products (quant.h): vpdpbusd over 16 channels x 4 k per instruction.
+// Signed weights enter vpdpbusd's unsigned operand as w + 128 (xor 0x80); the offset is removed per row with the
+// activation sums (Act::c for per-channel scales, 128 ds per block for block scales).
+#include <immintrin.h>
+
+#include "../../quant.h"
+
+namespace fbs_quant {
+namespace {
+#define FBS_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+
+FBS_VNNI inline __m512i bcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm512_set1_epi32(v);
+}
+
+FBS_VNNI inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Integer sums of one tile-block of signed weights (8 groups of 64 B) against MB rows.
+template <int MB>
+FBS_VNNI inline void dot_s8(const uint8_t* p, const int8_t* const* xq, __m512i* acc) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int g = 0; g < 8; ++g) {
+    const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * g), flip);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], w, bcast4(xq[m] + 4 * g));
+  }
+}
+
+template <int MB>
+FBS_VNNI void tile(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
+                   int64_t n0, int64_t m0) {
+  const int64_t Kb = a.Kp / kBlock, bb = block_bytes(kind);
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512 af[MB];
+  for (int m = 0; m < MB; ++m) af[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < Kb; ++b, p += bb) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 256), _MM_HINT_T0);
+    if (kind != kQ4Block) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 384), _MM_HINT_T0);
+    const int8_t* xq[MB];
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) {
+      xq[m] = a.q + (m0 + m) * a.Kp + b * kBlock;
+      ai[m] = _mm512_setzero_si512();
+    }
+    if (kind == kQ4Block) {
+      for (int v = 0; v < 4; ++v) {
+        const __m512i raw = _mm512_loadu_si512(p + 64 * v);
+        const __m512i wl = _mm512_and_si512(raw, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+        for (int m = 0; m < MB; ++m) {
+          ai[m] = _mm512_dpbusd_epi32(ai[m], wl, bcast4(xq[m] + 8 * v));
+          ai[m] = _mm512_dpbusd_epi32(ai[m], wh, bcast4(xq[m] + 8 * v + 4));
+        }
+      }
+      const __m512 dw = half16(p + 256), mw = half16(p + 288);
+      for (int m = 0; m < MB; ++m) {
+        const int64_t r = (m0 + m) * Kb + b;
+        af[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r])), af[m]);
+        af[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.ds[r]), af[m]);
+      }
+    } else if (kind == kQ8Block) {
+      dot_s8<MB>(p, xq, ai);
+      const __m512 dw = half16(p + 512);
+      for (int m = 0; m < MB; ++m) {
+        const int64_t r = (m0 + m) * Kb + b;
+        const __m512 t =
+            _mm512_fmsub_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_set1_ps(a.d[r]), _mm512_set1_ps(128.f * a.ds[r]));
+        af[m] = _mm512_fmadd_ps(dw, t, af[m]);
+      }
+    } else {
+      dot_s8<MB>(p, xq, ai);
+      for (int m = 0; m < MB; ++m)
+        af[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_set1_ps(a.d[(m0 + m) * Kb + b]), af[m]);
+    }
+  }
+  const __mmask16 mask = N - n0 >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+  for (int m = 0; m < MB; ++m) {
+    __m512 y = af[m];
+    if (kind == kI8Channel) y = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(a.c[m0 + m])), _mm512_loadu_ps(S + n0));
+    _mm512_mask_storeu_ps(Y + (m0 + m) * ldy + n0, mask, y);
+  }
+}
+}  // namespace
+
+void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
+                  int64_t n0) {
+  for (int64_t m = 0; m < a.M;) {  // rows in blocks of up to 8 per pass over the tile
+    const int64_t left = a.M - m;
+    if (left >= 8) {
+      tile<8>(a, p, S, kind, Y, ldy, N, n0, m);
+      m += 8;
+    } else if (left >= 4) {
+      tile<4>(a, p, S, kind, Y, ldy, N, n0, m);
+      m += 4;
+    } else if (left >= 2) {
+      tile<2>(a, p, S, kind, Y, ldy, N, n0, m);
+      m += 2;
+    } else {
+      tile<1>(a, p, S, kind, Y, ldy, N, n0, m);
+      m += 1;
+    }
+  }
+}
+}  // namespace fbs_quant

@@ -1,0 +1,55 @@
+// Weight x activation products with the activations quantized to int8 per 32-value block (like llama.cpp's q8_0)
+// and integer dot products: u8 x s8 VNNI (vpdpbusd) on AVX-512, maddubs on AVX2.
+//
+// Weight kinds, all repacked once at load into tiles of 16 output channels (fbs.native.quant_pack), each tile one
+// linear stream over K in blocks of 32; within a block, 8 groups of 4 consecutive k, each group [channel 0..15][4]:
+//   kI8Channel  int8 values, one fp32 scale per output channel (passed separately):       512 B per tile-block
+//   kQ8Block    int8 values and an fp16 scale per (channel, block) (GGUF Q8_0):             512 + 32 B
+//   kQ4Block    4-bit values q in [0, 15], fp16 scale d and min m per (channel, block), w = d q + m (GGUF Q4_1):
+//               4 x 64 B of nibbles (byte j of vector v: low nibble group 2v, high nibble group 2v + 1), 32 B d,
+//               32 B m                                                                        256 + 64 B
+// Activations (quantize): q = round(x / d) with d = max|x| / 127 per block, and per block ds = d * sum(q); per row
+// c = 128 * sum_b ds_b (the correction of the u8 offset the VNNI path gives signed weights).
+#pragma once
+
+#include "common.h"
+
+namespace fbs_quant {
+constexpr int64_t kBlock = 32, kTile = 16;
+constexpr int64_t kI8Channel = 0, kQ8Block = 1, kQ4Block = 2;
+
+// Bytes of one tile-block of a weight kind.
+int64_t block_bytes(int64_t kind);
+
+// Quantized activation rows: q (M, Kp) int8, d and ds (M, Kp / 32) fp32, c (M,) fp32.
+struct Act {
+  const int8_t* q;
+  const float* d;
+  const float* ds;
+  const float* c;
+  int64_t M, Kp;
+};
+
+// x (M, K) fp32 with row stride ldx -> the buffers of an Act (Kp = K rounded up to 32, zero tail).
+void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds, float* c);
+
+// Y (M, N) (row stride ldy) = dequantized activations @ W^T, W packed as kind (S: per-channel scales of kI8Channel,
+// padded to whole tiles), tiles split across threads.
+void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa);
+
+#ifdef FBS_X86
+// One tile (channels n0..n0+15) for all rows of a, per instruction set (arch/x86/quant_*.cpp).
+void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
+                  int64_t n0);
+void tile_avx2(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
+               int64_t n0);
+#endif
+}  // namespace fbs_quant
+
+// The instruction set of the quantized products here: fbs::kIsaAvx512Vnni, kIsaAvx2 or kIsaNone.
+int64_t quant_isa();
+// x (M, K) fp32 -> [q (M, Kp) int8, d (M, Kb), ds (M, Kb), c (M,)]: the activation quantization, for tests.
+std::vector<at::Tensor> quant_activations(const at::Tensor& x);
+// x (M, K) fp32 @ W^T with W packed as kind (fbs.native.quant_pack), N output channels -> (M, N) fp32.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& scales,
+                        int64_t kind, int64_t n, int64_t isa);
