@@ -75,7 +75,6 @@ def imported_names(source: str, module: str, is_package: bool = False) -> set[st
     return names
 
 
-@functools.cache
 def _walk_outside_main(tree):
     """``ast.walk`` without the bodies of ``if __name__ == "__main__":`` (a script's entry point, not an import of
     the module)."""
@@ -90,6 +89,7 @@ def _walk_outside_main(tree):
         todo.extend(ast.iter_child_nodes(node))
 
 
+@functools.cache
 def module_edges_of_package() -> dict[str, frozenset[str]]:
     return {k: frozenset(v) for k, v in module_edges(all_modules()).items()}
 

@@ -35,6 +35,8 @@ import logging
 import time
 from pathlib import Path
 
+from .runtime import chat_items, checkpoint_path, setup_runtime
+
 logger = logging.getLogger(__name__)
 
 #: FFN-SkipLLM thresholds `fbs eval sweep --baseline ffn-skipllm` scores by default, from few to many skipped FFN
