@@ -8,6 +8,7 @@ weights before and after training.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,16 @@ def test_flexidepth_training_run_resumes_exports_and_loads(tmp_path, one_thread)
         assert k == k2 and torch.equal(v, v2)
     with pytest.raises(FlexiDepthError, match="other base weights"):
         FlexiDepth.from_pretrained(summary["final"], base=tiny_hf(seed=9))
+    # a config without its base fingerprint is refused, unless the caller opts out
+    cfg_file = Path(summary["final"], "flexidepth_config.json")
+    raw = json.loads(cfg_file.read_text())
+    raw["base_fingerprint"] = None
+    cfg_file.write_text(json.dumps(raw))
+    with pytest.raises(FlexiDepthError, match="records no base_fingerprint.*check_base=False"):
+        FlexiDepth.from_pretrained(summary["final"], base=fd.host.base.hf)
+    unchecked = FlexiDepth.from_pretrained(summary["final"], base=fd.host.base.hf, check_base=False)
+    assert all(torch.equal(v, v2) for v, v2 in zip(fd.flexidepth_state_dict().values(),
+                                                    unchecked.flexidepth_state_dict().values()))
     more = dataclasses.replace(cfg, max_steps=4)  # rerunning continues from the last checkpoint (step 3)
     again = train(more, data=trainer.data, model=random_flexidepth(seed=11))
     assert again["steps"] == 4

@@ -156,7 +156,8 @@ def test_native_tests_fail_instead_of_skipping_where_the_machine_can_run_them(mo
 
     import conftest
 
-    kernel = lambda code: SimpleNamespace(int8_isa=lambda: code)  # noqa: E731  (the extension's ISA probe)
+    # the extension's ISA probes: the int8 kernel's, and the quantized products' (3: VNNI, 1: AVX2)
+    kernel = lambda code, q=1: SimpleNamespace(int8_isa=lambda: code, quant_isa=lambda: q)  # noqa: E731
     monkeypatch.setattr(conftest, "cpu_isas", lambda: {"avx2", "avx512"})
     monkeypatch.setattr(native, "module", lambda: None)
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
@@ -168,12 +169,19 @@ def test_native_tests_fail_instead_of_skipping_where_the_machine_can_run_them(mo
     monkeypatch.setattr(native, "module", lambda: kernel(1))
     with pytest.raises(pytest.fail.Exception, match="reports avx512 but the native int8 kernel runs avx2"):
         require_native()
+    monkeypatch.setattr(conftest, "cpu_isas", lambda: {"avx2", "avx512", "avx512_vnni"})
+    monkeypatch.setattr(native, "module", lambda: kernel(2, q=1))
+    with pytest.raises(pytest.fail.Exception, match="reports AVX-512 VNNI but the quantized products pick"):
+        require_native()
+    monkeypatch.setattr(native, "module", lambda: kernel(2, q=3))
+    assert require_native("avx512_vnni").quant_isa() == 3
+    monkeypatch.setattr(native, "module", lambda: kernel(1))
     monkeypatch.setattr(conftest, "cpu_isas", lambda: {"avx2"})
     assert require_native("avx2").int8_isa() == 1
     with pytest.raises(pytest.skip.Exception, match="does not report avx512"):
         require_native("avx512")
     monkeypatch.setattr(conftest, "cpu_isas", lambda: set())
-    monkeypatch.setattr(native, "module", lambda: kernel(0))
+    monkeypatch.setattr(native, "module", lambda: kernel(0, q=0))
     with pytest.raises(pytest.skip.Exception, match="does not report avx2"):
         require_native("avx2")
 

@@ -251,8 +251,10 @@ class FlexiDepth(nn.Module):
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, base=None, tokenizer=None) -> "FlexiDepth":
-        """Load a checkpoint onto ``base`` (default: the base model recorded in it); refuses other weights."""
+    def from_pretrained(cls, path: str | os.PathLike, base=None, tokenizer=None, *,
+                        check_base: bool = True) -> "FlexiDepth":
+        """Load a checkpoint onto ``base`` (default: the base model recorded in it); refuses other weights, and a
+        checkpoint that records no base fingerprint unless ``check_base=False``."""
         from safetensors.torch import load_file
 
         from ..model.bases import base_fingerprint
@@ -265,9 +267,14 @@ class FlexiDepth(nn.Module):
             if cfg.base_model is None:
                 raise FlexiDepthError(f"{path} records no base model; pass base=")
             base = cfg.base_model
+        if check_base and cfg.base_fingerprint is None:
+            raise FlexiDepthError(f"{path} records no base_fingerprint in {CONFIG_NAME}, so nothing shows it belongs "
+                                  "to the given base model; restore the config saved with the weights, or load with "
+                                  "check_base=False only if you know the base is the right one")
         model = cls.from_base(base, cfg, tokenizer)
-        if cfg.base_fingerprint is not None and base_fingerprint(model.host.base.hf) != cfg.base_fingerprint:
-            raise FlexiDepthError(f"{path} was trained on other base weights (fingerprint {cfg.base_fingerprint})")
+        if check_base and base_fingerprint(model.host.base.hf) != cfg.base_fingerprint:
+            raise FlexiDepthError(f"{path} was trained on other base weights (fingerprint {cfg.base_fingerprint}); "
+                                  "load it with the base it was made for")
         state = load_file(str(path / WEIGHTS_NAME))
         model.routers.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("routers.")})
         model.adapters.load_state_dict({k[9:]: v for k, v in state.items() if k.startswith("adapters.")})
