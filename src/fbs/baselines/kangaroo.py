@@ -126,10 +126,7 @@ class KangarooAdapter(nn.Module):
     def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "KangarooAdapter":
         """Load an adapter; with ``model``, refuse one made for another base model or shape, or one that records no
         base fingerprint unless ``check_base=False``. Every refusal raises :class:`fbs.model.CheckpointError`."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        from ..model.checkpoint import CheckpointError
+        from ..model.errors import CheckpointError, read_tensors
 
         path = Path(path)
         cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
@@ -142,11 +139,7 @@ class KangarooAdapter(nn.Module):
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{cfg_file} is malformed ({e!r}); restore the file `fbs train kangaroo` "
                                   "wrote") from e
-        try:
-            sd = load_file(str(w_file))
-        except SafetensorError as e:
-            raise CheckpointError(f"{w_file} is not a readable safetensors file ({e}): it is truncated or damaged; "
-                                  "copy the adapter again or retrain it (fbs train kangaroo)") from e
+        sd = read_tensors(w_file, "copy the adapter again or retrain it (fbs train kangaroo)")
         own = {k: tuple(v.shape) for k, v in adapter.state_dict().items()}
         shapes = [f"{k}: file {tuple(v.shape)}, {CONFIG_NAME} {own[k]}" for k, v in sorted(sd.items())
                   if k in own and tuple(v.shape) != own[k]]

@@ -19,7 +19,7 @@ from torch import nn
 
 from .bases import sha256_file, sha256_record
 from .config import FBSConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, read_tensors
 from .lora import ADAPTERS_NAME, DEFAULT_TARGETS, load_adapters, merge_adapters
 
 logger = logging.getLogger(__name__)
@@ -117,18 +117,6 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
                                   f"{digest}; restore the original file (or {_integrity_fix(path)})")
 
 
-def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file; a truncated or damaged one raises :class:`CheckpointError`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file))
-    except SafetensorError as e:
-        raise CheckpointError(f"{file} is not a readable safetensors file ({e}): it is truncated or damaged; "
-                              "copy or download the checkpoint again") from e
-
-
 def _check_base(path: Path, cfg: FBSConfig, fingerprint: str | None) -> None:
     """The checkpoint records the fingerprint of the base it was trained on, and the given base's ``fingerprint``
     equals it (None: the base is not loaded yet; only the record is checked)."""
@@ -198,7 +186,7 @@ def load_checkpoint(cls, path: str | os.PathLike, base=None, tokenizer=None, *, 
     if check_base:
         _check_base(path, cfg, model.config.base_fingerprint)
     w_file = path / WEIGHTS_NAME
-    sd = _read_tensors(w_file)
+    sd = read_tensors(w_file)
     _check_tensors(w_file, sd, model)
     missing, unexpected = _load_fbs_state(model, sd)
     if missing or unexpected:
@@ -236,7 +224,7 @@ def _apply_backbone_deltas(model, path: Path) -> None:
         merge_adapters(model.base.layers)
     backbone = path / BACKBONE_NAME
     if backbone.is_file():
-        sd, own = _read_tensors(backbone), model.state_dict()
+        sd, own = read_tensors(backbone), model.state_dict()
         unknown = sorted(set(sd) - set(own))
         shapes = [f"{k}: file {tuple(v.shape)}, model {tuple(own[k].shape)}" for k, v in sorted(sd.items())
                   if k in own and v.shape != own[k].shape]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_tensors
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS_NAME = "adapters.safetensors"
@@ -74,16 +74,8 @@ def load_adapters(model: nn.Module, path: str | os.PathLike, rank: int, alpha: f
 
     Adapters that do not fit the backbone (other layers, targets, rank or widths) or an unreadable file raise
     :class:`fbs.model.errors.CheckpointError`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-
     file = Path(path) / ADAPTERS_NAME
-    try:
-        sd = load_file(str(file))
-    except SafetensorError as e:
-        raise CheckpointError(f"{file} is not a readable safetensors file ({e}): it is truncated or damaged; "
-                              "copy or download the checkpoint again") from e
+    sd = read_tensors(file)
     add_adapters(model.base.layers, rank, alpha, targets)
     own = {k: p for k, p in model.named_parameters() if "lora_" in k}
     shapes = [f"{k}: file {tuple(sd[k].shape)}, backbone {tuple(p.shape)}" for k, p in sorted(own.items())
