@@ -135,7 +135,7 @@ def test_engine_int8_equals_fp32_on_the_dequantized_weights(isa, family, policy)
                 mod.weight.copy_(dequantize(*quantize_int8(mod.weight)))   # exactly representable in int8 now
     model = FBSForCausalLM.from_base(hf, config=tiny_config(ch_layers=(2,))).eval()
     ops = fbs.engine.fused.decode_ops(model, "int8")
-    assert ops.native_int8 and ops.head_w.w.dim() == 1 and ops.layers[1].gu.w.dim() == 1
+    assert ops.native_packed and ops.head_w.w.dim() == 1 and ops.layers[1].gu.w.dim() == 1
     assert ops._k_block["native_step"] and ops._k_ffn["native_step"]
     plan = torch.rand(10, 4, generator=torch.Generator().manual_seed(0)) < 0.4
     plan[:, [0, 3]] = False
@@ -151,7 +151,7 @@ def test_engine_int8_equals_fp32_on_the_dequantized_weights(isa, family, policy)
 def test_without_native_int8_the_engine_keeps_the_pytorch_op(monkeypatch):
     monkeypatch.setenv("FBS_NATIVE", "0")
     ops = fbs.engine.fused.decode_ops(fbs_tiny(), "int8")
-    assert not ops.native_int8 and ops.head_w.w.dim() == 2 and ops.head_w.w.dtype == torch.int8
+    assert not ops.native_packed and ops.head_w.w.dim() == 2 and ops.head_w.w.dtype == torch.int8
 
 
 @pytest.mark.parametrize("rows", [None, [2, 0]])
@@ -340,10 +340,11 @@ def test_qwen3_layers_stay_per_op():
 @pytest.mark.parametrize("policy", ["project", "hole"])
 def test_native_int8_drafts_keep_lossless_decoding_lossless(isa, policy):
     """Speculative self-drafting with the native int8 step as the draft (gated, skipping, rolled back on rejection,
-    chunk states included): the output is full depth's, token for token."""
+    chunk states included) and the verifier: the output is full-depth int8 decoding's, token for token."""
     model = randomize(fbs_tiny(seed=1, layers=8, ch_layers=(6,)), seed=2)
     prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist()]
-    ref = model.generate(prompts, max_new_tokens=16, ignore_eos=True, force_compute=True, kv_policy=policy)
+    ref = model.generate(prompts, max_new_tokens=16, ignore_eos=True, force_compute=True, kv_policy=policy,
+                         weights="int8")
     out = model.generate(prompts, max_new_tokens=16, ignore_eos=True, lossless=True, weights="int8", kv_policy=policy)
     assert out.speculative.draft_skip_ratio > 0 and out.speculative.rejections > 0
     assert out.new_tokens == ref.new_tokens

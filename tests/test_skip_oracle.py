@@ -63,7 +63,7 @@ def fbs_model(hf: nn.Module, weights: str, **cfg) -> FBSForCausalLM:
     if weights == "int8":  # the native int8 step, on exactly the HF weights
         require_native("avx2")
         ops = decode_ops(model, "int8")
-        assert ops.native_int8
+        assert ops.native_packed
         if hf.config.model_type != "qwen3":  # Qwen3's per-head norms keep the per-op step (native products)
             assert sum(n is not None for n in ops.native_layers) >= 3
         for l, layer in enumerate(hf.model.layers):

@@ -65,7 +65,8 @@ def test_shipped_weights_skip_and_decode_like_the_parallel_forward(smol):
 
 def test_gguf_blocks_are_exactly_the_fp32_weights(smol):
     """The Q4_1 / Q8_0 blocks read from the shipped GGUF (rows in HF order) dequantize bit for bit to the fp32
-    weights the model was converted to: a weight format keeping the blocks is the same model."""
+    weights the model was converted to, and the q4 format's quantizer recovers exactly those blocks from them (layers
+    Q4_1, the tied embedding / LM head Q8_0): q4 is the same model at a fraction of the bytes."""
     from fbs.model.bases import bundled_gguf
     from fbs.model import gguf
     from fbs.model.gguf import read_blocks
@@ -86,3 +87,10 @@ def test_gguf_blocks_are_exactly_the_fp32_weights(smol):
     unpermuted = torch.empty_like(q)
     unpermuted[order] = q
     assert not torch.equal(unpermuted, sd["model.layers.0.self_attn.q_proj.weight"])
+    # the q4 weight format rounds the fp32 weights back to exactly these blocks: q4 is the shipped GGUF's model
+    from fbs.engine.quant import quantize_blocks
+
+    for name, b in blocks.items():
+        again = quantize_blocks(sd[name], b.kind)
+        assert torch.equal(again[0], b.q) and torch.equal(again[1], b.d), name
+        assert b.m is None or torch.equal(again[2], b.m), name

@@ -100,7 +100,7 @@ def test_decode_weights_equal_the_rounded_reference(family, fmt, monkeypatch):
     hf = base(family)
     model = FBSForCausalLM.from_base(hf, config=tiny_config()).eval()
     ops = decode_ops(model, fmt)
-    assert not getattr(ops, "native_int8", False) and ops.head_w.w.dim() == 2
+    assert not getattr(ops, "native_packed", False) and ops.head_w.w.dim() == 2
     assert ops.head_w.w.dtype == {"bf16": BF16, "int8": torch.int8}[fmt]
     prompt = torch.randint(0, VOCAB - 1, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     res = model.generate([prompt], max_new_tokens=NEW, ignore_eos=True, output_scores=True, weights=fmt,

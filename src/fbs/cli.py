@@ -31,8 +31,12 @@ def cmd_info(args) -> int:
         ("never-skip layers", str(model.layers_cfg.never_skip)),
         ("tau / KV policy", f"{cfg.tau} / {cfg.kv_policy}"),
     ]
+    from .engine.quant import native_kernels
+
+    kernels = native_kernels()
+    rows += [(f"weights {fmt}", kernel or "PyTorch ops") for fmt, kernel in kernels.items() if fmt != "fp32-onednn"]
     if args.json:
-        print(json.dumps({**counts, "config": cfg.to_dict()}, indent=2))
+        print(json.dumps({**counts, "config": cfg.to_dict(), "native_kernels": kernels}, indent=2))
     else:
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
@@ -158,8 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force-compute", action="store_true", help="run every layer (no skipping)")
     p.add_argument("--weights", choices=WEIGHTS,
                    help="decode weights: fused fp32 (default), bf16, int8 weight-only (native kernels on AVX2 / AVX-512 "
-                        "CPUs, built once on first use; FBS_NATIVE=0 uses torch's op), fp32 packed for oneDNN (CPU; "
-                        "not bit-identical to fp32), or the HF modules as they are")
+                        "CPUs, built once on first use; FBS_NATIVE=0 uses torch's op), q8 / q4 (GGUF Q8_0 / Q4_1 "
+                        "blocks, int8 activations per 32 values; SmolLM2's own Q4_1 weights in q4), fp32 packed for "
+                        "oneDNN (CPU; not bit-identical to fp32), or the HF modules as they are; `fbs info` lists "
+                        "the kernels each format runs here")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile the one-token layer step (default off; the first run compiles for a minute "
                         "or more, later runs reuse the kernels cached under $FBS_CACHE_DIR/inductor)")

@@ -339,6 +339,8 @@ def _strs(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..engine.fused import WEIGHTS  # the engine and torch only when the parser is built
+
     from fbs.model.bases import DEFAULT_BASE
 
     d = LoadConfig()
@@ -348,7 +350,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="FBS checkpoint for the started server (default: the shipped weights)")
     p.add_argument("--fresh", action="store_true", help="the started server uses untrained FBS modules")
     p.add_argument("--served-model-name", help="model id to request (default: the server's first model)")
-    p.add_argument("--weights", choices=("fp32", "bf16", "int8", "fp32-onednn", "hf"), help="decode weights of the started server")
+    p.add_argument("--weights", choices=WEIGHTS, help="decode weights of the started server")
     p.add_argument("--threads", type=int, help="torch threads of the started server")
     p.add_argument("--clients", type=_ints, default=d.clients, help="concurrent clients, comma list (default 1,4,8)")
     p.add_argument("--modes", type=_strs, default=d.modes,

@@ -114,6 +114,9 @@ class CacheContext:
     trail: dict[int, list[ChunkState]] | None = None
     #: one-token chunk steps run :func:`fbs.native.chunk_step` in place (the engine's native int8 step sets it)
     native_chunk = False
+    #: several new tokens per row run the native layers of the decode format (a speculative verifier sets it;
+    #: :func:`fbs.engine.fused.full_depth`), not the HF modules' GEMMs of a prefill
+    native_many = False
 
     def __init__(self, cache: KVCache, chunks: dict[int, ChunkState], rows: list[int], positions: list[list[int]],
                  cos: torch.Tensor, sin: torch.Tensor, policy: str, preview_emb=None, preview_keys=None,

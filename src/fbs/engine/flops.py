@@ -55,12 +55,16 @@ class WeightFormat:
     weight: float
     scale: float
     activation: int
+    head: str | None = None  # the LM head's format when it differs (the 4-bit format keeps an 8-bit head)
 
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat("fp32", weight=4, scale=0, activation=4),
     "bf16": WeightFormat("bf16", weight=2, scale=0, activation=4),
     "int8": WeightFormat("int8", weight=1, scale=2, activation=4),
+    # block formats: an fp16 scale (and, for q4, an fp16 min) per 32 weights, counted in the weight's bytes
+    "q8": WeightFormat("q8", weight=1 + 2 / 32, scale=0, activation=4),
+    "q4": WeightFormat("q4", weight=0.5 + 4 / 32, scale=0, activation=4, head="q8"),
     "fp32-onednn": WeightFormat("fp32-onednn", weight=4, scale=0, activation=4),
 }
 
@@ -152,7 +156,8 @@ class LayerCost:
 
     def lm_head_bytes(self, weights: str | WeightFormat = "fp32") -> float:
         """Final norm and LM head."""
-        return _bytes(weights, self.lm_head, self.vocab_size, self.hidden_size)
+        fmt = weight_format(weights)
+        return _bytes(fmt.head or fmt, self.lm_head, self.vocab_size, self.hidden_size)
 
     def kv_bytes_per_key(self, weights: str | WeightFormat = "fp32") -> int:
         """Bytes of one cached token's K and V in one layer."""

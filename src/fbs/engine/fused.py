@@ -13,13 +13,18 @@ rebuilt when any source parameter changes (the HF modules stay the source of tru
   matmul per preview summary) and their constant relative-update terms (first layer, skipped previous layer),
   so that a gated layer adds few small ops to its ``pre`` (see :func:`_gate_logit`) and one host read;
 * the LM head (tied or not) in the same format;
-* weights in fp32, bf16 or int8 per output channel (:mod:`fbs.engine.quant`); fp32 computes what the HF modules do.
+* weights in fp32, bf16, int8 per output channel or the block formats q8 / q4 (:mod:`fbs.engine.quant`); fp32
+  computes what the HF modules do.
 
 One-token steps run two fixed-shape functions per layer, ``pre`` (norm, K/V, gate) and ``block`` (Q, cache
 write, attention over the static cache, O, FFN), optionally ``torch.compile``d: one artifact serves every
 layer because weights and cache buffers are arguments, and the skip loop stays in Python, so changing skip
 patterns never recompiles. Prefill (many tokens) runs the HF modules themselves: GEMMs on the fp32 source
-weights, exactly HF's arithmetic, whatever the decode format.
+weights, exactly HF's arithmetic, whatever the decode format (for long inputs the BLAS GEMMs are the faster
+kernels). A speculative verifier's few tokens per row (``CacheContext.native_many``) run, in the native formats
+(int8, q8, q4 on a CPU with their kernels), through the same native layers as a one-token step, every position a
+row of the call (:meth:`FusedOps.native_span`, :func:`full_depth`): each weight is read once for all positions,
+and the verifier computes what decoding in that format computes.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import torch.nn.functional as F
 
 from .. import native
 from .cache import CacheContext
-from ..model.layer import HFOps
+from ..model.layer import HFOps, layer_step
 from ..model.gate import relative_update
-from .quant import FORMATS, Weight, matmul
+from ..native import quant as native_quant
+from .quant import BLOCK_FORMATS, FORMATS, Weight, matmul
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,28 @@ def _source_stamp(model) -> tuple:
     """Identity and version counter of every parameter the fused copies are built from."""
     params = list(model.base.parameters()) + list(model.gates.parameters())
     return tuple((p.data_ptr(), p._version) for p in params)
+
+
+def full_depth(model, ops, x: torch.Tensor, ctx, layers: range, on_layer=None) -> torch.Tensor:
+    """Layers ``layers`` at full depth over x (b, T, d) in the cache context ``ctx``: with ``ctx.native_many``, each
+    run of the ops' native layers in one native call (:meth:`FusedOps.native_span`); the other layers (PAW / CH,
+    or every layer otherwise) through :func:`fbs.model.layer.layer_step`, whose output ``on_layer(l, out)`` sees.
+    Returns x'."""
+    spans = ops.native_spans() if getattr(ops, "native_layers", None) is not None and ctx.native_many else {}
+    l = layers.start
+    while l < layers.stop:
+        span = spans.get(l)
+        if span is not None:
+            span = range(l, min(span.stop, layers.stop))
+            x = ops.native_span(span, x, ctx)
+            l = span.stop
+            continue
+        out = layer_step(model, ops, l, x, ctx)
+        if on_layer is not None:
+            on_layer(l, out)
+        x = out.x
+        l += 1
+    return x
 
 
 # --------------------------------------------------------------------------- HF modules
@@ -306,10 +334,12 @@ class FusedOps:
         self.base, self.spec, self.fmt = base, spec, fmt
         self.hf = HFOps(base)  # many-token inputs (prefill): the HF modules' own GEMMs on the fp32 source weights
         self.dtype = base.embedding_weight.dtype
-        #: int8 weights in the native kernel's packed layout (eager CPU steps with AVX2 / AVX-512, fbs.native);
-        #: a compiled step keeps torch._weight_int8pack_mm in its graph
-        self.native_int8 = (fmt == "int8" and not compile and base.embedding_weight.device.type == "cpu"
-                            and native.int8_isa() is not None)
+        #: int8 and block-format weights in the native kernels' packed layouts (eager CPU steps on a CPU with
+        #: their kernels, fbs.native); a compiled int8 step keeps torch._weight_int8pack_mm in its graph, block
+        #: formats without their kernels run as dequantized fp32
+        self.native_packed = (not compile and base.embedding_weight.device.type == "cpu" and (
+            (fmt == "int8" and native.int8_isa() is not None)
+            or (fmt in BLOCK_FORMATS and native.int8_isa() is not None and native_quant.isa() is not None)))
         fused_gates = model.gates.fused()
         self.gates = fused_gates
         self.gated = tuple(model.gates.layer_ids)
@@ -322,16 +352,17 @@ class FusedOps:
         self._zero_terms: dict[int, tuple] = {}  # rows -> the terms of a zero preview summary
         self.norm_w = base.norm.weight.detach()
         self.eps = float(getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", 1e-6)))
-        self.head_w = self._weight(base.lm_head.weight)
+        self.head_w = self._weight(base.lm_head.weight, head=True)
         self.emb = base.embedding_weight.detach()
         hd, eps, inter = spec.head_dim, self.eps, spec.intermediate_size
         # the native int8 step also attends and normalizes natively (fbs.native; int8 is not bit-faithful anyway,
         # fp32 keeps SDPA and the norm's ATen ops: HF's arithmetic)
-        ns = dict(native_step=self.native_int8 and self.dtype == torch.float32)
+        ns = dict(native_step=self.native_packed and self.dtype == torch.float32)
         self._k_pre = dict(nkv=spec.num_kv_heads, hd=hd, eps=eps, **ns)
         self._k_block = dict(heads=spec.num_heads, hd=hd, eps=eps, scale=base.scaling, inter=inter, **ns)
         self._k_ffn, self._k_head = dict(eps=eps, inter=inter, **ns), dict(eps=eps, **ns)
         self._rope_memo: tuple = (None, None)      # (the step's cos, its _rope_tables)
+        self._many_attended: int | None = None     # the layer whose attention just ran natively on many tokens
         self._slot_memo: tuple = (None, None, -1)  # (slots, rows, capacity, idx, valid)
         self.compiled = compile
         fns = (_pre_step, _block_step, _ffn_step, _head_step)
@@ -346,7 +377,7 @@ class FusedOps:
         #: gate logits from the native kernel (eager fp32 CPU steps; a compiled step fuses the gate's ops itself)
         self.native_gates = (not compile and bool(self.gated) and self.dtype == torch.float32
                              and self.emb.device.type == "cpu" and native.module() is not None)
-        #: per layer, the whole one-token layer in one native call (fbs.native.Int8Layer), or None where the
+        #: per layer, the whole one-token layer in one native call (fbs.native.NativeLayer), or None where the
         #: layer runs as PyTorch ops (PAW / CH layers, Qwen3's per-head norms, widths not a multiple of 16);
         #: None altogether unless the step is the native int8 one. See :meth:`native_layer`.
         self._native_all = self._native_layers() if ns["native_step"] else None  # every layer it can run
@@ -377,20 +408,21 @@ class FusedOps:
         )
 
     def _native_layers(self) -> list | None:
-        """Per layer its :class:`fbs.native.Int8Layer`, or None where the per-op step must run it (Qwen3's per-head
+        """Per layer its :class:`fbs.native.NativeLayer`, or None where the per-op step must run it (Qwen3's per-head
         norms); None altogether for widths that are not a multiple of 16 or head dims it does not take."""
         spec, mod = self.spec, native.module()
         d, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-        if any(n % native.INT8_CHUNK for n in (d, spec.num_heads * hd, inter)) or hd > 256 or hd % 2:
+        if (self.fmt == "int8" and any(n % native.INT8_CHUNK for n in (d, spec.num_heads * hd, inter))) or hd > 256 \
+                or hd % 2:
             return None
         out = []
         for w in self.layers:
             if w.q_norm is not None or w.k_norm is not None:
                 out.append(None)
                 continue
-            layer = mod.Int8Layer(d, spec.num_heads, spec.num_kv_heads, hd, inter, self.eps, self.base.scaling,
-                                  w.ln1.contiguous(), *w.kvg.tensors, _dense(w.kvg_b), *w.q.tensors, _dense(w.q_b),
-                                  *w.o.tensors, w.ln2.contiguous(), *w.gu.tensors, *w.down.tensors)
+            layer = mod.NativeLayer(d, spec.num_heads, spec.num_kv_heads, hd, inter, self.eps, self.base.scaling,
+                                    w.ln1.contiguous(), w.kvg.native, _dense(w.kvg_b), w.q.native, _dense(w.q_b),
+                                    w.o.native, w.ln2.contiguous(), w.gu.native, w.down.native)
             if w.gate is not None:
                 w_rel, w_prev, out_w, out_b, eps = w.gate.native
                 layer.set_gate(w.gate.index, *w.gate.cols, w_rel, w_prev, _dense(w.gate.rel_first), out_w, out_b, eps)
@@ -420,8 +452,44 @@ class FusedOps:
             ctx.book(l, None if write_skipped else run[k * b:(k + 1) * b])
         return out
 
-    def _weight(self, w: torch.Tensor) -> Weight:
-        return Weight(w, self.fmt, packed=self.native_int8)
+    def native_span(self, layers: range, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Consecutive layers ``layers`` (each in :attr:`native_layers`) at full depth over T new tokens per row,
+        x (b, T, d), in one native call: the b * T positions are the call's rows, each sequence's positions
+        consecutive and sharing its cache row, so each position attends over its row's cache and the positions
+        before it (the kernel gives them consecutive slots). Writes and books every position's K/V; returns
+        x' (b, T, d). What a speculative verifier and a prefill run between PAW / CH layers."""
+        b, t, d = x.shape
+        lens = ctx.cache.lengths
+        slots = [lens[l][r] for l in layers for r in ctx.rows for _ in range(t)]
+        idx = ctx.rows_t.repeat_interleave(t) if t > 1 else ctx.rows_t
+        cos, sin = self._rope_of(ctx)
+        out = native.run_layers([self.native_layers[l] for l in layers], x.reshape(b * t, 1, d).contiguous(), None,
+                                [], None, cos.contiguous(), sin.contiguous(), ctx.cache.k[layers.start:layers.stop],
+                                ctx.cache.v[layers.start:layers.stop], idx, slots, [False] * len(layers), [], [], 0,
+                                False)
+        for l in layers:
+            ctx.book(l, None)
+        return out[0].view(b, t, d)
+
+    def native_spans(self) -> dict[int, range]:
+        """First layer -> the run of consecutive layers :meth:`native_span` computes in one call (empty without
+        native layers)."""
+        spans, layers = {}, self.native_layers or []
+        l = 0
+        while l < len(layers):
+            if layers[l] is None:
+                l += 1
+                continue
+            end = l
+            while end < len(layers) and layers[end] is not None:
+                end += 1
+            spans[l] = range(l, end)
+            l = end
+        return spans
+
+    def _weight(self, w: torch.Tensor, head: bool = False) -> Weight:
+        kind = BLOCK_FORMATS[self.fmt][1] if head and self.fmt in BLOCK_FORMATS else None
+        return Weight(w, self.fmt, packed=self.native_packed, kind=kind)
 
     def _gate(self, l: int, fg) -> _Gate:
         detach = lambda t: None if t is None else t.detach()  # noqa: E731
@@ -441,7 +509,9 @@ class FusedOps:
         return self.base.rope(x, positions)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] != 1:
+        if x.shape[1] != 1:  # many positions: the decode format's head where the native step runs (a verifier's
+            if self.native_packed:  # logits are then decoding's), else the HF modules'
+                return self._head_fn(x.contiguous(), self.norm_w, *self.head_w.tensors, **self._k_head)
             return self.hf.head(x)
         x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
         return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
@@ -467,7 +537,7 @@ class FusedOps:
         return _rms(x, self.layers[l].ln1, self.eps, self._k_pre["native_step"] and x.shape[1] == 1)
 
     def attends_natively(self, l: int) -> bool:
-        """One-token attention and FFN of layer l run as the two native halves of its :class:`fbs.native.Int8Layer`
+        """One-token attention and FFN of layer l run as the two native halves of its :class:`fbs.native.NativeLayer`
         (:meth:`_cached`, with the K/V of :meth:`pre` when it ran): the engine skips ``pre`` for it when nothing
         needs it before the layer (no gate, every row runs)."""
         return self._native_all is not None and self._native_all[l] is not None
@@ -533,16 +603,41 @@ class FusedOps:
             memo = self._slot_memo = (*key, idx, valid[:, None, None, :])
         return memo[3], memo[4]
 
+    def _many_native(self, l: int, x: torch.Tensor, ctx, hole, kv) -> bool:
+        """Several new tokens per row after the cache (a verified draft, a prompt) through layer l's native halves."""
+        return x.shape[1] > 1 and hole is None and kv is None and isinstance(ctx, CacheContext) \
+            and ctx.native_many and self.attends_natively(l)
+
+    def _cached_many(self, l: int, x: torch.Tensor, xn, ctx, ffn: bool) -> torch.Tensor:
+        """Layer l's native halves over x (b, T, d): the b * T positions as rows, each sequence's positions at
+        consecutive slots of its cache row, each attending over its row's cache up to itself."""
+        b, t, d = x.shape
+        layer = self._native_all[l]
+        xn = self.norm1(l, x) if xn is None else xn
+        starts = ctx.cache.advance(l, ctx.rows, ctx.positions)
+        slots = torch.tensor([s + j for s in starts for j in range(t)], device=x.device)
+        cos, sin = self._rope_of(ctx)
+        h = native.attend_layer(layer, x.reshape(b * t, 1, d).contiguous(), xn.reshape(b * t, 1, d).contiguous(),
+                                cos.contiguous(), sin.contiguous(), ctx.cache.k[l], ctx.cache.v[l],
+                                ctx.rows_t.repeat_interleave(t), slots)
+        if not ffn:  # the layer's FFN (after PAW / CH) runs natively too, whatever its caller passes
+            self._many_attended = l
+            return h.view(b, t, d)
+        return native.ffn_layer(layer, h).view(b, t, d)
+
     def attention(self, l: int, x, xn, ctx, hole=None, kv=None) -> torch.Tensor:
         if self._one_token(x, ctx):
             return self._cached(l, x, xn, ctx, kv, ffn=False)
+        if self._many_native(l, x, ctx, hole, kv):
+            return self._cached_many(l, x, xn, ctx, ffn=False)
         return self.hf.attention(l, x, xn, ctx, hole, kv)
 
     def ffn(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        many, self._many_attended = self._many_attended == l, None
+        if self.attends_natively(l) and (h.shape[1] == 1 or many):  # rows of the native FFN half
+            return native.ffn_layer(self._native_all[l], h.contiguous())
         if h.shape[1] != 1:
             return self.hf.ffn(l, h)
-        if self.attends_natively(l):
-            return native.ffn_layer(self._native_all[l], h.contiguous())
         w = self.layers[l]
         return self._ffn_fn(h, w.ln2, *w.gu.tensors, *w.down.tensors, **self._k_ffn)
 
@@ -552,4 +647,6 @@ class FusedOps:
     def block(self, l: int, x, xn, ctx, kv=None) -> torch.Tensor:
         if self._one_token(x, ctx):
             return self._cached(l, x, xn, ctx, kv, ffn=True)
+        if self._many_native(l, x, ctx, None, kv):
+            return self._cached_many(l, x, xn, ctx, ffn=True)
         return self.hf.block(l, x, xn, ctx, kv)

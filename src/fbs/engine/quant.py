@@ -1,11 +1,19 @@
-"""Weight formats of the engine's fused inference copies: fp32, bf16, and int8 weight-only.
+"""Weight formats of the engine's fused inference copies: fp32, bf16, int8 weight-only, and the block formats q8
+and q4.
 
 int8 is symmetric per output channel: w ~= q * s with q in [-127, 127] (int8, (N, K)) and one bf16 scale per
 output row. One-token steps run the native int8 kernel (:func:`fbs.native.int8_linear`: fp32 activations, the
 weights repacked once at load, ``packed=True``) where it is available (eager CPU decoding with AVX2 or AVX-512),
 else ``torch._weight_int8pack_mm`` with bf16 activations (its fast path on CPU; with fp32 activations that kernel
-is slow). The residual stream, norms, biases and the KV cache stay in the model's dtype. The engine runs
-many-token inputs (prefill) as GEMMs on the fp32 source weights.
+is slow). The residual stream, norms, biases and the KV cache stay in the model's dtype.
+
+``q8`` and ``q4`` are GGUF's Q8_0 and Q4_1 blocks (:func:`quantize_blocks`): per output channel and 32 inputs,
+an fp16 scale d (q8: w ~= d q, q int8) or an fp16 scale d and min m (q4: w ~= d q + m, q in [0, 15]), rounded to
+nearest. A checkpoint whose weights are already such blocks (SmolLM2-135M ships as a Q4_1 GGUF with a Q8_0
+embedding) gets its own blocks back exactly, so q4 is then the same weights at a fraction of the bytes. q4 keeps
+the LM head in q8 (as that GGUF does). Their products run natively with the activations quantized to int8 per
+32-value block and integer dot products (:mod:`fbs.native.quant`: AVX-512 VNNI, else AVX2); where those kernels
+are missing (no build, no AVX2, not a CPU) the blocks are dequantized to fp32 once and used as fp32 weights.
 
 ``fp32-onednn`` keeps fp32 weights in oneDNN's blocked layout (packed once at load) and runs every product
 through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``). On this 2-core CPU its batch-1 GEMV reads
@@ -15,26 +23,53 @@ summation order: logits differ from ``fp32`` by float rounding (~1e-5 relative),
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from .. import native
+from ..native import quant as native_quant
 
-FORMATS = ("fp32", "bf16", "int8", "fp32-onednn")
+FORMATS = ("fp32", "bf16", "int8", "q8", "q4", "fp32-onednn")
+#: the block formats: GGUF kind of their matrices and of their LM head
+BLOCK_FORMATS = {"q8": ("q8_0", "q8_0"), "q4": ("q4_1", "q8_0")}
+
+
+class BlockMeta(NamedTuple):
+    """What :func:`matmul` needs besides a block format's packed bytes (it takes the place of int8's scales)."""
+
+    kind: str
+    n: int
 
 
 class Weight:
     """One (N, K) matrix in a storage format, applied as ``x @ W^T``.
 
-    ``w``: fp32 / bf16 / int8 data; ``s``: (N,) bf16 scales for int8, else None. ``packed`` (int8 only): ``w`` in
-    the native kernel's 1-D layout (:func:`fbs.native.int8_pack`); the caller checks :func:`fbs.native.int8_isa`."""
+    ``w``: fp32 / bf16 / int8 data; ``s``: (N,) bf16 scales for int8, else None. ``packed`` (int8 and the block
+    formats): ``w`` in the native kernels' 1-D layout (:func:`fbs.native.int8_pack`, :func:`fbs.native.quant.pack`)
+    and :attr:`native` the :class:`fbs.native.PackedWeight` a native layer streams; the caller checks that the
+    kernels exist here (:func:`fbs.native.int8_isa`, :func:`fbs.native.quant.isa`). ``kind`` overrides a block
+    format's GGUF kind (the LM head of q4 is q8_0)."""
 
-    def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False):
+    def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False, kind: str | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
         self.fmt, self.out_features, self.in_features = fmt, w.shape[0], w.shape[1]
-        self.packed = packed and fmt == "int8"
+        self.packed = packed and (fmt == "int8" or fmt in BLOCK_FORMATS)
+        self.native = None
+        self.blocks = None
         w = w.detach()
+        if fmt in BLOCK_FORMATS:
+            self.kind = kind or BLOCK_FORMATS[fmt][0]
+            self.blocks = quantize_blocks(w, self.kind)
+            if self.packed:
+                self.w = native_quant.pack(self.kind, *self.blocks)
+                self.s = BlockMeta(self.kind, self.out_features)
+                self.native = native.packed_weight(native_quant.KINDS[self.kind], self.w, None, *w.shape)
+            else:
+                self.w, self.s = dequantize_blocks(*self.blocks).to(w.device), None
+            return
         if fmt == "fp32":
             self.w, self.s = w.float().contiguous(), None
         elif fmt == "bf16":
@@ -47,16 +82,31 @@ class Weight:
             self.w, self.s = quantize_int8(w)
             if self.packed:
                 self.w = native.int8_pack(self.w)
+                self.native = native.packed_weight(native.INT8_F32, self.w, self.s, *w.shape)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.w, self.s
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        if self.blocks is not None:
+            return dequantize_blocks(*self.blocks).to(dtype)
         w = self.w.to_dense() if self.w.is_mkldnn else self.w
         if self.packed:
             w = native.int8_unpack(w, self.out_features, self.in_features)
         return dequantize(w, self.s, dtype)
+
+
+def native_kernels() -> dict[str, str | None]:
+    """Per weight format, the native products its one-token and multi-token steps run on this machine (with their
+    instruction set), or None where the PyTorch ops run (fp32 / bf16 always; the others without the native build
+    or the CPU's instruction sets). Builds the native extension if it is not built yet."""
+    i8 = native.int8_isa()
+    blocks = native_quant.isa() if i8 is not None else None
+    return {"fp32": None, "bf16": None, "fp32-onednn": None,
+            "int8": None if i8 is None else f"int8 weights x fp32 activations ({i8})",
+            "q8": None if blocks is None else f"q8_0 weights x int8 activations per 32 ({blocks})",
+            "q4": None if blocks is None else f"q4_1 weights x int8 activations per 32, q8_0 head ({blocks})"}
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +115,40 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)  # rounded first, so q matches it
     q = torch.round(w / s.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), s.contiguous()
+
+
+def quantize_blocks(w: torch.Tensor, kind: str) -> tuple:
+    """GGUF blocks of w (N, K) per output channel and 32 inputs (K zero-padded to a multiple of 32), rounded to
+    nearest as ggml's reference quantizer does: ``q4_1`` -> (q uint8 in [0, 15], d, m), m = min, d = (max - min) / 15;
+    ``q8_0`` -> (q int8, d), d = max|w| / 127; d and m fp16 (N, K / 32). Weights that are such blocks already come
+    back exactly."""
+    w = w.detach().float().cpu()
+    n, k = w.shape
+    kp = -(-k // native_quant.BLOCK) * native_quant.BLOCK
+    wb = F.pad(w, (0, kp - k)).view(n, kp // native_quant.BLOCK, native_quant.BLOCK)
+    if kind == "q4_1":
+        lo, hi = wb.amin(-1), wb.amax(-1)
+        d, m = ((hi - lo) / 15).half(), lo.half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
+        q = torch.round((wb - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+        return q.view(n, kp)[:, :k].contiguous(), d, m
+    if kind == "q8_0":
+        d = (wb.abs().amax(-1) / 127).half()
+        inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros(d.shape))
+        q = torch.round(wb * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        return q.view(n, kp)[:, :k].contiguous(), d
+    raise ValueError(f"block kind must be q4_1 or q8_0, got {kind!r}")
+
+
+def dequantize_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 (N, K) weight of :func:`quantize_blocks`' blocks, as ggml dequantizes them (d q [+ m] in fp32)."""
+    n, k = q.shape
+    kp = -(-k // native_quant.BLOCK) * native_quant.BLOCK
+    qb = F.pad(q.float(), (0, kp - k)).view(n, kp // native_quant.BLOCK, native_quant.BLOCK)
+    w = qb * d.float().unsqueeze(-1)
+    if m is not None:
+        w = w + m.float().unsqueeze(-1)
+    return w.view(n, kp)[:, :k].contiguous()
 
 
 def dequantize(w: torch.Tensor, s: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
@@ -76,6 +160,8 @@ def dequantize(w: torch.Tensor, s: torch.Tensor | None, dtype=torch.float32) -> 
 def matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) @ W^T in W's format, result in x's dtype. bf16 and (unpacked) int8 compute with bf16 activations,
     packed int8 (1-D ``w``, :class:`Weight` ``packed=True``) with fp32 ones in the native kernel."""
+    if isinstance(s, BlockMeta):  # a packed block format: the native quantized product
+        return native_quant.linear(x, w, s.kind, s.n).to(x.dtype)
     if w.is_mkldnn:  # fp32-onednn: packed fp32, oneDNN's linear
         return torch.ops.mkldnn._linear_pointwise(x.float(), w, None, "none", [], "").to(x.dtype)
     if w.dtype == torch.int8:

@@ -46,7 +46,7 @@ import torch
 from .cache import CacheContext, KVCache
 from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
 from .flops import LayerCost, step_bytes
-from ..model.layer import layer_step
+from .fused import full_depth
 
 #: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
 #: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
@@ -320,7 +320,9 @@ class _Speculation:
 
     def __init__(self, dec):
         self.dec, o = dec, dec.opts
-        self.verify_ops = getattr(dec.ops, "hf", dec.ops)  # fused ops keep the HF modules for many-token inputs
+        # the native formats verify in their own multi-token steps (the output is then decoding's in that format);
+        # the other fused copies verify with the HF modules they keep for many-token inputs
+        self.verify_ops = dec.ops if getattr(dec.ops, "native_packed", False) else getattr(dec.ops, "hf", dec.ops)
         self.log = _ChunkLog(dec.dev)
         B = dec.B
         self.draft_log: list[list] = [[] for _ in range(B)]      # the current round's draft passes, per row
@@ -511,16 +513,18 @@ class _Speculation:
         cos, sin = ops.rope(x, torch.tensor(pos, device=dec.dev))
         ctx = dec.context(rows, pos, cos, sin)
         ctx.trail = {}
-        ks = bounds = None
-        for l in range(start, stop):
-            out = layer_step(dec.m, ops, l, x, ctx)
-            x = out.x
+        ctx.native_many = True
+        found = {}
+
+        def on_layer(l, out):
             if out.paw is not None and l == dec.m.layers_cfg.paw[0]:
-                ks = out.paw.k_hard.reshape(len(rows), -1)
+                found["ks"] = out.paw.k_hard.reshape(len(rows), -1)
             if out.ch is not None and l == dec.m.layers_cfg.ch[0]:
-                bounds = out.ch.boundary.reshape(len(rows), -1)
+                found["bounds"] = out.ch.boundary.reshape(len(rows), -1)
+
+        x = full_depth(dec.m, ops, x, ctx, range(start, stop), on_layer)
         self.log.add(ctx)
-        return x, ks, bounds
+        return x, found.get("ks"), found.get("bounds")
 
     # ---- accounting ------------------------------------------------------------
     def _trace(self, rounds, granularity: str) -> DecodeTrace | None:

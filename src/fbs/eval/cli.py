@@ -507,9 +507,11 @@ def cmd_chat(args) -> int:
     if args.control:
         systems.append(ChatSystem("control full depth", "control", "control", None, args.control))
     ref = [w for w in (args.reference_weights or "").split(",") if w]
-    bad = [w for w in ref if w not in ("fp32", "bf16", "int8")]
+    from fbs.engine.quant import FORMATS
+
+    bad = [w for w in ref if w not in FORMATS]
     if bad:
-        raise SystemExit(f"--reference-weights: unknown format(s) {bad}; use fp32, bf16 or int8")
+        raise SystemExit(f"--reference-weights: unknown format(s) {bad}; use any of {', '.join(FORMATS)}")
     systems += [ChatSystem(f"base, {w} weights", "reference", "base", None, "base", w) for w in ref]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

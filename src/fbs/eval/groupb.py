@@ -40,7 +40,7 @@ from typing import Sequence
 
 SCHEMA = "fbs.group-b/1"
 #: suffixes the bench adds to a system's name: weight format, then batch policy
-_VARIANT = re.compile(r"^(?P<base>.+?)(?:-(?P<weights>bf16|int8|hf))?(?:-(?P<policy>all|majority))?$")
+_VARIANT = re.compile(r"^(?P<base>.+?)(?:-(?P<weights>bf16|int8|q8|q4|hf))?(?:-(?P<policy>all|majority))?$")
 _NUM = r"(?P<v>-?[0-9]+(?:\.[0-9]+)?(?:e-?[0-9]+)?)"
 #: stripped bench name -> (method, family, knob name, quality reference); knob value from the name's number
 _PATTERNS = [
@@ -276,7 +276,7 @@ def build_rows(bench: dict, sweeps: SweepIndex, runs: RunIndex, batch_size: int 
             ppl, _ = sweeps.find("fbs", full=True)
             if ppl is not None:
                 ppl_note = "lossless: the full-depth FBS model's PPL (not re-run)"
-        elif c["weights"] in ("bf16", "int8"):
+        elif c["weights"] in ("bf16", "int8", "q8", "q4"):
             ppl_note = f"the sweep scores fp32 weights; this row decodes with {c['weights']}"
         else:
             ppl, ppl_note = sweeps.find(c["method"], c["value"], full=c["value"] is None,

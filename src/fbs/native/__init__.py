@@ -16,15 +16,20 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
   K/V written at its slot and its query attending over that row's filled prefix only. fp32 decoding keeps SDPA
   (HF's op, so that fp32 stays bit-faithful).
 * ``norm.cpp``: **RMSNorm** (:func:`rms_norm`) in one call.
-* ``layer.cpp``: **a whole decoder layer** (:class:`Int8Layer`, built by :class:`fbs.engine.fused.FusedOps` per
+* ``layer.cpp``: **a whole decoder layer** (:class:`NativeLayer`, built by :class:`fbs.engine.fused.FusedOps` per
   layer without PAW / CH): RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision
   (``skip.h``, the rule of :mod:`fbs.model.skip`), the cache writes, and attention and FFN of the rows that run.
+* ``packed.cpp``: **the weight formats a native layer streams** (:func:`packed_weight`): int8 with fp32
+  activations (``int8.cpp``) or the block-quantized kinds with int8 activations (``quant.cpp``,
+  :mod:`fbs.native.quant`); every product of a layer goes through it.
 * ``chunk.cpp``: **the chunk head's online step** (:func:`chunk_step`), in place on the engine's chunk state.
 
 The extension is built with ``torch.utils.cpp_extension.load`` the first time it is needed, once per machine:
 the build lives under ``$FBS_CACHE_DIR/native/fbs-<hash>`` (default ``~/.cache/fbs/native``), the hash taken over
-the sources, the generated policy header and the torch version. The build writes ``skip_policy.h`` from
-:data:`fbs.model.skip.BATCH_POLICIES` into its directory, so the C++ policy codes are the Python table's. The
+the sources, the generated policy header and the torch version; a new build starts from the newest earlier one,
+so that only the changed files recompile. The build writes ``skip_policy.h`` from
+:data:`fbs.model.skip.BATCH_POLICIES` into a directory keyed by its text, so the C++ policy codes are the Python
+table's. The
 kernels are used only where they compute what the PyTorch ops compute up to float rounding: CPU, fp32
 activations, eager (a ``torch.compile``d step keeps the PyTorch ops in its graph). Without a C++ toolchain (with
 OpenMP), or with ``FBS_NATIVE=0``, the engine keeps the PyTorch ops; nothing else changes.
@@ -35,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -85,6 +91,35 @@ def _build_dir() -> Path:
     return cache_root() / "native" / f"fbs-{_source_digest()}"
 
 
+def _gen_dir() -> Path:
+    """The directory of the generated policy header, keyed by its text (an include path that stays the same across
+    source changes, so that the compile commands do too)."""
+    text = policy_header()
+    path = cache_root() / "native" / f"gen-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    header = path / POLICY_HEADER
+    if not header.is_file() or header.read_text() != text:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".{POLICY_HEADER}.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, header)
+    return path
+
+
+def _seed(path: Path) -> None:
+    """Start a new build directory from the newest earlier build of these sources (objects, ninja's log and
+    dependency records, modification times kept), so that ninja recompiles only the files that changed."""
+    earlier = [p for p in path.parent.glob("fbs-*") if p != path and (p / "build.ninja").is_file()
+               and (p / "fbs_native.so").is_file()]
+    if not earlier or path.exists():
+        return
+    newest = max(earlier, key=lambda p: (p / "fbs_native.so").stat().st_mtime)
+    try:
+        shutil.copytree(newest, path, ignore=shutil.ignore_patterns("*.so", "*.lock", "lock"))
+    except OSError as e:  # a full build instead
+        logger.info("could not reuse the earlier native build %s (%s)", newest, e)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def module():
     """The compiled extension, building it on first use; None when disabled or the build failed (logged once)."""
     global _module, _failed
@@ -98,13 +133,11 @@ def module():
                 from torch.utils.cpp_extension import load
 
                 path = _build_dir()
-                path.mkdir(parents=True, exist_ok=True)
-                header = path / POLICY_HEADER
-                if not header.is_file() or header.read_text() != policy_header():
-                    header.write_text(policy_header())
                 if not (path / "fbs_native.so").exists():  # a pause the user should see explained
                     print(f"fbs: building the native kernels in {path} (once per machine)", file=sys.stderr)
-                _module = load("fbs_native", sources=[str(p) for p in sources()], extra_include_paths=[str(path)],
+                    _seed(path)
+                path.mkdir(parents=True, exist_ok=True)
+                _module = load("fbs_native", sources=[str(p) for p in sources()], extra_include_paths=[str(_gen_dir())],
                                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
                                build_directory=str(path), verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only cache ...: the PyTorch ops stay in use
@@ -185,6 +218,18 @@ def int8_linear(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torch.Tens
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+#: the packed-weight kind of :func:`int8_pack` ed weights (``csrc/packed.h``); the block kinds are
+#: :data:`fbs.native.quant.KINDS`
+INT8_F32 = -1
+
+
+def packed_weight(kind: int, p: torch.Tensor, s: torch.Tensor | None, n: int, k: int):
+    """One (n, k) weight as a native layer streams it (:class:`PackedWeight`, ``csrc/packed.h``): ``kind``
+    :data:`INT8_F32` (``p`` from :func:`int8_pack`, ``s`` its (n,) bf16 scales) or a block kind of
+    :data:`fbs.native.quant.KINDS` (``p`` from :func:`fbs.native.quant.pack`; ``s`` the fp32 scales of ``i8``)."""
+    return _module.PackedWeight(kind, p, s, n, k)
+
+
 _isa_memo: dict[str, int] = {}
 
 
@@ -227,7 +272,7 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
                zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
                idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
                policy: int, write_skipped: bool):
-    """Consecutive :class:`Int8Layer` s of a one-token step in one call (see
+    """Consecutive :class:`NativeLayer` s of a one-token step in one call (see
     :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes)."""
     return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
                               thresholds, policy, write_skipped, _isa_code())
@@ -235,7 +280,7 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
 
 def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
                  vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None) -> torch.Tensor:
-    """The attention half of an :class:`Int8Layer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
+    """The attention half of an :class:`NativeLayer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
     K, V (b, Hkv, 1, hd) when already projected), written at ``slots`` of cache rows ``idx``, then
     x + O(attention) over each row's prefix (PAW / CH add to it next)."""
     k, v = (None, None) if kv is None else kv
@@ -243,5 +288,5 @@ def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, si
 
 
 def ffn_layer(layer, h: torch.Tensor) -> torch.Tensor:
-    """The FFN half of an :class:`Int8Layer`: h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)."""
+    """The FFN half of an :class:`NativeLayer`: h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)."""
     return _module.ffn_layer(layer, h, _isa_code())

@@ -7,6 +7,7 @@
 #include "int8.h"
 #include "layer.h"
 #include "norm.h"
+#include "packed.h"
 #include "quant.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,10 +20,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_activations", &quant_activations);
   m.def("quant_linear", &quant_linear);
   m.def("chunk_step", &chunk_step);
-  pybind11::class_<fbs_layer::Layer>(m, "Int8Layer")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
-                          at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, std::optional<at::Tensor>,
-                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+  pybind11::class_<fbs_packed::Packed>(m, "PackedWeight")
+      .def(pybind11::init(&fbs_packed::make))
+      .def_readonly("kind", &fbs_packed::Packed::kind)
+      .def_readonly("n", &fbs_packed::Packed::n)
+      .def_readonly("k", &fbs_packed::Packed::k);
+  pybind11::class_<fbs_layer::Layer>(m, "NativeLayer")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
+                          const fbs_packed::Packed&, std::optional<at::Tensor>, const fbs_packed::Packed&,
+                          std::optional<at::Tensor>, const fbs_packed::Packed&, at::Tensor, const fbs_packed::Packed&,
+                          const fbs_packed::Packed&>())
       .def("set_gate", &fbs_layer::Layer::set_gate);
   m.def("run_layers", &fbs_layer::run_layers);
   m.def("attend_layer", &fbs_layer::attend_layer);

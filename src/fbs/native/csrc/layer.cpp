@@ -3,23 +3,11 @@
 
 #include "attention.h"
 #include "gate.h"
-#include "int8.h"
 #include "norm.h"
 #include "skip.h"
 
 namespace fbs_layer {
 namespace {
-Packed packed(const at::Tensor& p, const at::Tensor& s, int64_t k) {
-  TORCH_CHECK(p.scalar_type() == at::kChar && p.dim() == 1 && p.is_contiguous() && s.scalar_type() == at::kBFloat16 &&
-                  s.dim() == 1 && s.is_contiguous(),
-              "fbs native layer: packed int8 weights and (N,) bf16 scales");
-  TORCH_CHECK(k % fbs_int8::kChunk == 0, "fbs native layer: input width ", k, " is not a multiple of 16");
-  const int64_t n = s.size(0);
-  TORCH_CHECK(p.numel() == (n + fbs_int8::kNB - 1) / fbs_int8::kNB * fbs_int8::kNB * k,
-              "fbs native layer: packed size does not match (", n, ", ", k, ")");
-  return Packed{p, s, n, k};
-}
-
 const float* fp32(const at::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
               "fbs native layer: ", what, " must be a contiguous fp32 CPU tensor of ", n, " elements");
@@ -36,9 +24,8 @@ void rope(float* x, const float* c, const float* s, int64_t hd) {
 }  // namespace
 
 Layer::Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
-             at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
-             at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
-             at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s)
+             at::Tensor ln1_, const Packed& kvg_, std::optional<at::Tensor> kvg_b_, const Packed& q_,
+             std::optional<at::Tensor> q_b_, const Packed& o_, at::Tensor ln2_, const Packed& gu_, const Packed& dn_)
     : d(d_),
       heads(heads_),
       nkv(nkv_),
@@ -47,16 +34,17 @@ Layer::Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inte
       eps(float(eps_)),
       scale(float(scale_)),
       ln1(ln1_),
-      ln2(ln2_) {
+      ln2(ln2_),
+      kvg(kvg_),
+      q(q_),
+      o(o_),
+      gu(gu_),
+      dn(dn_) {
   TORCH_CHECK(hd <= 256 && hd % 2 == 0 && heads % nkv == 0, "fbs native layer: head shapes");
   fp32(ln1, d, "ln1");
   fp32(ln2, d, "ln2");
-  kvg = packed(kvg_p, kvg_s, d);
-  q = packed(q_p, q_s, d);
-  o = packed(o_p, o_s, heads * hd);
-  gu = packed(gu_p, gu_s, d);
-  dn = packed(dn_p, dn_s, inter);
-  TORCH_CHECK(kvg.n >= 2 * nkv * hd && q.n == heads * hd && o.n == d && gu.n == 2 * inter && dn.n == d,
+  TORCH_CHECK(kvg.k == d && q.k == d && o.k == heads * hd && gu.k == d && dn.k == inter && kvg.n >= 2 * nkv * hd &&
+                  q.n == heads * hd && o.n == d && gu.n == 2 * inter && dn.n == d,
               "fbs native layer: weight shapes do not match the layer");
   if (kvg_b_) {
     kvg_b = *kvg_b_;
@@ -95,9 +83,7 @@ void Layer::set_gate(int64_t index, int64_t off, int64_t width, std::optional<at
   }
 }
 
-void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const {
-  fbs_int8::mm(X, M, w.kp, w.P(), w.S(), w.n, Y, isa);
-}
+void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const { w.mm(X, M, Y, isa); }
 
 // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
 void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
@@ -159,6 +145,20 @@ void Layer::ffn_rows(float* H, int64_t m, int64_t isa) const {
   for (int64_t c = 0; c < m * d; ++c) H[c] += dv[c];
 }
 
+// Each row's cache slot. Rows of a step that share a cache row are consecutive positions of one sequence (a
+// multi-token step): they take consecutive slots from the first one's given slot, counting only the rows that write
+// (under hole a skipped position writes nothing), so that each attends over its own prefix. A one-token step's
+// rows each have their own cache row and keep their given slots.
+std::vector<int64_t> Layer::slots(const Step& st, const int64_t* SL, const bool* write, const at::Tensor& kc) const {
+  std::vector<int64_t> slot(st.b);
+  for (int64_t i = 0; i < st.b; ++i) {
+    slot[i] = i > 0 && st.idx[i] == st.idx[i - 1] ? slot[i - 1] + write[i - 1] : SL[i];
+    TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && slot[i] >= 0 && slot[i] < kc.size(2),
+                "fbs native layer: slot out of range");
+  }
+  return slot;
+}
+
 // One layer for the step's b rows: reads X (b, d), writes OUT (b, d) (a skipped row's input copied) unless no
 // row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
 // decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant
@@ -167,10 +167,7 @@ void Layer::ffn_rows(float* H, int64_t m, int64_t isa) const {
 int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                     const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
                     double* logits, bool* skip, bool* run) const {
-  const int64_t b = st.b, nk = kvg.n, C = kc.size(2);
-  for (int64_t i = 0; i < b; ++i)
-    TORCH_CHECK(st.idx[i] >= 0 && st.idx[i] < kc.size(0) && SL[i] >= 0 && SL[i] < C,
-                "fbs native layer: slot out of range");
+  const int64_t b = st.b, nk = kvg.n;
   std::vector<float> xn(b * d), y(b * nk);
   fbs_norm::rows(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
   mm(xn.data(), b, kvg, y.data(), st.isa);
@@ -202,14 +199,15 @@ int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, 
   }
   std::unique_ptr<bool[]> write(new bool[b]);
   for (int64_t i = 0; i < b; ++i) write[i] = run[i] || st.write_skipped;
-  write_kv(st, y.data(), write.get(), kc, vc, SL);
+  const std::vector<int64_t> slot = slots(st, SL, write.get(), kc);
+  write_kv(st, y.data(), write.get(), kc, vc, slot.data());
   std::vector<int64_t> sel;
   for (int64_t i = 0; i < b; ++i)
     if (run[i]) sel.push_back(i);
   const int64_t m = sel.size();
   if (m == 0) return 0;
   std::vector<float> h(m * d);  // the running rows, compacted
-  attention_rows(st, X, xn.data(), sel, kc, vc, SL, h.data());
+  attention_rows(st, X, xn.data(), sel, kc, vc, slot.data(), h.data());
   ffn_rows(h.data(), m, st.isa);
   for (int64_t i = 0; i < b; ++i)
     if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);

@@ -1,26 +1,23 @@
-// A whole decoder layer of the eager int8 one-token step natively (fbs.engine.fused.FusedOps.native_run), so that
-// a run of layers is one call (run_layers) instead of some forty ATen dispatches per layer:
+// A whole decoder layer of the eager native step (fbs.engine.fused.FusedOps.native_run), so that a run of layers is
+// one call (run_layers) instead of some forty ATen dispatches per layer. A step's rows are one token of each of b
+// sequences, or T consecutive positions of one or more sequences (their rows consecutive, sharing a cache row):
+// each row attends over its cache row up to its own slot, so positions of one sequence attend causally.
 //   xn = RMSNorm_1(x);  y = xn @ [W_k; W_v; A]^T (+ b)       K, V and, on gated layers, the gate's hidden columns
 //   gated: logit = gate(y's gate columns, terms, relative update, previous skip) (gate.h); skip and run by the
 //          skip rule (skip.h: threshold per row, batch policy), or the caller's run list (ungated layers)
 //   K/V (K rotated) written at each row's slot for the rows that run, and for every row when write_skipped
 //   rows that run: h = x + O(attention(RoPE(Q xn)));  out = h + down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(h)
 //   rows that skip: out = x
-// Weights are int8 packed for fbs_int8 (K a multiple of 16), activations, norms, biases and caches fp32.
+// Weights in one of the packed formats of packed.h; activations, norms, biases and caches fp32.
 #pragma once
 
 #include <tuple>
 
 #include "common.h"
+#include "packed.h"
 
 namespace fbs_layer {
-// One packed int8 weight (int8.h): N = n output channels, input width kp (a multiple of 16).
-struct Packed {
-  at::Tensor p, s;
-  int64_t n = 0, kp = 0;
-  const int8_t* P() const { return p.data_ptr<int8_t>(); }
-  const uint16_t* S() const { return reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()); }
-};
+using fbs_packed::Packed;
 
 // What one call shares across its layers: rows, rotary tables (b, hd), cache rows, decision rule.
 struct Step {
@@ -45,9 +42,8 @@ struct Layer {
   float out_b = 0.f, g_eps = 1e-3f;
 
   Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
-        at::Tensor ln1_, at::Tensor kvg_p, at::Tensor kvg_s, std::optional<at::Tensor> kvg_b_, at::Tensor q_p,
-        at::Tensor q_s, std::optional<at::Tensor> q_b_, at::Tensor o_p, at::Tensor o_s, at::Tensor ln2_,
-        at::Tensor gu_p, at::Tensor gu_s, at::Tensor dn_p, at::Tensor dn_s);
+        at::Tensor ln1_, const Packed& kvg_, std::optional<at::Tensor> kvg_b_, const Packed& q_,
+        std::optional<at::Tensor> q_b_, const Packed& o_, at::Tensor ln2_, const Packed& gu_, const Packed& dn_);
   void set_gate(int64_t index, int64_t off, int64_t width, std::optional<at::Tensor> w_rel_,
                 std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
                 double out_b_, double g_eps_);
@@ -60,6 +56,9 @@ struct Layer {
                       const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const;
   // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
   void ffn_rows(float* H, int64_t m, int64_t isa) const;
+  // Each row's cache slot from the given ones (SL): consecutive rows that share a cache row are consecutive
+  // positions of one sequence and take consecutive slots among the rows that write.
+  std::vector<int64_t> slots(const Step& st, const int64_t* SL, const bool* write, const at::Tensor& kc) const;
   // One layer for the step's b rows: reads X (b, d), writes OUT (b, d) (a skipped row's input copied) unless no
   // row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
   // decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant

@@ -1,0 +1,57 @@
+// The weight formats of a native layer (packed.h): construction checks and the product dispatch.
+#include "packed.h"
+
+#include "int8.h"
+#include "quant.h"
+
+namespace fbs_packed {
+Packed make(int64_t kind, at::Tensor p, std::optional<at::Tensor> s, int64_t n, int64_t k) {
+  using namespace fbs_quant;
+  TORCH_CHECK(n > 0 && k > 0 && p.dim() == 1 && p.is_contiguous() && p.device().is_cpu(),
+              "fbs packed weight: a 1-D contiguous CPU tensor of packed bytes and positive (n, k)");
+  Packed w{kind, n, k, p, at::Tensor()};
+  if (kind == kInt8F32) {
+    TORCH_CHECK(k % fbs_int8::kChunk == 0, "fbs packed weight: int8 input width ", k, " is not a multiple of 16");
+    TORCH_CHECK(s && s->scalar_type() == at::kBFloat16 && s->is_contiguous() && s->numel() == n,
+                "fbs packed weight: int8 needs (n,) bf16 scales");
+    TORCH_CHECK(
+        p.scalar_type() == at::kChar && p.numel() == (n + fbs_int8::kNB - 1) / fbs_int8::kNB * fbs_int8::kNB * k,
+        "fbs packed weight: int8 packed size ", p.numel(), " does not match (", n, ", ", k, ")");
+    w.s = *s;
+    return w;
+  }
+  TORCH_CHECK(kind >= kI8Channel && kind <= kQ4Block, "fbs packed weight: unknown kind ", kind);
+  const int64_t tiles = (n + kTile - 1) / kTile, kb = (k + kBlock - 1) / kBlock;
+  TORCH_CHECK(p.scalar_type() == at::kByte && p.numel() == tiles * kb * block_bytes(kind),
+              "fbs packed weight: packed size ", p.numel(), " does not match (", n, ", ", k, ") of kind ", kind);
+  if (kind == kI8Channel) {
+    TORCH_CHECK(s && s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == tiles * kTile,
+                "fbs packed weight: per-channel int8 needs fp32 scales padded to whole tiles of 16");
+    w.s = *s;
+  }
+  return w;
+}
+
+void Packed::mm(const float* X, int64_t M, float* Y, int64_t isa) const {
+  if (kind == kInt8F32) {
+    fbs_int8::mm(X, M, k, p.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()), n, Y,
+                 isa);
+    return;
+  }
+  using namespace fbs_quant;
+  static const int64_t best = quant_isa();
+  const int64_t qisa = isa == fbs::kIsaAvx2 ? fbs::kIsaAvx2 : best;
+  TORCH_CHECK(qisa != fbs::kIsaNone, "fbs packed weight: this CPU has no kernel for the block-quantized products");
+  const int64_t Kp = (k + kBlock - 1) / kBlock * kBlock, Kb = Kp / kBlock;
+  // the quantized activations of this product (the threads of the product read the caller's buffers)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, ds, c;
+  q.resize(M * Kp);
+  d.resize(M * Kb);
+  ds.resize(M * Kb);
+  c.resize(M);
+  quantize(X, M, k, k, q.data(), d.data(), ds.data(), c.data());
+  const Act a{q.data(), d.data(), ds.data(), c.data(), M, Kp};
+  fbs_quant::mm(a, p.data_ptr<uint8_t>(), s.defined() ? s.data_ptr<float>() : nullptr, kind, n, Y, n, qisa);
+}
+}  // namespace fbs_packed
