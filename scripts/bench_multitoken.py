@@ -1,0 +1,155 @@
+"""Cost of the engine's multi-token native steps against its one-token step, per weight format.
+
+Two questions decide whether verification (speculative decoding) and batching can pay on this engine:
+
+* **verification**: a full-depth pass over T new positions of one sequence (what a verifier runs for T - 1
+  drafts, :func:`fbs.engine.fused.full_depth` with ``native_many``), against the one-token step;
+* **batch**: one full-depth decode step of B rows against B = 1 (tokens per second).
+
+Both at full depth (no skipping), after a prompt of ``--context`` tokens, on the default model. Each round times
+every (format, shape) once, in a shuffled order, each the median of ``--reps`` calls; the cache is rolled back
+after each call, so every call sees the same context. Ratios are per round (paired), reported as the median over
+rounds with a seeded bootstrap CI. Prints a table and writes JSON (with the provenance of the code and machine).
+
+    .venv/bin/python scripts/bench_multitoken.py --formats int8,q4 --rounds 5 --out results/bench_multitoken.json
+
+Run it on an idle machine: it measures speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from fbs.engine import start
+from fbs.engine.fused import full_depth
+from fbs.model.loading import load_fbs
+from fbs.provenance import provenance
+
+
+def _decoder(model, fmt: str, rows: int, context: int):
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 20000, (context,), generator=g).tolist() for _ in range(rows)]
+    dec = start(model, prompts, None, None, dict(max_new_tokens=64, weights=fmt, force_compute=True,
+                                                 ignore_eos=True))
+    dec.prefill()
+    return dec
+
+
+def _timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_verify(dec, t: int, reps: int) -> float:
+    """Seconds of one full-depth pass over t new positions of row 0 (the cache rolled back after each)."""
+    m, ops = dec.m, dec.ops
+    p = len(dec.prompts[0])
+    pos = [[p + j for j in range(t)]]
+    ids = torch.randint(100, 20000, (1, t), generator=torch.Generator().manual_seed(t))
+
+    def one():
+        with torch.inference_mode():
+            x = ops.embed(ids)
+            cos, sin = ops.rope(x, torch.tensor(pos))
+            ctx = dec.context([0], pos, cos, sin)
+            ctx.native_many = True
+            ops.head(full_depth(m, ops, x, ctx, range(dec.L)))
+        dec.cache.crop([0], [p])
+
+    one()
+    return _timed(one, reps)
+
+
+def time_step(dec, reps: int) -> float:
+    """Seconds of one full-depth decode step of every row (the cache rolled back after each)."""
+    rows = list(range(dec.B))
+    keep = [len(dec.prompts[r]) for r in rows]
+
+    def one():
+        with torch.inference_mode():
+            dec.decode_step(0, [1000 + r for r in rows])
+        dec.cache.crop(rows, keep)
+
+    one()
+    return _timed(one, reps)
+
+
+def bootstrap(values: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float]:
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--formats", default="int8,q4")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--verify", default="1,2,4,8", help="positions per verification pass (1 = the one-token pass)")
+    ap.add_argument("--batch", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_fbs(args.model).eval()
+    fmts = args.formats.split(",")
+    verify = [int(t) for t in args.verify.split(",")]
+    batch = [int(b) for b in args.batch.split(",")]
+    decs = {(f, b): _decoder(model, f, b, args.context) for f in fmts for b in sorted(set(batch) | {1})}
+    jobs = [("verify", f, t) for f in fmts for t in verify] + [("batch", f, b) for f in fmts for b in batch]
+    rounds: list[dict] = []
+    rng = random.Random(1)
+    for r in range(args.rounds):
+        order = jobs[:]
+        rng.shuffle(order)
+        got = {}
+        for kind, f, n in order:
+            got[(kind, f, n)] = (time_verify(decs[(f, 1)], n, args.reps) if kind == "verify"
+                                 else time_step(decs[(f, n)], args.reps))
+        rounds.append(got)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    rows = []
+    for kind, f, n in jobs:
+        secs = [rd[(kind, f, n)] for rd in rounds]
+        base = [rd[(kind, f, 1)] for rd in rounds] if (kind, f, 1) in rounds[0] else None
+        row = {"kind": kind, "format": f, "n": n, "ms": 1000 * statistics.median(secs),
+               "ms_rounds": [1000 * s for s in secs]}
+        if base is not None:
+            # verify: cost of the n-position pass over the 1-position pass; batch: tokens/s over B = 1's
+            ratio = [s / b for s, b in zip(secs, base)] if kind == "verify" else [n * b / s for s, b in zip(secs, base)]
+            row["ratio"] = statistics.median(ratio)
+            row["ratio_ci95"] = bootstrap(ratio)
+        rows.append(row)
+    print(f"\n{args.model}, context {args.context}, {args.threads} threads, {args.rounds} rounds x median of "
+          f"{args.reps}")
+    print("| what | format | n | ms | ratio [95% CI] |\n|---|---|---|---|---|")
+    for row in rows:
+        what = "verify pass, n positions (cost / 1-position pass)" if row["kind"] == "verify" \
+            else "decode step, batch n (tokens/s / B=1)"
+        ci = row.get("ratio_ci95")
+        ratio = "" if ci is None else f"{row['ratio']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+        print(f"| {what} | {row['format']} | {row['n']} | {row['ms']:.1f} | {ratio} |")
+    if args.out:
+        doc = {"command": "python scripts/bench_multitoken.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+            "model": args.model, "context": args.context, "threads": args.threads, "rounds": args.rounds,
+            "reps": args.reps, "rows": rows, "provenance": provenance()}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
