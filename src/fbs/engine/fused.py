@@ -78,8 +78,20 @@ def _source_stamp(model) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in params)
 
 
+class LayerByLayer:
+    """The PyTorch implementation of ``run_layers``, the one call a decode step makes for its layers."""
+
+    native_chunk = False  # the one-token chunk head of a CH layer runs natively (:class:`CacheContext`)
+
+    def run_layers(self, layers: range, step) -> None:
+        """Run ``layers`` (consecutive) of a one-token step over ``step`` (:class:`fbs.engine.decoder.DecodeStep`):
+        each layer on its own, :func:`fbs.model.layer.layer_step` with the decoder's decision and record."""
+        for l in layers:
+            step.layer(l)
+
+
 # --------------------------------------------------------------------------- HF modules
-class HFDecodeOps(HFOps):
+class HFDecodeOps(LayerByLayer, HFOps):
     """The HF modules plus the algebraically fused gates (:class:`fbs.model.gate.FusedGates`)."""
 
     def __init__(self, model):
@@ -298,8 +310,10 @@ def _compiler(backend: bool | str, device: torch.device):
     return lambda fn: torch.compile(fn, fullgraph=True, backend=backend)
 
 
-class FusedOps:
+class FusedOps(LayerByLayer):
     """Fused (and optionally compiled) copies of a model's decoder weights in one format; see the module doc."""
+
+    _runs_memo: tuple = (None, None, ())  # (native_layers, layers, _native_runs(layers))
 
     def __init__(self, model, fmt: str = "fp32", compile: bool = False):
         base, spec = model.base, model.base.spec
@@ -396,6 +410,45 @@ class FusedOps:
                 layer.set_gate(w.gate.index, *w.gate.cols, w_rel, w_prev, _dense(w.gate.rel_first), out_w, out_b, eps)
             out.append(layer)
         return out
+
+    @property
+    def native_chunk(self) -> bool:
+        return self.native_layers is not None
+
+    def run_layers(self, layers: range, step) -> None:
+        """:meth:`LayerByLayer.run_layers`, with each run of consecutive layers in :attr:`native_layers` as one
+        native call (:meth:`native_run`) when the step's decisions are ones the kernel makes
+        (``step.hard_decisions``); the other layers one by one."""
+        if self.native_layers is None or not step.hard_decisions:
+            return super().run_layers(layers, step)
+        for seg, whole in self._native_runs(layers):
+            if not whole:
+                super().run_layers(seg, step)
+                continue
+            gated = step.gated_in(seg)
+            any_gated = any(gated)
+            if any_gated:
+                step.gate_inputs()
+            out = self.native_run(seg, step.x, step.ctx, step.x_prev, step.prev_skip,
+                                  step.zterms if any_gated else None, gated, step.forced_runs(seg, gated),
+                                  step.thresholds, step.policy, step.write_skipped)
+            step.ran(seg, gated, *out)
+
+    def _native_runs(self, layers: range) -> tuple[tuple[range, bool], ...]:
+        """``layers`` cut into maximal runs of layers with (True) and without a native whole-layer step, made once
+        per range and :attr:`native_layers`."""
+        memo = self._runs_memo
+        if memo[0] is not self.native_layers or memo[1] != layers:
+            runs, l = [], layers.start
+            while l < layers.stop:
+                whole = self.native_layers[l] is not None
+                end = l + 1
+                while end < layers.stop and (self.native_layers[end] is not None) == whole:
+                    end += 1
+                runs.append((range(l, end), whole))
+                l = end
+            memo = self._runs_memo = (self.native_layers, layers, tuple(runs))
+        return memo[2]
 
     def native_run(self, layers: range, x, ctx, x_prev, prev_skip, zterms, gated: list[bool], runs: list[bool],
                    thresholds, policy: int, write_skipped: bool):
