@@ -193,3 +193,37 @@ def test_one_token_rope_equals_transformers_bit_for_bit(hd):
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
     tables = _rope_tables(cos, sin)
     assert torch.equal(_rope(q, *tables), q_ref) and torch.equal(_rope(k, *tables), k_ref)
+
+
+def test_native_runs_cut_layers_into_maximal_runs():
+    """The native implementation of ``run_layers`` calls the kernel once per maximal run of layers that have a
+    native whole-layer step and runs the others one by one: the cut, by hand, for a whole stack and a part."""
+    model = fbs_tiny(layers=6)
+    ops = decode_ops(model, "fp32")
+    n = object()
+    ops.native_layers = [n, None, n, n, None, n]
+    assert ops._native_runs(range(6)) == ((range(0, 1), True), (range(1, 2), False), (range(2, 4), True),
+                                          (range(4, 5), False), (range(5, 6), True))
+    assert ops._native_runs(range(3, 5)) == ((range(3, 4), True), (range(4, 5), False))
+    ops.native_layers = [None] * 6  # a new list: the cut follows it
+    assert ops._native_runs(range(6)) == ((range(0, 6), False),)
+
+
+@pytest.mark.parametrize("weights", ["hf", "fp32"])
+def test_decode_step_runs_its_layers_in_one_ops_call(weights, monkeypatch):
+    """Each decode step hands all its layers to one ``ops.run_layers`` call over the step's state; the tokens
+    are those of a run without the spy."""
+    model = randomize(fbs_tiny(seed=1), seed=2)
+    kw = dict(max_new_tokens=5, ignore_eos=True, weights=weights)
+    ref = model.generate([PROMPT[0].tolist()], **kw)
+    cls = type(decode_ops(model, weights))
+    calls, real = [], cls.run_layers
+
+    def spy(self, layers, step):
+        calls.append((layers, type(step).__name__))
+        return real(self, layers, step)
+
+    monkeypatch.setattr(cls, "run_layers", spy)
+    out = model.generate([PROMPT[0].tolist()], **kw)
+    assert out.new_tokens == ref.new_tokens
+    assert calls == [(range(model.base.spec.num_layers), "DecodeStep")] * 4  # the first token is the prefill's

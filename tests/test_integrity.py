@@ -19,6 +19,7 @@ from torch import nn
 from conftest import fbs_tiny, randomize, tiny_hf
 from test_train_checkpoint import _setup
 from fbs import BaseModelError, CheckpointError, FBSForCausalLM
+from fbs import cli_args
 from fbs.model import bases as models, loading
 from fbs.baselines.kangaroo import KangarooAdapter
 from fbs.model.lora import ADAPTERS_NAME, add_adapters
@@ -166,9 +167,9 @@ def test_cli_opt_outs_reach_the_loader(monkeypatch):
     calls = []
     monkeypatch.setattr(loading, "load_fbs", lambda *a, **kw: calls.append((a, kw)))
     p = argparse.ArgumentParser()
-    loading.add_model_arguments(p)
-    loading.load_from_args(p.parse_args(["--checkpoint", "ck", "--no-base-check", "--no-integrity-check"]))
-    loading.load_from_args(p.parse_args(["--checkpoint", "ck"]))
+    cli_args.add_model_arguments(p)
+    cli_args.load_from_args(p.parse_args(["--checkpoint", "ck", "--no-base-check", "--no-integrity-check"]))
+    cli_args.load_from_args(p.parse_args(["--checkpoint", "ck"]))
     assert calls == [(("smollm2-135m", "ck"), {"shipped": True, "check_base": False, "check_integrity": False}),
                      (("smollm2-135m", "ck"), {"shipped": True})]
 

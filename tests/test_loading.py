@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fbs import FBSConfig, FBSForCausalLM
+from fbs import cli_args
 from fbs.model import loading
 from fbs.model.checkpoint import write_manifest
 from fbs.model.lora import ADAPTERS_NAME, LoRALinear, add_adapters
@@ -88,8 +89,8 @@ def test_command_line_options(monkeypatch):
     calls = []
     monkeypatch.setattr(loading, "load_fbs", lambda *a, **kw: calls.append((a, kw)))
     p = argparse.ArgumentParser()
-    loading.add_model_arguments(p)
-    loading.load_from_args(p.parse_args(["--model", "some/dir", "--fresh", "--tau", "0.8"]))
-    loading.load_from_args(p.parse_args(["--checkpoint", "ck", "--kv-policy", "hole"]))
+    cli_args.add_model_arguments(p)
+    cli_args.load_from_args(p.parse_args(["--model", "some/dir", "--fresh", "--tau", "0.8"]))
+    cli_args.load_from_args(p.parse_args(["--checkpoint", "ck", "--kv-policy", "hole"]))
     assert calls == [(("some/dir", None), {"shipped": False, "tau": 0.8}),
                      (("smollm2-135m", "ck"), {"shipped": True, "kv_policy": "hole"})]

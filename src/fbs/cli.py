@@ -9,7 +9,7 @@ import logging
 import sys
 
 from .engine.fused import WEIGHTS
-from .model.loading import add_model_arguments, load_from_args
+from .cli_args import add_model_arguments, load_from_args
 
 #: Modules that add their own subcommands through ``register(subparsers)`` (fbs.eval.mechanism: ``fbs analyze``).
 SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.eval.mechanism", "fbs.bench.cli", "fbs.train.cli",

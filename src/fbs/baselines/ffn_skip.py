@@ -35,9 +35,9 @@ class FFNSkipLLM:
 
     threshold: float = 0.986
     """Cosine similarity between an FFN block's input and output above which the next blocks are skipped.
-    Model-specific: SmolLM2-135M's FFN cosines sit at 0.95-0.99 in every layer but the first and last, so with
-    ``span=0`` and no warm-up, teacher-forced pydoc text skips 48% of all FFN blocks at 0.98, 31% at 0.984,
-    24% at 0.986 (the default: the paper's 25-30% regime), 17% at 0.988 and 11% at 0.99."""
+    Model-specific: SmolLM2-135M's FFN cosines sit just below 1 in every layer but the first and last, so small
+    changes of the threshold move the skipped share a lot; the default puts SmolLM2-135M in the paper's skip regime
+    (the shares per threshold are in docs/eval.md)."""
     span: int = 0
     """Hot FFN blocks skipped after a saturated one; 0 = all remaining hot blocks of the token (greedy)."""
     warmup: int = 4

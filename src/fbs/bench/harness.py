@@ -420,9 +420,9 @@ PAIRED_RESAMPLES = 1000
 class PairedRatio:
     """Per-round ratio q[r] = a[r] / b[r] of two systems' times measured in the same interleaved rounds.
 
-    The two runs of a round ran back to back, so slow drift of the machine (±15 % over half an hour on a
-    shared VM) cancels in q[r]; only the round-to-round noise of the ratio is left, and the CI measures it.
-    Unpaired medians keep the drift and cannot resolve differences of a few percent."""
+    The two runs of a round ran back to back, so slow drift of the machine (a shared VM's speed wanders over
+    minutes) cancels in q[r]; only the round-to-round noise of the ratio is left, and the CI measures it.
+    Unpaired medians keep the drift, which hides small differences."""
 
     ratio_median: float
     ratio_mean: float

@@ -16,11 +16,15 @@ reference: forward hooks see every call) or fused inference copies of the same w
 and weight format (:mod:`fbs.engine.fused`: fp32, bf16 or int8 weight-only), optionally compiled (``compile=True``:
 one compiled artifact for all layers, the skip loop stays in Python).
 
-The eager int8 step on a CPU with AVX2 / AVX-512 goes one level further (:mod:`fbs.native`): each run of
-consecutive layers without PAW or CH is one native call that computes, per layer, what ``layer_step`` computes
-over the fused int8 weights, makes the threshold decision under the batch policy, and runs attention and FFN only
-for the rows that compute; the decisions come back once per run for the trace. That kernel is tested against the
-``layer_step`` path (same tokens, decisions and trace; logits to float rounding), which stays the definition.
+A decode step hands its layers to the ops in one call, ``ops.run_layers(layers, step)`` over a
+:class:`DecodeStep` (the state carried from layer to layer and the decoder's decisions). Layer by layer
+(:class:`fbs.engine.fused.LayerByLayer`) is the definition: per layer the gate, the decision, the batch policy,
+``layer_step`` and the trace record. The eager int8 step on a CPU with AVX2 / AVX-512 implements the same call
+natively (:meth:`fbs.engine.fused.FusedOps.run_layers`, :mod:`fbs.native`): each run of consecutive layers
+without PAW or CH is one native call that computes, per layer, what ``layer_step`` computes over the fused int8
+weights, makes the threshold decision under the batch policy, and runs attention and FFN only for the rows that
+compute; the decisions come back once per run for the trace. That kernel is tested against the layer-by-layer
+step (same tokens, decisions and trace; logits to float rounding).
 """
 
 from __future__ import annotations
@@ -269,6 +273,81 @@ class TraceRecorder:
             getattr(self, name)[row] = getattr(other, name)[other_row]
 
 
+class DecodeStep:
+    """One decode step as its layers see it: the state carried from layer to layer, and the decoder's decisions.
+
+    The decoder runs the step's layers as one ``ops.run_layers(layers, step)`` (every ops object has it):
+    layer by layer, each layer is :meth:`layer` (gate, decision, batch policy, :func:`fbs.model.layer.layer_step`,
+    trace record); a kernel that runs several layers in one call and decides inside it
+    (:meth:`fbs.engine.fused.FusedOps.run_layers`) may do so when :attr:`hard_decisions` holds, reads its inputs
+    here (:meth:`gated_in`, :meth:`gate_inputs`, :meth:`forced_runs`, ``policy``, ``write_skipped``) and hands its
+    results back with :meth:`ran`, which records them as :meth:`layer` would have.
+
+    State: ``x`` (b, 1, d) the next layer's input, ``x_prev`` the previous layer's input (None: none ran yet),
+    ``prev_skip`` (b, 1) 1.0 where a row skipped the previous layer (None: no row did), ``zlow`` the preview
+    summary (``zero_z``: still zero), ``zterms`` the gates' preview terms of ``zlow`` (None: not made yet),
+    ``thresholds`` per row the logit threshold of its tau (None: not made yet; fixed within a step)."""
+
+    __slots__ = ("dec", "step", "rows", "steps", "ctx", "x", "x_prev", "prev_skip", "zlow", "zero_z", "zterms",
+                 "thresholds")
+
+    def __init__(self, dec: "Decoder", step: int | list[int], rows: list[int], steps: list[int], ctx: CacheContext,
+                 x: torch.Tensor):
+        self.dec, self.step, self.rows, self.steps, self.ctx, self.x = dec, step, rows, steps, ctx, x
+        self.zlow = x.new_zeros(len(rows), 1, dec.m.config.preview_rank)
+        self.zero_z, self.zterms = True, None
+        self.x_prev, self.prev_skip, self.thresholds = None, None, None
+
+    @property
+    def hard_decisions(self) -> bool:
+        return self.dec.hard_decisions
+
+    @property
+    def policy(self) -> int:
+        """The batch policy's code (:data:`fbs.model.skip.BATCH_POLICIES`)."""
+        return BATCH_POLICIES[self.dec.opts.batch_policy]
+
+    @property
+    def write_skipped(self) -> bool:
+        """Rows that skip a layer still write its K/V (the ``project`` KV policy)."""
+        return self.dec.policy == "project"
+
+    def layer(self, l: int) -> None:
+        """Layer l in PyTorch, for every row of the step (the per-layer implementation of ``run_layers``)."""
+        self.dec._layer(l, self)
+
+    def gated_in(self, layers: range) -> list[bool]:
+        """Per layer of ``layers``, whether this call decides it by its gate."""
+        return self.dec._gated_in(layers)
+
+    def gate_inputs(self) -> None:
+        """Make the gates' per-step inputs (``zterms``, ``thresholds``) if a gated layer is the first to need them."""
+        if self.zterms is None:
+            self.zterms = self.dec.ops.preview_terms(None if self.zero_z else self.zlow, len(self.rows))
+        if self.thresholds is None:
+            self.thresholds = [self.dec._row_threshold(r) for r in self.rows]
+
+    def forced_runs(self, layers: range, gated: list[bool]) -> list[bool]:
+        """The rows that run each ungated layer of ``layers`` under a skip plan (layer-major, b per layer, True for
+        gated layers), or [] when every row runs every ungated layer (no plan)."""
+        return self.dec._forced_runs(layers, gated, self.step, self.rows)
+
+    def ran(self, layers: range, gated: list[bool], x: torch.Tensor, x_in: torch.Tensor, logits: list[float],
+            skip: list[bool], run: list[bool]) -> None:
+        """Record ``layers`` run in one call: ``x`` the output, ``x_in`` the last layer's input; ``logits``, ``skip``
+        and ``run`` flat lists, b per layer (``logits`` read where ``gated``). The PAW and CH layers are not among
+        them (their trace fields stay as they are)."""
+        dec, rows, b = self.dec, self.rows, len(self.rows)
+        for k, l in enumerate(layers):
+            part = slice(k * b, (k + 1) * b)
+            dec._record(self.steps, l, rows, skip[part], run[part], logits[part] if gated[k] else None, None, None,
+                        None)
+        if dec.m.gates.use_prev_skip:
+            last = run[-b:]
+            self.prev_skip = None if all(last) else dec._skip_indicator(last)
+        self.x, self.x_prev = x, x_in
+
+
 class Decoder:
     """State of one generate call: cache, chunk states, per-row bookkeeping, trace buffers.
 
@@ -342,13 +421,15 @@ class Decoder:
         # a baseline's per-call policy state (fbs.baselines): prefill_mix / decide / mix / bypass / observe
         self.skipper = None if opts.skip_policy is None or opts.force_compute else opts.skip_policy.start(self)
         self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
-        self._segments: dict[int, range] | None = None  # native layer runs (_native_segments), made on first use
-        self._seg_gated: dict[int, list[bool]] = {}     # per segment, which of its layers this call gates
+        self._seg_gated: dict[range, list[bool]] = {}   # per run of layers, which of them this call gates
+        #: every decision is the gate logit against a threshold or forced (plan, force_compute), for the whole
+        #: layer, with no baseline policy: what a kernel that decides inside its call can compute
+        self.hard_decisions = self.skipper is None and not opts.gate_sampling and self.granularity == "layer"
 
     def context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
                            self.m.base.scaling)
-        ctx.native_chunk = getattr(self.ops, "native_layers", None) is not None  # the native int8 step's CH too
+        ctx.native_chunk = self.ops.native_chunk  # the ops' one-token chunk head runs natively
         return ctx
 
     # ---- prefill ------------------------------------------------------------
@@ -421,113 +502,65 @@ class Decoder:
 
     def decode_step(self, step: int | list[int], tokens: list[int]) -> torch.Tensor:
         """One token for every active row; returns next-token logits (b, V) for the active rows. ``step`` is the
-        index of the generated token the rows consume: one for all, or one per row (speculative drafts)."""
-        rows, m, rec, ops = self.active, self.m, self.rec, self.ops
+        index of the generated token the rows consume: one for all, or one per row (speculative drafts). The layers
+        run as one ``ops.run_layers`` over a :class:`DecodeStep`."""
+        rows, rec, ops = self.active, self.rec, self.ops
         b = len(rows)
         steps = [step] * b if isinstance(step, int) else list(step)
         pos_list = [len(self.prompts[r]) + s for r, s in zip(rows, steps)]
         x = ops.embed(torch.tensor(tokens, device=self.dev).view(b, 1))
         cos, sin = ops.rope(x, torch.tensor(pos_list, device=self.dev).view(b, 1))
         ctx = self.context(rows, [[p] for p in pos_list], cos, sin)
-        zlow = x.new_zeros(b, 1, m.config.preview_rank)
-        zero_z, zterms = True, None     # zlow is still zero; the gates' terms of zlow, made when a gate needs them
-        x_prev, prev_skip = None, None  # previous layer's input; (b, 1) 1.0 where it was skipped (None: none was)
-        thresholds = None               # per row, the logit threshold of its tau (fixed within a step)
         for i, r in enumerate(rows):
             rec.ctx[r][steps[i]], rec.valid[r][steps[i]] = pos_list[i], True
-        segments = self._native_segments()
-        policy, write_skipped = BATCH_POLICIES[self.opts.batch_policy], self.policy == "project"
-        done = 0  # layers below it ran in a native segment
-        for l in range(self.L):
-            if l < done:
-                continue
-            seg = segments.get(l)
-            if seg is not None:  # consecutive plain layers in one native call
-                gated = self._gated_in(seg)
-                any_gated = any(gated)
-                if any_gated:
-                    if zterms is None:
-                        zterms = ops.preview_terms(None if zero_z else zlow, b)
-                    if thresholds is None:
-                        thresholds = [self._row_threshold(r) for r in rows]
-                x, x_prev, logits, skip, run = ops.native_run(
-                    seg, x, ctx, x_prev, prev_skip, zterms if any_gated else None, gated,
-                    self._forced_runs(seg, gated, step, rows), thresholds, policy, write_skipped)
-                for k, lk in enumerate(seg):
-                    part = slice(k * b, (k + 1) * b)
-                    self._record(steps, lk, rows, skip[part], run[part], logits[part] if gated[k] else None,
-                                 None, None, None)
-                if m.gates.use_prev_skip:
-                    last = run[-b:]
-                    prev_skip = None if all(last) else self._skip_indicator(last)
-                done = seg.stop
-                continue
-            gated = self._needs_gate(l)
-            if gated:
-                if zterms is None:
-                    zterms = ops.preview_terms(None if zero_z else zlow, b)
-                if thresholds is None:
-                    thresholds = [self._row_threshold(r) for r in rows]
-                pre = ops.pre(l, x, ctx, x_prev, zterms, prev_skip, True)
-            else:
-                pre = None
-            if self.skipper is not None:  # a baseline's policy decides
-                pre = ops.pre(l, x, ctx, None, None, None, False)
-                skip, logits = self.skipper.decide(l, step, rows, x, pre)
-            else:
-                skip, logits = self._skip_decision(l, step, rows, pre.logit if gated else None, thresholds)
-            run = self._batch_run(skip)
-            if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn") and not (
-                    all(run) and self.granularity == "layer" and ops.attends_natively(l)):
-                pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs, or all of it
-                #                                                    natively (its K/V inside the native call)
-            if self.granularity == "ffn":
-                new, zlow_new, sel, paw, ch = self._ffn_only(l, x, ctx, pre, run, zlow)
-            else:
-                new, zlow_new, sel, paw, ch = self._whole_layer(l, x, ctx, pre, run, zlow)
-            self._record(steps, l, rows, skip, run, logits, sel, paw, ch)
-            if paw is not None:
-                zlow, zero_z, zterms = zlow_new, False, None
-            if m.gates.use_prev_skip:
-                prev_skip = None if all(run) else self._skip_indicator(run)
-            x_prev, x = x, new
-        return ops.head(x)[:, 0]
+        st = DecodeStep(self, step, rows, steps, ctx, x)
+        ops.run_layers(range(self.L), st)
+        return ops.head(st.x)[:, 0]
 
-    def _native_segments(self) -> dict[int, range]:
-        """First layer -> the run of consecutive layers that one native call computes (the ops' native whole-layer
-        steps, :attr:`fbs.engine.fused.FusedOps.native_layers`), when this call can use them: hard threshold gates or
-        forced decisions, whole-layer skips, no baseline policy. Empty otherwise. Made once per call."""
-        if self._segments is None:
-            self._segments = {}
-            layers = getattr(self.ops, "native_layers", None)
-            if layers is not None and self.skipper is None and not self.opts.gate_sampling \
-                    and self.granularity == "layer":
-                l = 0
-                while l < self.L:
-                    if layers[l] is None:
-                        l += 1
-                        continue
-                    end = l
-                    while end < self.L and layers[end] is not None:
-                        end += 1
-                    self._segments[l] = range(l, end)
-                    l = end
-        return self._segments
+    def _layer(self, l: int, st: "DecodeStep") -> None:
+        """Layer l of a decode step in PyTorch (:meth:`DecodeStep.layer`): gate, decision, batch policy, one
+        :func:`layer_step` for the rows that run (the K/V of the others under ``project``), the trace record."""
+        ops, x, ctx = self.ops, st.x, st.ctx
+        gated = self._needs_gate(l)
+        if gated:
+            st.gate_inputs()
+            pre = ops.pre(l, x, ctx, st.x_prev, st.zterms, st.prev_skip, True)
+        else:
+            pre = None
+        if self.skipper is not None:  # a baseline's policy decides
+            pre = ops.pre(l, x, ctx, None, None, None, False)
+            skip, logits = self.skipper.decide(l, st.step, st.rows, x, pre)
+        else:
+            skip, logits = self._skip_decision(l, st.step, st.rows, pre.logit if gated else None, st.thresholds)
+        run = self._batch_run(skip)
+        if pre is None and (any(run) or self.policy == "project" or self.granularity == "ffn") and not (
+                all(run) and self.granularity == "layer" and ops.attends_natively(l)):
+            pre = ops.pre(l, x, ctx, None, None, None, False)  # else: nothing of this layer runs, or all of it
+            #                                                    natively (its K/V inside the native call)
+        if self.granularity == "ffn":
+            new, zlow_new, sel, paw, ch = self._ffn_only(l, x, ctx, pre, run, st.zlow)
+        else:
+            new, zlow_new, sel, paw, ch = self._whole_layer(l, x, ctx, pre, run, st.zlow)
+        self._record(st.steps, l, st.rows, skip, run, logits, sel, paw, ch)
+        if paw is not None:
+            st.zlow, st.zero_z, st.zterms = zlow_new, False, None
+        if self.m.gates.use_prev_skip:
+            st.prev_skip = None if all(run) else self._skip_indicator(run)
+        st.x_prev, st.x = x, new
 
-    def _gated_in(self, seg: range) -> list[bool]:
-        key = seg.start
-        gated = self._seg_gated.get(key)
+    def _gated_in(self, layers: range) -> list[bool]:
+        gated = self._seg_gated.get(layers)
         if gated is None:
-            gated = self._seg_gated[key] = [self._needs_gate(l) for l in seg]
+            gated = self._seg_gated[layers] = [self._needs_gate(l) for l in layers]
         return gated
 
-    def _forced_runs(self, seg: range, gated: list[bool], step, rows: list[int]) -> list[bool]:
-        """The rows that run each ungated layer of ``seg`` under a skip plan (layer-major, True for gated layers),
+    def _forced_runs(self, layers: range, gated: list[bool], step, rows: list[int]) -> list[bool]:
+        """The rows that run each ungated layer of ``layers`` under a skip plan (layer-major, True for gated layers),
         or [] when every row runs every ungated layer (no plan)."""
         if self.plan is None:
             return []
         runs = []
-        for l, g in zip(seg, gated):
+        for l, g in zip(layers, gated):
             runs.extend([True] * len(rows) if g else self._batch_run(self._skip_decision(l, step, rows, None)[0]))
         return runs
 

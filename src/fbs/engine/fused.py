@@ -89,25 +89,33 @@ def full_depth(model, ops, x: torch.Tensor, ctx, layers: range, on_layer=None) -
     run of the ops' native layers in one native call (:meth:`FusedOps.native_span`); the other layers (PAW / CH,
     or every layer otherwise) through :func:`fbs.model.layer.layer_step`, whose output ``on_layer(l, out)`` sees.
     Returns x'."""
-    spans = ops.native_spans() if getattr(ops, "native_layers", None) is not None and ctx.native_many else {}
-    l = layers.start
-    while l < layers.stop:
-        span = spans.get(l)
-        if span is not None:
-            span = range(l, min(span.stop, layers.stop))
-            x = ops.native_span(span, x, ctx)
-            l = span.stop
+    native_runs = getattr(ops, "native_layers", None) is not None and ctx.native_many
+    for seg, whole in ops._native_runs(layers) if native_runs else ((layers, False),):
+        if whole:
+            x = ops.native_span(seg, x, ctx)
             continue
-        out = layer_step(model, ops, l, x, ctx)
-        if on_layer is not None:
-            on_layer(l, out)
-        x = out.x
-        l += 1
+        for l in seg:
+            out = layer_step(model, ops, l, x, ctx)
+            if on_layer is not None:
+                on_layer(l, out)
+            x = out.x
     return x
 
 
+class LayerByLayer:
+    """The PyTorch implementation of ``run_layers``, the one call a decode step makes for its layers."""
+
+    native_chunk = False  # the one-token chunk head of a CH layer runs natively (:class:`CacheContext`)
+
+    def run_layers(self, layers: range, step) -> None:
+        """Run ``layers`` (consecutive) of a one-token step over ``step`` (:class:`fbs.engine.decoder.DecodeStep`):
+        each layer on its own, :func:`fbs.model.layer.layer_step` with the decoder's decision and record."""
+        for l in layers:
+            step.layer(l)
+
+
 # --------------------------------------------------------------------------- HF modules
-class HFDecodeOps(HFOps):
+class HFDecodeOps(LayerByLayer, HFOps):
     """The HF modules plus the algebraically fused gates (:class:`fbs.model.gate.FusedGates`)."""
 
     def __init__(self, model):
@@ -326,8 +334,10 @@ def _compiler(backend: bool | str, device: torch.device):
     return lambda fn: torch.compile(fn, fullgraph=True, backend=backend)
 
 
-class FusedOps:
+class FusedOps(LayerByLayer):
     """Fused (and optionally compiled) copies of a model's decoder weights in one format; see the module doc."""
+
+    _runs_memo: tuple = (None, None, ())  # (native_layers, layers, _native_runs(layers))
 
     def __init__(self, model, fmt: str = "fp32", compile: bool = False):
         base, spec = model.base, model.base.spec
@@ -429,6 +439,45 @@ class FusedOps:
             out.append(layer)
         return out
 
+    @property
+    def native_chunk(self) -> bool:
+        return self.native_layers is not None
+
+    def run_layers(self, layers: range, step) -> None:
+        """:meth:`LayerByLayer.run_layers`, with each run of consecutive layers in :attr:`native_layers` as one
+        native call (:meth:`native_run`) when the step's decisions are ones the kernel makes
+        (``step.hard_decisions``); the other layers one by one."""
+        if self.native_layers is None or not step.hard_decisions:
+            return super().run_layers(layers, step)
+        for seg, whole in self._native_runs(layers):
+            if not whole:
+                super().run_layers(seg, step)
+                continue
+            gated = step.gated_in(seg)
+            any_gated = any(gated)
+            if any_gated:
+                step.gate_inputs()
+            out = self.native_run(seg, step.x, step.ctx, step.x_prev, step.prev_skip,
+                                  step.zterms if any_gated else None, gated, step.forced_runs(seg, gated),
+                                  step.thresholds, step.policy, step.write_skipped)
+            step.ran(seg, gated, *out)
+
+    def _native_runs(self, layers: range) -> tuple[tuple[range, bool], ...]:
+        """``layers`` cut into maximal runs of layers with (True) and without a native whole-layer step, made once
+        per range and :attr:`native_layers`."""
+        memo = self._runs_memo
+        if memo[0] is not self.native_layers or memo[1] != layers:
+            runs, l = [], layers.start
+            while l < layers.stop:
+                whole = self.native_layers[l] is not None
+                end = l + 1
+                while end < layers.stop and (self.native_layers[end] is not None) == whole:
+                    end += 1
+                runs.append((range(l, end), whole))
+                l = end
+            memo = self._runs_memo = (self.native_layers, layers, tuple(runs))
+        return memo[2]
+
     def native_run(self, layers: range, x, ctx, x_prev, prev_skip, zterms, gated: list[bool], runs: list[bool],
                    thresholds, policy: int, write_skipped: bool):
         """Consecutive layers ``layers`` of a one-token step (each in :attr:`native_layers`) in one native call:
@@ -470,22 +519,6 @@ class FusedOps:
         for l in layers:
             ctx.book(l, None)
         return out[0].view(b, t, d)
-
-    def native_spans(self) -> dict[int, range]:
-        """First layer -> the run of consecutive layers :meth:`native_span` computes in one call (empty without
-        native layers)."""
-        spans, layers = {}, self.native_layers or []
-        l = 0
-        while l < len(layers):
-            if layers[l] is None:
-                l += 1
-                continue
-            end = l
-            while end < len(layers) and layers[end] is not None:
-                end += 1
-            spans[l] = range(l, end)
-            l = end
-        return spans
 
     def _weight(self, w: torch.Tensor, head: bool = False) -> Weight:
         kind = BLOCK_FORMATS[self.fmt][1] if head and self.fmt in BLOCK_FORMATS else None

@@ -64,7 +64,7 @@ def build_system(args):
         scorer = build_scorer(args.system, model, tok, threshold=args.ffn_skip_threshold, checkpoint=args.flexidepth,
                               tau=args.tau, route_prompt=args.flexidepth_prompt == "routed")
         return AdaptiveSystem(scorer, tok, name=args.name or f"{scorer.label} over {args.model}", **kw)
-    from fbs.model.loading import load_from_args
+    from fbs.cli_args import load_from_args
     from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
@@ -307,7 +307,8 @@ def _sweep_texts(args, tok) -> dict:
 def cmd_sweep(args) -> int:
     from fbs import FBSForCausalLM
     from fbs.eval.sweep import DEFAULT_TAUS, run_sweep
-    from fbs.model.loading import load_checkpoint, load_from_args
+    from fbs.cli_args import load_from_args
+    from fbs.model.loading import load_checkpoint
     from fbs.model.bases import load_tokenizer
 
     _check_baseline_args(args, args.baseline)
@@ -479,7 +480,8 @@ def cmd_pareto(args) -> int:
 def _load_chat_models(args):
     """(base model: a fresh FBS, tokenizer, {model key: loader}, the checkpoint's tau)."""
     from fbs import FBSConfig, FBSForCausalLM
-    from fbs.model.loading import load_checkpoint, load_from_args
+    from fbs.cli_args import load_from_args
+    from fbs.model.loading import load_checkpoint
     from fbs.model.causal_lm import CONFIG_NAME
 
     base = FBSForCausalLM.from_base(args.model)
@@ -543,7 +545,7 @@ def cmd_chat(args) -> int:
 
 def _load_safety_model(args):
     """(model, tokenizer) of ``fbs eval safety``."""
-    from fbs.model.loading import load_from_args
+    from fbs.cli_args import load_from_args
     from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
@@ -618,7 +620,7 @@ def cmd_list(args) -> int:
 
 def register(subparsers) -> None:
     from fbs.eval.safety import SETTINGS as SAFETY_SETTINGS
-    from fbs.model.loading import add_model_arguments
+    from fbs.cli_args import add_model_arguments
 
     p = subparsers.add_parser("eval", help="quality evaluation (perplexity, MMLU, ARC, GSM8K, HumanEval, MBPP ...)")
     sub = p.add_subparsers(dest="eval_command", required=True)

@@ -144,7 +144,8 @@ def mmlu_split(subject: str, split: str):
 _LETTERS = "ABCD"
 
 
-def _mmlu_block(row: dict) -> str:
+def mmlu_block(row: dict) -> str:
+    """One MMLU question as the prompt shows it: the question, the lettered choices, ``Answer:``."""
     lines = [row["question"].strip()]
     lines += [f"{_LETTERS[i]}. {c}" for i, c in enumerate(row["choices"])]
     return "\n".join(lines) + "\nAnswer:"
@@ -160,9 +161,9 @@ def load_mmlu(n_shots: int = 5) -> list[MCExample]:
     for subject in mmlu_subjects():
         header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
         dev = list(mmlu_split(subject, "dev"))[:n_shots]
-        shots = "".join(_mmlu_block(r) + f" {_LETTERS[r['answer']]}\n\n" for r in dev)
+        shots = "".join(mmlu_block(r) + f" {_LETTERS[r['answer']]}\n\n" for r in dev)
         for i, row in enumerate(mmlu_split(subject, "test")):
-            ctx = header + shots + _mmlu_block(row)
+            ctx = header + shots + mmlu_block(row)
             out.append(MCExample(id=f"mmlu/{subject}/{i}", contexts=(ctx,) * 4,
                                  continuations=tuple(f" {c}" for c in _LETTERS), gold=int(row["answer"])))
     return out

@@ -993,7 +993,7 @@ def write_plots(res: dict, out_dir: Path) -> list[Path]:
 # ---------------------------------------------------------------------------- command line
 def _load_model(args):
     """(model, tokenizer) of ``fbs eval mechanism``."""
-    from fbs.model.loading import load_from_args
+    from fbs.cli_args import load_from_args
     from fbs.model.bases import load_tokenizer
 
     model = load_from_args(args)
@@ -1058,7 +1058,7 @@ def _add_run_arguments(p, analyze: bool = False) -> None:
 
 def add_parser(sub) -> None:
     """``fbs eval mechanism`` (registered by :func:`fbs.eval.cli.register`)."""
-    from fbs.model.loading import add_model_arguments
+    from fbs.cli_args import add_model_arguments
 
     p = sub.add_parser("mechanism", help="appendix G mechanism statistics from decode traces: k(i) vs surprisal / "
                                          "entropy, skip rate by layer, position and token class, skip vs residual "

@@ -326,7 +326,7 @@ _CPU = (
     ProtocolTask("idiom_zh", None, note=f"all 1,000 idioms of the probe, {_CHINESE}"),
 )
 _CPU_BY_TASK = {e.task: e for e in _CPU}
-#: ``cpu-small``'s sizes: about half of ``cpu`` (one system in ~1 h on 2 idle cores), each drawn from ``cpu``'s subset.
+#: ``cpu-small``'s sizes: about half of ``cpu`` (half its run time), each drawn from ``cpu``'s subset.
 _CPU_SMALL = {"mmlu": (None, 5, "5 questions per subject, 5-shot"), "arc_easy": (250, None, "OLMES 5-shot"),
               "arc_challenge": (250, None, "OLMES 5-shot"), "hellaswag": (200, None, "OLMES 5-shot"),
               "gsm8k": (100, None, "8-shot CoT, generated"), "humaneval": (82, None, "82 of 164, generated"),
@@ -334,8 +334,8 @@ _CPU_SMALL = {"mmlu": (None, 5, "5 questions per subject, 5-shot"), "arc_easy": 
               "ppl_c4": (50, None, "English PPL, first 1024 tokens per document"),
               "ppl_zh": (100, None, f"Chinese PPL, {_CHINESE}"), "idiom_zh": (500, None, f"500 idioms, {_CHINESE}")}
 
-#: ``fbs eval run --protocol NAME``. ``cpu``: the fixed subsets (one system's quality run on the 2-core
-#: CPU in ~2.2 h; see docs/eval.md for the cost estimate); ``cpu-small``: half of each ``cpu`` subset, drawn from
+#: ``fbs eval run --protocol NAME``. ``cpu``: the fixed subsets (sized so that one system's quality run fits a CPU
+#: session; docs/eval.md has the cost estimate); ``cpu-small``: half of each ``cpu`` subset, drawn from
 #: it (nested ids), for when two systems must fit one session; ``full``: the whole sets.
 PROTOCOLS: dict[str, tuple[ProtocolTask, ...]] = {
     "cpu": (*_CPU, *NOT_RUN),

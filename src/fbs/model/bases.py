@@ -1,9 +1,9 @@
 """Base models: where they come from and how they are cached.
 
 There is no model hub on the machines this library targets, so the bundled base models come from Python
-packages that ship GGUF files. Dequantizing a GGUF takes ~20 s, so the first load converts the model
+packages that ship GGUF files. Dequantizing a GGUF is slow, so the first load converts the model
 once into plain safetensors under ``$FBS_CACHE_DIR/models/<name>`` (default ``~/.cache/fbs``); later
-loads read that copy in a few seconds. Every GGUF is checked against its pinned sha256 before use, and the
+loads read that copy. Every GGUF is checked against its pinned sha256 before use, and the
 converted copy against the sha256s recorded at conversion before each load (:class:`BaseModelError` otherwise).
 
 Public entry points:

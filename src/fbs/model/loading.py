@@ -12,12 +12,12 @@ Public entry points:
     load_checkpoint(path, base, tokenizer, check_base=True, check_integrity=True, **overrides) -> FBSForCausalLM
     verify_checkpoint(path)                     the weights files match the checkpoint's integrity record
     changes_backbone(path)                      the checkpoint changes backbone weights (adapters, tensors)
-    add_model_arguments(parser) / load_from_args(args)   the model options shared by every ``fbs`` command
+
+The command-line options that choose a model are :mod:`fbs.cli_args`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from pathlib import Path
@@ -79,31 +79,3 @@ def load_fbs(base=DEFAULT_BASE, checkpoint: str | os.PathLike | None = None, *, 
         return load_checkpoint(ckpt, base=base, tokenizer=tokenizer, check_base=check_base,
                                check_integrity=check_integrity, **overrides)
     return FBSForCausalLM.from_base(base, config=(config or FBSConfig()).replace(**overrides), tokenizer=tokenizer)
-
-
-# --------------------------------------------------------------------------- command-line options
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The options that choose a model: base, checkpoint or shipped weights or fresh modules, tau, KV policy."""
-    p.add_argument("--model", default=DEFAULT_BASE,
-                   help="base model: a bundled name (smollm2-135m, qwen2.5-coder-0.5b) or an HF directory")
-    p.add_argument("--checkpoint", help="FBS checkpoint directory (default: the weights shipped for --model)")
-    p.add_argument("--fresh", action="store_true", help="ignore shipped weights: untrained FBS modules")
-    p.add_argument("--tau", type=float, help="skip threshold (default: the checkpoint's operating point)")
-    p.add_argument("--kv-policy", choices=("hole", "project"), help="KV cache policy for skipped layers")
-    p.add_argument("--no-base-check", action="store_true",
-                   help="load a checkpoint (or Kangaroo adapter) that records no base-model fingerprint, or "
-                        "another base's (unsafe)")
-    p.add_argument("--no-integrity-check", action="store_true",
-                   help="load a checkpoint whose weights files do not match (or lack) its sha256 record (unsafe)")
-
-
-def load_from_args(args: argparse.Namespace) -> FBSForCausalLM:
-    """The model :func:`add_model_arguments`' options ask for."""
-    overrides = {k: v for k, v in (("tau", args.tau), ("kv_policy", args.kv_policy)) if v is not None}
-    if getattr(args, "no_base_check", False):
-        overrides["check_base"] = False
-    if getattr(args, "no_integrity_check", False):
-        overrides["check_integrity"] = False
-    return load_fbs(args.model, args.checkpoint, shipped=not args.fresh, **overrides)

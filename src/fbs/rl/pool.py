@@ -161,7 +161,7 @@ def eval_question_keys() -> tuple[dict[str, set[str]], dict[str, set[str]], dict
         keys, shots = set(), set()
         for subject in ds.mmlu_subjects():
             for row in ds.mmlu_split(subject, "test"):
-                keys |= {normalize(row["question"]), normalize(ds._mmlu_block(row))}
+                keys |= {normalize(row["question"]), normalize(ds.mmlu_block(row))}
             for row in list(ds.mmlu_split(subject, "dev"))[:5]:  # load_mmlu's 5-shot exemplars
                 shots.add(normalize(row["question"]))
         targets["mmlu_test"], exemplars["mmlu_test"] = keys, shots

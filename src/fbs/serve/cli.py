@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..engine.fused import WEIGHTS
-from ..model.loading import add_model_arguments, load_from_args
+from ..cli_args import add_model_arguments, load_from_args
 from .batcher import Limits
 
 

@@ -87,7 +87,7 @@ def _blocks(args: argparse.Namespace, tokenizer):
 def cmd_kangaroo(args: argparse.Namespace) -> int:
     import torch
 
-    from ..model.loading import load_from_args
+    from ..cli_args import load_from_args
     from ..provenance import provenance
     from .speculative import train_kangaroo_adapter
 
@@ -107,7 +107,7 @@ def cmd_kangaroo(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_search(args: argparse.Namespace) -> int:
-    from ..model.loading import load_from_args
+    from ..cli_args import load_from_args
     from ..provenance import provenance
     from .speculative import save_skip_set, search_draft_layers
 
@@ -126,7 +126,7 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
 
 
 def _draft_arguments(p: argparse.ArgumentParser) -> None:
-    from ..model.loading import add_model_arguments
+    from ..cli_args import add_model_arguments
 
     add_model_arguments(p)
     p.add_argument("--data", default="wiki_demo", help="wiki_demo or a corpus directory from `fbs data build`")

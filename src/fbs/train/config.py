@@ -168,7 +168,7 @@ class TrainConfig:
     full_share: float = 0.0
     """Share of skip_distill micro-batches (spread evenly) whose student runs at full depth: KL to the base with
     no gate or random skip, so the adapters that learn to absorb skipping do not move full depth away from
-    the base (with every micro-batch skipping, full depth drifted +5% in PPL on out-of-distribution text)."""
+    the base (with every micro-batch skipping, full depth's PPL on out-of-distribution text drifted up)."""
     control: bool = False
     """skip_distill without any skipping (no dropout, gates never skip): the control model that isolates the
     fine-tuning's own effect."""
