@@ -96,6 +96,22 @@ def make_policy(kv_cache: str | None, kv_budget: int | None) -> CachePolicy | No
     return CachePolicy(kv_cache, int(kv_budget))
 
 
+def add_kv_cache_arguments(p) -> None:
+    """``--kv-cache`` / ``--kv-budget`` on an argparse parser (``fbs generate``, ``fbs eval run``)."""
+    p.add_argument("--kv-cache", choices=POLICIES, default="full",
+                   help="KV cache policy: full (default), streaming (StreamingLLM: 4 sinks + recent window), h2o "
+                        "(heavy hitters + recent), snapkv (observation-window votes at prefill)")
+    p.add_argument("--kv-budget", type=int,
+                   help="entries a --kv-cache policy keeps per layer and KV head (required with one)")
+
+
+def kv_cache_options(args) -> dict:
+    """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` (checked: a clear error when they do not
+    fit together)."""
+    make_policy(args.kv_cache, args.kv_budget)
+    return {} if args.kv_cache == "full" else {"kv_cache": args.kv_cache, "kv_budget": args.kv_budget}
+
+
 # --------------------------------------------------------------------------- attention that returns its weights
 def attend_scored(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None, scale: float,
                   acc: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -419,5 +435,5 @@ class SnapKV(_PerHead):
         return torch.cat((top, torch.arange(t - w, t, device=q.device).expand(*top.shape[:2], -1)), -1)
 
 
-__all__ = ["POLICIES", "CachePolicy", "Evictor", "make_policy", "attend_scored", "SINKS", "SNAP_WINDOW",
+__all__ = ["POLICIES", "CachePolicy", "Evictor", "make_policy", "add_kv_cache_arguments", "kv_cache_options", "attend_scored", "SINKS", "SNAP_WINDOW",
            "SNAP_KERNEL"]
