@@ -21,7 +21,8 @@ import random
 import pytest
 import torch
 
-from conftest import fbs_tiny, randomize
+from conftest import fbs_tiny, int8_exact_, randomize, tiny_config, tiny_hf
+from fbs import FBSForCausalLM
 from fbs.engine.cache import CacheContext, KVCache
 from fbs.engine.kvpolicy import SINKS, SNAP_KERNEL, SNAP_WINDOW, CachePolicy, make_policy
 from fbs.engine.loop import run, start
@@ -117,24 +118,37 @@ def test_a_budget_at_least_the_context_equals_the_full_cache(kv, weights, one_th
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kv_policy", ["hole", "project"])
 @pytest.mark.parametrize("kv", ["streaming", "h2o", "snapkv"])
-def test_native_int8_and_pytorch_steps_evict_alike(kv, one_thread, monkeypatch):
-    """The native int8 step (each row's filled prefix) and the PyTorch int8 step (whole buffer, length mask) keep
-    the same entries and produce the same tokens under eviction (H2O runs its attention as PyTorch ops in both)."""
+def test_native_int8_step_evicts_like_the_pytorch_step(kv, kv_policy, one_thread):
+    """The native int8 step (layers in one native call, attending over each row's filled prefix) against the fp32
+    PyTorch step (whole buffer, length mask) under eviction and forced skips, on weights the int8 format stores
+    exactly (no PAW / CH, no gates: the plan decides): the same tokens, logits to float rounding, the same kept
+    positions at every layer. H2O runs its attention as PyTorch ops in both (it reads the weights)."""
     from fbs import native
+    from fbs.engine.fused import decode_ops
 
     if native.int8_isa() is None:
         pytest.skip("no native int8 kernel here")
-    m = randomize(fbs_tiny())
-    ids = [prompt(44)]
-    opts = dict(max_new_tokens=12, weights="int8", output_scores=True, ignore_eos=True, kv_cache=kv,
-                kv_budget=BUDGETS[kv])
-    nat = m.generate(ids, **opts)
-    monkeypatch.setenv("FBS_NATIVE", "0")
-    ref = m.generate(ids, **opts)
-    assert nat.new_tokens == ref.new_tokens and torch.equal(nat.trace.executed, ref.trace.executed)
-    for a, b in zip(nat.scores, ref.scores):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+    hf = tiny_hf("llama")
+    int8_exact_(hf)
+    m = FBSForCausalLM.from_base(hf, config=tiny_config(paw_layers=(), ch_layers=())).eval()
+    assert decode_ops(m, "int8").native_layers is not None
+    plan = torch.rand(14, m.num_layers, generator=torch.Generator().manual_seed(3)) < 0.4
+    plan[:, 0] = plan[:, -1] = False  # the never-skip layers
+    ids = [prompt(44), prompt(39, 1)]
+    kept, res = {}, {}
+    for w in ("int8", "fp32"):
+        steps = list(decode(m, ids, max_new_tokens=14, weights=w, output_scores=True, kv_cache=kv,
+                            kv_budget=BUDGETS[kv], kv_policy=kv_policy, skip_plan=plan))
+        dec = steps[-1][0]
+        kept[w] = [[dec.cache.kept(l, r) for l in range(dec.L)] for r in range(2)]
+        res[w] = dec
+    assert res["int8"].out == res["fp32"].out
+    assert all(torch.equal(a, b) for ra, rb in zip(kept["int8"], kept["fp32"]) for a, b in zip(ra, rb))
+    for a, b in zip(res["int8"].scores, res["fp32"].scores):
+        ref = torch.stack(b)
+        assert (torch.stack(a) - ref).abs().max() < 1e-4 * (ref.max() - ref.min())
 
 
 # --------------------------------------------------------------------------- StreamingLLM positions

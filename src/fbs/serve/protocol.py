@@ -262,7 +262,7 @@ def _options(body: dict, ctx: ServeContext, max_tokens: int, stream: bool) -> di
     try:
         policy = make_policy(kv, budget)
     except ValueError as e:
-        raise bad("kv_budget" if kv not in (None, "full") else "kv_cache", str(e)) from None
+        raise bad("kv_budget", str(e)) from None
     if policy is not None:
         if opts.get("lossless"):
             raise bad("kv_cache", "'lossless' rolls rejected drafts back, which an evicting 'kv_cache' cannot")
