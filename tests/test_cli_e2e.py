@@ -143,6 +143,42 @@ def test_generate_options_reach_the_engine(saved, capsys):
                                                            str(NEW), "--json"])[1])["skip_ratio"]
 
 
+@pytest.mark.parametrize("kv, budget", [("streaming", 12), ("h2o", 12), ("snapkv", 36)])
+def test_generate_kv_cache_flags_equal_the_api(saved, capsys, kv, budget):
+    """``--kv-cache`` / ``--kv-budget``: the API's tokens under the same policy (the chat prompt is longer than the
+    budget: entries are evicted), the policy in the JSON summary; a policy without a budget is a clear error."""
+    ids = chat_ids("Where do all the rivers of the world go in the end?")
+    assert len(ids) > budget
+    ref, text = api_text(saved.model, ids, max_new_tokens=NEW, kv_cache=kv, kv_budget=budget)
+    code, out, _ = run_cli(capsys, ["generate", "Where do all the rivers of the world go in the end?", *saved.args,
+                                    "--max-new-tokens", str(NEW), "--json", "--kv-cache", kv, "--kv-budget",
+                                    str(budget)])
+    doc = json.loads(out)
+    assert code == 0 and doc["text"] == text and (doc["kv_cache"], doc["kv_budget"]) == (kv, budget)
+    assert doc["skip_ratio"] == pytest.approx(ref.trace.skip_ratio)
+    code, _, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--kv-cache", kv])
+    assert code == 2 and "needs kv_budget" in err
+
+
+def test_eval_run_kv_cache_flags_reach_generation(saved):
+    """``fbs eval run --system fbs --kv-cache h2o --kv-budget 10``: generation tasks decode under the policy (the
+    system generates what the API does); other systems refuse the flag."""
+    from fbs.cli import build_parser
+    from fbs.eval.cli import build_system
+
+    argv = ["eval", "run", "--system", "fbs", *saved.args, "--kv-cache", "h2o", "--kv-budget", "10"]
+    system = build_system(build_parser().parse_args(argv))
+    assert system.generate_kwargs == {"kv_cache": "h2o", "kv_budget": 10} and "kv-cache=h2o:10" in system.name
+    ids = chat_ids()
+    got = system.generate_ids(torch.tensor([ids]), NEW, stop=())
+    ref = saved.model.generate([ids], max_new_tokens=NEW, kv_cache="h2o", kv_budget=10,
+                               eos_token_id=system.eos_ids(), pad_token_id=system.pad_id).new_tokens[0]
+    assert got == [t for t in ref if t not in system.eos_ids()][:len(got)] and len(got) > 0
+    with pytest.raises(ValueError, match="--system fbs"):
+        build_system(build_parser().parse_args(["eval", "run", "--system", "base", "--model", saved.base,
+                                                "--kv-cache", "h2o", "--kv-budget", "10"]))
+
+
 def test_generate_stop_string_ends_at_the_string(saved, capsys):
     """``--stop``: generation ends with the token that completes the stop string; oracle: the output without
     stop strings, cut by hand after the string's first occurrence."""
@@ -291,6 +327,39 @@ def test_bench_quick_writes_its_table_and_json(saved, capsys, monkeypatch, tmp_p
     table = (out_dir / "bench.md").read_text()
     assert table in out and all(name in table for name in rows)
     assert f"json: {out_dir / 'bench.json'}" in out
+
+
+def test_bench_kv_cache_rows_equal_the_api(saved, capsys, monkeypatch, tmp_path):
+    """``fbs bench --kv-cache full,streaming --kv-budget 6``: each FBS system once per policy (8-token prompts, so
+    the policy evicts); each row's token and exact match against HF greedy are those of the API's outputs under its
+    policy; a policy without a budget is refused."""
+    import fbs.bench.runner
+    from fbs.bench.harness import build_prompts, match_rates
+    from fbs.bench.roofline import MachinePeaks
+
+    monkeypatch.setattr(fbs.bench.runner, "measure_machine",
+                        lambda *a, **k: MachinePeaks(read_gbs=10.0, copy_gbs=10.0, gemv_gbs=10.0,
+                                                     matmul_gflops=100.0, threads=1))
+    out_dir = tmp_path / "bench"
+    code, _, _ = run_cli(capsys, ["bench", *saved.args, "--systems", "hf-greedy,fbs-full", "--kv-cache",
+                                  "full,streaming", "--kv-budget", "6", "--prompt-len", "8", "--new-tokens", "6",
+                                  "--num-prompts", "2", "--quick", "--out-dir", str(out_dir)])
+    assert code == 0
+    rows = {r["system"]: r for r in json.loads((out_dir / "bench.json").read_text())["results"]}
+    assert set(rows) == {"hf-greedy", "fbs-full-compute", "fbs-full-compute-streaming6"}
+    assert rows["fbs-full-compute-streaming6"]["params"]["kv_cache"] == "streaming"
+    m = saved.model
+    prompts = build_prompts(m.tokenizer, 2, 8)
+    greedy = torch.cat([m.base.hf.generate(p[None], attention_mask=torch.ones(1, 8, dtype=torch.long), max_new_tokens=6,
+                                           min_new_tokens=6, do_sample=False, pad_token_id=0)[:, 8:] for p in prompts])
+    for name, opts in (("fbs-full-compute", {}), ("fbs-full-compute-streaming6", dict(kv_cache="streaming",
+                                                                                        kv_budget=6))):
+        api = torch.tensor(m.generate(prompts, max_new_tokens=6, ignore_eos=True, force_compute=True,
+                                      **opts).new_tokens)
+        assert (rows[name]["token_match_pct"], rows[name]["exact_match_pct"]) == match_rates(api, greedy), name
+    code, _, err = run_cli(capsys, ["bench", *saved.args, "--systems", "fbs-full", "--kv-cache", "h2o",
+                                    "--out-dir", str(tmp_path / "x")])
+    assert code == 2 and "kv_budget" in err
 
 
 def test_bench_serve_against_a_running_server(saved, capsys, tmp_path):

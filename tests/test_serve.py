@@ -152,6 +152,51 @@ def test_slots_join_and_leave_equal_single_generate(model, kv_policy, batch_poli
     assert skipped > 0, "skipping must happen for the test to mean anything"
 
 
+def test_kv_cache_policies_in_slots_equal_single_generate(model):
+    """Requests under cache policies (each policy and budget its own batch, the full cache another) through 2 slots:
+    each gets the tokens and trace of its own single `generate`; the prompts are longer than the budgets, so the
+    policies' state (sinks, rings, accumulated scores) moves with the rows into the shared caches."""
+    kvs = [("streaming", 8), ("h2o", 8), ("snapkv", 36), ("streaming", 8), ("h2o", 8), ("full", None)]
+    prompts = [_ids(20 + i, 40 + 3 * i) for i in range(len(kvs))]
+    opts = [dict(max_new_tokens=12 + i, ignore_eos=True) | ({} if kv == "full" else dict(kv_cache=kv, kv_budget=n))
+            for i, (kv, n) in enumerate(kvs)]
+    sched = Scheduler(model, model.tokenizer, Limits(max_concurrent=2, context_length=512)).start()
+    done, all_done = {}, threading.Event()
+
+    def on_event(i):
+        def f(ev):
+            if ev.kind in ("done", "error"):
+                done[i] = ev
+                if len(done) == len(prompts):
+                    all_done.set()
+        return f
+
+    try:
+        for i, p in enumerate(prompts):
+            sched.submit(Request(p, opts[i], on_event(i)))
+        assert all_done.wait(120)
+    finally:
+        sched.stop()
+    for i, p in enumerate(prompts):
+        assert done[i].kind == "done", done[i].error
+        got, ref = done[i].result, model.generate([p], **opts[i])
+        assert got.new_tokens == ref.new_tokens, kvs[i]
+        assert torch.equal(got.trace.executed, ref.trace.executed), kvs[i]
+        assert done[i].summary["kv_cache"] == kvs[i][0] and done[i].summary["kv_budget"] == kvs[i][1]
+    full = model.generate([prompts[0]], max_new_tokens=12, ignore_eos=True)
+    assert full.new_tokens != done[0].result.new_tokens  # the policy changed the output: equality above means something
+
+
+def test_kv_cache_request_fields_reach_the_engine(model, client):
+    ids = _ids(3, 30)
+    ref, text = _reference(model, ids, 20, ignore_eos=True, kv_cache="h2o", kv_budget=10)
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True, "kv_cache": "h2o", "kv_budget": 10})
+    assert out.choices[0].text == text
+    fbs = out.usage.model_extra["fbs"]
+    assert fbs["kv_cache"] == "h2o" and fbs["kv_budget"] == 10
+
+
 def test_text_stream_holds_back_partial_stop_strings():
     tok = char_tokenizer()
     ts = TextStream(tok, ["xyz"])
@@ -286,6 +331,11 @@ def _raw_post(url: str, data: bytes) -> tuple[int, dict]:
     (dict(extra_body={"tau": -0.1}), 400, "tau"),
     (dict(extra_body={"kv_policy": "sometimes"}), 400, "kv_policy"),
     (dict(extra_body={"never_skip": [99]}), 400, "never_skip"),
+    (dict(extra_body={"kv_cache": "lru", "kv_budget": 8}), 400, "kv_cache"),
+    (dict(extra_body={"kv_cache": "h2o"}), 400, "kv_budget"),               # a policy needs its budget
+    (dict(extra_body={"kv_cache": "streaming", "kv_budget": 3}), 400, "kv_budget"),  # no room past the sinks
+    (dict(extra_body={"kv_budget": 8}), 400, "kv_budget"),                  # a budget without a policy
+    (dict(extra_body={"kv_cache": "h2o", "kv_budget": 8, "lossless": True}), 400, "kv_cache"),
     (dict(extra_body={"no_such_option": 1}), 400, "no_such_option"),
     (dict(n=2), 400, "n"),
     (dict(temperature=3), 400, "temperature"),

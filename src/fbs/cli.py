@@ -10,6 +10,7 @@ import sys
 
 from .engine.fused import WEIGHTS
 from .cli_args import add_model_arguments, load_from_args
+from .engine.kvpolicy import add_kv_cache_arguments, kv_cache_options
 
 #: Modules that add their own subcommands through ``register(subparsers)`` (fbs.eval.mechanism: ``fbs analyze``).
 SUBCOMMAND_MODULES = ("fbs.data.cli", "fbs.eval.cli", "fbs.eval.mechanism", "fbs.bench.cli", "fbs.train.cli",
@@ -73,6 +74,7 @@ def cmd_generate(args) -> int:
         stop_strings=args.stop or None, protect_structure=args.protect_structure, validator=args.validator,
         force_compute=args.force_compute, never_skip=tuple(args.never_skip or ()), tokenizer=tok,
         **{k: v for k, v in (("weights", args.weights), ("compile", args.compile)) if v is not None},
+        **kv_cache_options(args),
         **_lossless_options(args, model),
     )
     if args.stream and not args.json:
@@ -98,6 +100,7 @@ def cmd_generate(args) -> int:
         "tflops_rel": res.trace.tflops_rel, "tflops_rel_exact": res.trace.tflops_rel_exact,
         "prefill_s": res.timings["prefill_s"], "decode_s": res.timings["decode_s"],
         "tau": model.config.tau, "kv_policy": model.config.kv_policy, "fallback": res.trace.fallback[0],
+        "kv_cache": args.kv_cache, "kv_budget": args.kv_budget,
     }
     if res.speculative is not None:
         summary["speculative"] = res.speculative.to_dict()
@@ -169,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile the one-token layer step (default off; the first run compiles for a minute "
                         "or more, later runs reuse the kernels cached under $FBS_CACHE_DIR/inductor)")
+    add_kv_cache_arguments(p)
     p.add_argument("--lossless", action="store_true",
                    help="speculative self-drafting: the skipping model drafts, full depth verifies (output = "
                         "--force-compute's; sampling keeps its distribution)")

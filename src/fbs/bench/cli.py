@@ -49,7 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        ffn_skip_thresholds=args.ffn_skip_thresholds, flexidepth=args.flexidepth,
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
-                       lossless_taus=args.lossless_taus)
+                       lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -127,6 +127,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="long prompt lengths, clipped to the model's positions (default 8192,16384)")
     p.add_argument("--long-warmup", type=int, default=s.long_warmup)
     p.add_argument("--long-runs", type=int, default=s.long_runs)
+    p.add_argument("--kv-cache", dest="kv_caches", type=_strs, default=s.kv_caches,
+                   help="KV cache policies of the FBS systems, comma list from full, streaming, h2o, snapkv (each "
+                        "system once per policy; lossless systems keep the full cache)")
+    p.add_argument("--kv-budget", type=int, default=s.kv_budget,
+                   help="entries a --kv-cache policy keeps per layer and KV head")
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 

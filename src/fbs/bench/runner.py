@@ -25,10 +25,11 @@ from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_p
 from fbs import native
 from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS, LlamaBenchSystem, system_name
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
-from fbs.bench.systems import (FBSSystem, ffn_skip_systems, flexidepth_systems, forced_plan, hf_assisted,
-                               hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
+from fbs.bench.systems import (FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems, forced_plan,
+                               hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
 from fbs.engine.flops import LayerCost
 from fbs.engine.fused import WEIGHTS
+from fbs.engine.kvpolicy import make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class RunSpec:
     """Kangaroo adapter directory (``fbs train kangaroo``); None = the row says how to make one."""
     lossless_taus: tuple[float, ...] = ()
     """More ``fbs-lossless`` rows, one per draft tau (``fbs-lossless-tau<t>``), besides the checkpoint's tau."""
+    kv_caches: tuple[str, ...] = ("full",)
+    """KV cache policies of the FBS systems (full, streaming, h2o, snapkv; :mod:`fbs.engine.kvpolicy`): each
+    non-lossless FBS system runs once per policy; policies other than full add ``-<policy><budget>``."""
+    kv_budget: int | None = None
+    """Entries a KV cache policy keeps per layer and KV head (required when ``kv_caches`` names one)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}
@@ -118,6 +124,10 @@ class RunSpec:
         modes = self.compile if isinstance(self.compile, tuple) else (self.compile,)
         if not modes or any(not isinstance(m, bool) for m in modes) or len(set(modes)) != len(modes):
             raise ValueError(f"compile must be a bool or a tuple of distinct bools, got {self.compile!r}")
+        if not self.kv_caches:
+            raise ValueError("kv_caches must name at least one policy (full for the full cache)")
+        for kv in self.kv_caches:
+            make_policy(kv, None if kv == "full" else self.kv_budget)
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -192,7 +202,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
 
 
 #: knobs :func:`_decode_variants` adds to every FBS system
-ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy"})
+ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy", "kv_cache", "kv_budget"})
 
 
 def _decode_variants(systems: list, spec: RunSpec) -> list:
@@ -208,10 +218,15 @@ def _decode_variants(systems: list, spec: RunSpec) -> list:
         for w in spec.weights:
             for comp in (False,) if w == "hf" else modes:
                 for policy in spec.batch_policies:
-                    name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
-                            + ("" if policy == "gather" else f"-{policy}"))
-                    knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
-                    out.append(dataclasses.replace(s, name=name, knobs=knobs))
+                    # lossless systems roll drafts back, which an evicting cache cannot: full cache only
+                    for kv in ("full",) if isinstance(s, SpeculativeSystem) else spec.kv_caches:
+                        name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
+                                + ("" if policy == "gather" else f"-{policy}")
+                                + ("" if kv == "full" else f"-{kv}{spec.kv_budget}"))
+                        knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
+                        if kv != "full":
+                            knobs.update(kv_cache=kv, kv_budget=spec.kv_budget)
+                        out.append(dataclasses.replace(s, name=name, knobs=knobs))
     return out
 
 
@@ -262,7 +277,7 @@ def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any
     if (res.status != "ok" or res.family != "fbs" or res.name.startswith("fbs-full-compute")
             or (res.probe or {}).get("layer_skip_ratio") is None):
         return None
-    same = ("weights", "batch_policy", "compile")
+    same = ("weights", "batch_policy", "compile", "kv_cache", "kv_budget")
     full = next((r for r in results if r.name.startswith("fbs-full-compute") and r.status == "ok"
                  and all(r.params.get(k) == res.params.get(k) for k in same)), None)
     mine, ref = (res.probe or {}).get("bytes_rel"), ((full.probe or {}) if full else {}).get("bytes_rel")

@@ -7,6 +7,10 @@ inferred from tensor contents: lengths are Python ints, so the hot path needs no
 Buffers are preallocated at full capacity (gpt-fast's static cache). A one-token decode step writes each
 row's entry at its own slot and attends over the whole buffer with a length mask, so every step has the
 same shapes (what a compiled layer step needs); prefill writes and reads views of the filled part.
+
+With a cache policy (:mod:`fbs.engine.kvpolicy`: StreamingLLM, H2O, SnapKV under a budget) the cache holds only
+the kept entries, still as each row's filled prefix of every layer; the policy evicts once a step's entries are
+written and attended (:meth:`KVCache.settle`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import torch
 
 from .. import native
 from ..model.chunk import ChunkOut, ChunkState
+from .kvpolicy import CachePolicy, attend_scored
 
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, policy: CachePolicy | None = None, rope=None):
         shape = (batch, num_kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -30,6 +35,8 @@ class KVCache:
         self.lengths = [[0] * batch for _ in range(num_layers)]  # python ints: no host syncs on the hot path
         self.capacity = capacity
         self.batch = batch
+        #: the cache policy's state (None: the full cache); ``rope(positions) -> (cos, sin)``: the model's tables
+        self.evictor = None if policy is None else policy.bind(self, rope)
 
     def get_seq_length(self, layer: int, row: int) -> int:
         return self.lengths[layer][row]
@@ -44,7 +51,22 @@ class KVCache:
         for i, r in enumerate(rows):
             self.positions[layer][r].extend(positions[i])
             lens[r] += t
+        if self.evictor is not None:
+            self.evictor.booked(layer, rows, starts, positions)
         return starts
+
+    def settle(self, layer: int, rows: list[int]) -> None:
+        """The rows' new entries at ``layer`` are written and attended: the cache policy (if any) evicts down to its
+        budget."""
+        if self.evictor is not None:
+            self.evictor.settle(layer, rows)
+
+    def kept(self, layer: int, row: int) -> torch.Tensor:
+        """(Hkv, n) positions of the entries ``row`` holds at ``layer``, in slot order (per KV head: a per-head
+        policy keeps different positions at different heads)."""
+        if self.evictor is not None:
+            return self.evictor.kept(layer, row)
+        return torch.tensor(self.positions[layer][row], dtype=torch.long).expand(self.k[layer].shape[1], -1)
 
     def write(self, layer: int, rows: list[int], k: torch.Tensor, v: torch.Tensor, positions: list[list[int]]) -> None:
         """Append T entries per row. k, v: (len(rows), Hkv, T, hd); positions[i] are row i's T positions."""
@@ -65,6 +87,8 @@ class KVCache:
         rolls back what a rejected speculative draft wrote. A row's entries are stored in position order, so it
         keeps a prefix of each layer (under ``hole`` layers hold different counts); the buffers are not cleared,
         lengths mask them out."""
+        if self.evictor is not None:
+            raise ValueError("rolling back entries is not supported under a KV cache policy (kv_cache='full' only)")
         for l in range(len(self.k)) if layers is None else layers:
             for r, p in zip(rows, keep):
                 pos = self.positions[l][r]
@@ -87,6 +111,9 @@ class KVCache:
     # ---- slots (continuous batching: a row is a slot that requests join and leave) ----
     def load_row(self, row: int, src: "KVCache", src_row: int = 0) -> None:
         """Replace row ``row`` with a copy of ``src``'s row ``src_row`` (e.g. one prompt's prefill), every layer."""
+        if (self.evictor is None) != (src.evictor is None) or (
+                self.evictor is not None and self.evictor.policy != src.evictor.policy):
+            raise ValueError("load_row between caches of different KV cache policies")
         for l in range(len(self.k)):
             n = src.lengths[l][src_row]
             if n > self.capacity:
@@ -95,12 +122,16 @@ class KVCache:
             self.v[l][row, :, :n] = src.v[l][src_row, :, :n]
             self.positions[l][row] = list(src.positions[l][src_row])
             self.lengths[l][row] = n
+        if self.evictor is not None:
+            self.evictor.load_row(row, src.evictor, src_row)
 
     def clear_row(self, row: int) -> None:
         """Empty row ``row`` (its stale tensors stay: lengths mask them out)."""
         for l in range(len(self.k)):
             self.positions[l][row] = []
             self.lengths[l][row] = 0
+        if self.evictor is not None:
+            self.evictor.clear_row(row)
 
 
 class CacheContext:
@@ -148,7 +179,10 @@ class CacheContext:
 
         t = q.shape[2]
         fresh = all(self.cache.lengths[l][r] == 0 for r in self.rows)
-        self.write(l, k, v)
+        evictor = self.cache.evictor
+        if t > 1 and fresh and evictor is not None:  # a prompt under a cache policy: it keeps its budget
+            return evictor.prefill(l, self.rows, q, k, v, self.positions, self.scaling)
+        self.cache.write(l, self.rows, k, v, self.positions)
         gqa = k.shape[1] != q.shape[1]
         if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
             return sdpa(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
@@ -158,10 +192,29 @@ class CacheContext:
             lens = torch.tensor([self.cache.lengths[l][r] for r in self.rows], device=q.device)
             last = lens[:, None] - t + torch.arange(t, device=q.device)          # (b, t) slot of each new token
             mask = (torch.arange(n, device=q.device) <= last[..., None])[:, None]  # (b, 1, t, n)
-        return sdpa(q, kk, vv, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+        acc = self.attention_scores(l)
+        if acc is not None:
+            o = attend_scored(q, kk, vv, mask, self.scaling, acc, self.rows_t)
+        else:
+            o = sdpa(q, kk, vv, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
+        self.settle(l)
+        return o
 
     def write(self, l: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append the rows' K/V without attending (a skipped token's entry under ``project``)."""
         self.cache.write(l, self.rows, k, v, self.positions)
+        self.settle(l)
+
+    def settle(self, l: int) -> None:
+        """The step's entries at layer l are written and attended: the cache policy evicts (no-op without one)."""
+        if self.cache.evictor is not None:
+            self.cache.evictor.settle(l, self.rows)
+
+    def attention_scores(self, l: int) -> torch.Tensor | None:
+        """(B, Hkv, C) accumulated attention weights of layer l's entries when the cache policy keeps them (H2O):
+        the step's attention then adds its weights (:func:`fbs.engine.kvpolicy.attend_scored`)."""
+        evictor = self.cache.evictor
+        return None if evictor is None else evictor.scores(l)
 
     def decode_slots(self, l: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """For a one-token step of fixed shapes: the layer's full K/V buffers, each row's slot (b,) for its new
@@ -182,9 +235,12 @@ class CacheContext:
         (``wrote`` None) or those flagged; it wrote them at each row's current length."""
         if wrote is None:
             self.cache.advance(l, self.rows, self.positions)
+            self.settle(l)
         elif any(wrote):
             idx = [i for i, w in enumerate(wrote) if w]
-            self.cache.advance(l, [self.rows[i] for i in idx], [self.positions[i] for i in idx])
+            rows = [self.rows[i] for i in idx]
+            self.cache.advance(l, rows, [self.positions[i] for i in idx])
+            self.cache.settle(l, rows)
 
     # ---- chunk head -------------------------------------------------------
     def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:

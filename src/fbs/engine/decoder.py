@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -40,9 +41,12 @@ import torch
 from .cache import CacheContext, KVCache
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
+from .kvpolicy import make_policy
 from ..model.chunk import ChunkState
 from ..model.layer import COMPUTE, Mix, layer_step
 from ..model.skip import BATCH_POLICIES, batch_run, gated_layers, logit_threshold, planned_skip, skips
+
+logger = logging.getLogger(__name__)
 
 CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
@@ -66,6 +70,8 @@ class DecodeOptions:
     pad_token_id: int | None = None
     tau: float | None = None                 # None: the model's config.tau
     kv_policy: str | None = None             # None: the model's config.kv_policy
+    kv_cache: str = "full"                   # full | streaming | h2o | snapkv (fbs.engine.kvpolicy)
+    kv_budget: int | None = None             # entries a cache policy keeps per layer, row and KV head
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -116,6 +122,12 @@ class DecodeOptions:
             raise ValueError("draft_adapter drafts for lossless decoding: pass lossless=True")
         if self.skip_policy is not None and self.skip_plan is not None:
             raise ValueError("skip_policy and skip_plan both decide the skips; pass one")
+        policy = make_policy(self.kv_cache, self.kv_budget)  # checks the name and the budget
+        if policy is not None and self.lossless:
+            raise ValueError(f"lossless decoding rolls rejected drafts back, which kv_cache={self.kv_cache!r} cannot "
+                             "(evicted entries are gone): use kv_cache='full' with lossless=True")
+        if policy is not None and policy.scores and self.compile:
+            raise ValueError("kv_cache='h2o' accumulates attention weights in an eager step: pass compile=False")
 
 
 @dataclasses.dataclass
@@ -363,18 +375,23 @@ class Decoder:
         self.L, self.B = spec.num_layers, len(prompts)
         self.prompts = prompts
         longest = max(len(p) for p in prompts)
-        if longest + opts.max_new_tokens > spec.max_positions:
+        self.kv = make_policy(opts.kv_cache, opts.kv_budget)  # the cache policy (None: the full cache)
+        windowed = self.kv is not None and self.kv.name == "streaming"  # decode distances stay within its budget
+        if longest > spec.max_positions or (longest + opts.max_new_tokens > spec.max_positions and not windowed):
             raise ValueError(
                 f"prompt of {longest} tokens plus max_new_tokens={opts.max_new_tokens} exceeds the model's context "
                 f"of {spec.max_positions}; shorten the prompt or lower max_new_tokens"
+                + ("" if longest > spec.max_positions else " (or decode past it with kv_cache='streaming')")
             )
         self.dev = model.preview_ids.device
         dtype = model.base.embedding_weight.dtype
         # lossless decoding verifies up to draft_tokens + 1 positions past a row's last committed one
         capacity = longest + opts.max_new_tokens + (opts.draft_tokens + 1 if opts.lossless else 0)
+        if self.kv is not None:  # the kept entries and the one a step appends, not the whole context
+            capacity = self.kv.capacity(longest, opts.max_new_tokens)
         if opts.compile:  # compiled steps see the cache's full shape: round it so calls share graphs (and the disk cache)
             capacity = min(-(-capacity // CAPACITY_STEP) * CAPACITY_STEP, max(capacity, spec.max_positions))
-        self.cache = KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev, dtype)
+        self.cache = self.new_cache(capacity)
         self.chunks = {l: ChunkState(self.B, cfg.chunk_cache_size, cfg.chunk_rank, self.dev, dtype)
                        for l in model.layers_cfg.ch}
         self.tau = cfg.tau if opts.tau is None else opts.tau
@@ -423,8 +440,21 @@ class Decoder:
         self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
         self._seg_gated: dict[range, list[bool]] = {}   # per run of layers, which of them this call gates
         #: every decision is the gate logit against a threshold or forced (plan, force_compute), for the whole
-        #: layer, with no baseline policy: what a kernel that decides inside its call can compute
+        #: layer, with no baseline policy and no cache policy that reads attention weights: what a kernel that
+        #: decides inside its call can compute
         self.hard_decisions = self.skipper is None and not opts.gate_sampling and self.granularity == "layer"
+        if self.kv is not None and self.kv.scores:  # the native layer kernel does not return attention weights
+            if self.hard_decisions and getattr(self.ops, "native_layers", None) is not None:
+                logger.info("kv_cache=%r reads attention weights: the native layer kernel is not used, its layers "
+                            "run as PyTorch ops (the products still native)", self.kv.name)
+            self.hard_decisions = False
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty KV cache of this call's rows, ``capacity`` slots each, under its cache policy."""
+        base = self.m.base
+        spec, dtype = base.spec, base.embedding_weight.dtype
+        rope = lambda pos: base.rope(base.embedding_weight[:1], pos)  # noqa: E731  (rotary tables of positions)
+        return KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev, dtype, self.kv, rope)
 
     def context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .. import native
 from .cache import CacheContext
+from .kvpolicy import attend_scored
 from ..model.layer import HFOps, layer_step
 from ..model.gate import relative_update
 from ..native import quant as native_quant
@@ -224,23 +225,28 @@ def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int, native_step
 
 def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s,
                 dn, dn_s, *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool,
-                native_step: bool = False):
+                native_step: bool = False, scores: torch.Tensor | None = None):
     """One new token per row: Q, write K/V at each row's slot of the static cache, attend over the slots
     filled so far, O and (with ``ffn``) the FFN. ``idx`` (b,): the rows' cache rows; ``valid`` (b, 1, 1, C): the
     slots each row attends to (both from :meth:`FusedOps._slots`); ``rows`` None: the step's rows are the cache's
     rows (attend over the whole buffers), else ``idx`` (gather them). ``native_step``: the write and the
     attention in one native call over each row's filled prefix only (:func:`fbs.native.attend_one`), the norm
-    native too."""
+    native too. ``scores`` (B, Hkv, C): a cache policy's accumulated attention (H2O); the attention is then
+    computed explicitly, as PyTorch ops, and adds its weights to it (:func:`fbs.engine.kvpolicy.attend_scored`)."""
     b = x.shape[0]
     q = _rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
-    if native_step:
+    if native_step and scores is None:
         o = native.attend_one(q, k, v, kc, vc, idx, slots, scale)                 # (b, 1, H * hd)
     else:
         kc[idx, :, slots] = k[:, :, 0]
         vc[idx, :, slots] = v[:, :, 0]
         keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
-                                           enable_gqa=keys.shape[1] != heads).transpose(1, 2).reshape(b, 1, heads * hd)
+        if scores is None:
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
+                                               enable_gqa=keys.shape[1] != heads)
+        else:
+            o = attend_scored(q, keys, vals, valid, scale, scores, idx)
+        o = o.transpose(1, 2).reshape(b, 1, heads * hd)
     h = x + matmul(o, wo, wo_s)
     return _ffn_step(h, ln2, gu, gu_s, dn, dn_s, eps=eps, inter=inter, native_step=native_step) if ffn else h
 
@@ -600,12 +606,14 @@ class FusedOps(LayerByLayer):
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
         rope = self._rope_of(ctx)
-        if self.attends_natively(l):  # the native halves (a PAW / CH layer of the native int8 step)
+        scores = ctx.attention_scores(l)  # a cache policy that reads the attention weights (H2O): PyTorch attention
+        if self.attends_natively(l) and scores is None:  # the native halves (a PAW / CH layer of the native int8 step)
             layer = self._native_all[l]
             xn = self.norm1(l, x) if xn is None else xn
             kc, vc, slots, rows = ctx.decode_slots(l)
             idx, _ = self._slots(slots, rows, kc.shape[2])
             h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv)
+            ctx.settle(l)
             return native.ffn_layer(layer, h) if ffn else h
         if kv is None:
             xn2, k, v, _ = self._pre_fn(x, None, None, None, None, *rope, w.ln1, *w.kvg.tensors,
@@ -615,8 +623,11 @@ class FusedOps(LayerByLayer):
             k, v = kv
         kc, vc, slots, rows = ctx.decode_slots(l)
         idx, valid = self._slots(slots, rows, kc.shape[2])
-        return self._block_fn(x, xn, k, v, *rope, kc, vc, slots, idx, valid, rows, *w.q.tensors, w.q_b, w.q_norm,
-                              *w.o.tensors, w.ln2, *w.gu.tensors, *w.down.tensors, ffn=ffn, **self._k_block)
+        out = self._block_fn(x, xn, k, v, *rope, kc, vc, slots, idx, valid, rows, *w.q.tensors, w.q_b, w.q_norm,
+                             *w.o.tensors, w.ln2, *w.gu.tensors, *w.down.tensors, ffn=ffn, scores=scores,
+                             **self._k_block)
+        ctx.settle(l)  # the cache policy evicts once the step's entry is written and attended
+        return out
 
     def _rope_of(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`_rope_tables` of the step's ``ctx.cos`` / ``ctx.sin``, made on its first layer (memo by identity:

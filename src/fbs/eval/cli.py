@@ -35,6 +35,7 @@ import logging
 import time
 from pathlib import Path
 
+from ..engine.kvpolicy import add_kv_cache_arguments, kv_cache_options
 from .runtime import chat_items, checkpoint_path, setup_runtime
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ def build_system(args):
 
     kw = {"max_length": args.max_length, "max_batch_tokens": args.max_batch_tokens}
     _check_baseline_args(args, args.system)
+    if args.system != "fbs" and getattr(args, "kv_cache", "full") != "full":
+        raise ValueError(f"--kv-cache is a policy of the FBS engine's cache: use it with --system fbs, not "
+                         f"--system {args.system}")
     if args.system == "base":
         from fbs.model.bases import load_base
 
@@ -69,9 +73,12 @@ def build_system(args):
 
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
+    gen = kv_cache_options(args)  # generation tasks decode through the engine's cache (scoring runs no cache)
+    cache = f", kv-cache={args.kv_cache}:{args.kv_budget}" if gen else ""
     name = args.name or f"FBS {args.model} (tau={args.tau if args.tau is not None else model.config.tau}, "\
-                        f"kv={args.kv_policy or model.config.kv_policy}, gates={args.gate_mode})"
-    return FBSSystem(model, tok, tau=args.tau, kv_policy=args.kv_policy, gate_mode=args.gate_mode, name=name, **kw)
+                        f"kv={args.kv_policy or model.config.kv_policy}, gates={args.gate_mode}{cache})"
+    return FBSSystem(model, tok, tau=args.tau, kv_policy=args.kv_policy, gate_mode=args.gate_mode, name=name,
+                     generate_kwargs=gen, **kw)
 
 
 def _check_baseline_args(args, method: str | None) -> None:
@@ -633,6 +640,7 @@ def register(subparsers) -> None:
     _add_baseline_arguments(r, sweep=False)
     r.add_argument("--gate-mode", choices=("threshold", "off"), default="threshold",
                    help="fbs: 'off' runs every layer (the nothing-skipped reference)")
+    add_kv_cache_arguments(r)  # fbs: the cache policy of generation tasks (log-likelihood scoring has no cache)
     r.add_argument("--tasks", help="comma-separated task names (default: the main-table set, or the protocol's "
                                    "tasks; see `fbs eval list`)")
     r.add_argument("--limit", help="seeded subset size: N for every task, or task=N,...,default=N")

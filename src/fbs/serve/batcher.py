@@ -14,7 +14,7 @@ composed differently:
   takes it before the next step.
 
 Options that change how a whole batch runs (KV policy, batch policy, never-skip layers, ``force_compute``,
-Bernoulli gates, weight format) form the batch key: requests with different keys decode in separate batches,
+Bernoulli gates, weight format, KV cache policy and budget) form the batch key: requests with different keys decode in separate batches,
 stepped in turn. tau and structure protection are per row (:meth:`SlotBatch._row_tau`).
 """
 
@@ -30,14 +30,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine.cache import KVCache
 from ..engine import (CAPACITY_STEP, VALIDATORS, DecodeOptions, GenerationResult, Decoder, finish, run, start,
                       TraceRecorder)
 
 logger = logging.getLogger(__name__)
 
 #: DecodeOptions fields that must agree within one batch (the rest are per request).
-BATCH_FIELDS = ("batch_policy", "force_compute", "gate_sampling", "never_skip", "weights")
+BATCH_FIELDS = ("batch_policy", "force_compute", "gate_sampling", "never_skip", "weights", "kv_cache", "kv_budget")
 #: Names of the per-step records of :class:`fbs.engine.TraceRecorder`.
 _RECORDS = TraceRecorder.FIELDS
 
@@ -72,16 +71,15 @@ class SlotBatch(Decoder):
         old = getattr(self, "cache", None)
         if old is not None and old.batch == self.B and (old.capacity >= cap if self.active else old.capacity == cap):
             return
-        spec = self.m.base.spec
-        self.cache = KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, cap, self.dev,
-                             self.m.base.embedding_weight.dtype)
+        self.cache = self.new_cache(cap)
         for r in self.active:
             self.cache.load_row(r, old, r)
 
     def join(self, dec: Decoder, owner=None) -> int:
         """Move a prefilled one-row decoder into a free slot; returns the slot. Its own cache is released."""
         slot = self.members.index(None)
-        self._fit(len(dec.prompts[0]) + dec.opts.max_new_tokens)
+        n, new = len(dec.prompts[0]), dec.opts.max_new_tokens
+        self._fit(n + new if self.kv is None else self.kv.capacity(n, new))  # a cache policy: its budget
         self.cache.load_row(slot, dec.cache, 0)
         rows = torch.tensor([slot], device=self.dev)
         for l, state in dec.chunks.items():
@@ -329,7 +327,7 @@ class Scheduler:
     def _batch_for(self, dec: Decoder) -> SlotBatch:
         o = dec.opts
         never = tuple(sorted({l % dec.L for l in o.never_skip}))
-        key = (dec.policy, o.batch_policy, o.force_compute, o.gate_sampling, never, o.weights)
+        key = (dec.policy, o.batch_policy, o.force_compute, o.gate_sampling, never, o.weights, o.kv_cache, o.kv_budget)
         batch = self._batches.get(key)
         if batch is None:
             fields = {name: getattr(o, name) for name in BATCH_FIELDS}
@@ -399,6 +397,7 @@ class Scheduler:
         tr = result.trace
         summary = {"skip_ratio": tr.skip_ratio, "tflops_rel": tr.tflops_rel, "tflops_rel_exact": tr.tflops_rel_exact,
                    "tau": dec.tau, "kv_policy": dec.policy, "batch_policy": dec.opts.batch_policy,
+                   "kv_cache": dec.opts.kv_cache, "kv_budget": dec.opts.kv_budget,
                    "fallback": req.fallback, "queue_s": req.queued_s,
                    **{k: result.timings[k] for k in ("prefill_s", "decode_s")}}
         if result.speculative is not None:  # lossless: acceptance, tokens per verify pass, the draft's skip share

@@ -4,7 +4,7 @@ Validation names the offending field in an OpenAI-style error body
 (``{"error": {"message", "type", "param", "code"}}``). Supported beside the OpenAI fields, in the request body
 (with the ``openai`` client: ``extra_body={...}``): the FBS decoding options ``tau``, ``kv_policy``,
 ``batch_policy``, ``force_compute``, ``never_skip``, ``protect_structure``, ``structure_tau``, ``validator``,
-``fallback_tau``, ``gate_sampling``, and vLLM's ``top_k``, ``min_tokens``, ``ignore_eos``.
+``fallback_tau``, ``gate_sampling``, ``kv_cache`` / ``kv_budget`` (a KV cache policy under a budget), and vLLM's ``top_k``, ``min_tokens``, ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 import uuid
 
 from ..engine import VALIDATORS, DecodeOptions
+from ..engine.kvpolicy import POLICIES, make_policy
 
 
 class APIError(Exception):
@@ -62,7 +63,8 @@ _NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs
 _IGNORED = {"user", "metadata", "store", "service_tier"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed",
            "tau", "kv_policy", "batch_policy", "force_compute", "never_skip", "protect_structure", "structure_tau",
-           "validator", "fallback_tau", "gate_sampling", "top_k", "min_tokens", "ignore_eos", "lossless"}
+           "validator", "fallback_tau", "gate_sampling", "top_k", "min_tokens", "ignore_eos", "lossless",
+           "kv_cache", "kv_budget"}
 _FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages", "max_completion_tokens", "response_format"}}
 
 
@@ -255,6 +257,16 @@ def _options(body: dict, ctx: ServeContext, max_tokens: int, stream: bool) -> di
         if validator is not None:
             raise bad("lossless", "'lossless' output is the full-depth output already: it takes no 'validator'")
         opts["lossless"] = True
+    kv = _choice(body, "kv_cache", POLICIES)
+    budget = _number(body, "kv_budget", None, 1, integer=True)
+    try:
+        policy = make_policy(kv, budget)
+    except ValueError as e:
+        raise bad("kv_budget", str(e)) from None
+    if policy is not None:
+        if opts.get("lossless"):
+            raise bad("kv_cache", "'lossless' rolls rejected drafts back, which an evicting 'kv_cache' cannot")
+        opts["kv_cache"], opts["kv_budget"] = policy.name, policy.budget
     if opts.get("protect_structure") and ctx.tokenizer is None:
         raise bad("protect_structure", "'protect_structure' needs the model's tokenizer")
     if stops and ctx.tokenizer is None:

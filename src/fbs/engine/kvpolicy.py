@@ -1,0 +1,439 @@
+"""KV-cache policies under a budget (Group C of the paper's appendix F), in the engine's static cache.
+
+``budget`` N is the number of entries a row keeps **per layer and per KV head** after each eviction. The policies:
+
+* ``streaming`` (StreamingLLM, Xiao et al. 2023): the first :data:`SINKS` entries of the layer (attention sinks)
+  plus the most recent N - SINKS. Positions as the reference handles them (RoPE at cache-relative positions): the
+  query-key distance equals the number of kept entries between them. Kept keys stay rotated at their true positions
+  except the sinks, which are re-rotated (from a pristine copy, so no rounding accumulates) to sit right before the
+  oldest window entry; without holes that gives exactly the reference's distances (entry i of n at distance n - i).
+  The same kept set at every head.
+* ``h2o`` (Zhang et al. 2023): the N - N//2 most recent entries plus the N//2 heavy hitters, the older entries with
+  the largest accumulated attention (the sum of every attention weight they received, summed over the query heads
+  of their KV head). The weights come from the step's own attention (an explicit attention, not a second pass). Per
+  KV head; true positions.
+* ``snapkv`` (Li et al. 2024): at prefill, the last :data:`SNAP_WINDOW` prompt queries (the observation window) vote
+  for prefix entries with their attention weights (summed over the window and the KV head's query heads), the votes
+  are max-pooled along positions (kernel :data:`SNAP_KERNEL`), and the top N - window prefix entries plus the window
+  are kept. Per KV head; true positions. As in the reference, generated tokens are appended without eviction: the
+  cache holds N entries after prefill and N + (entries written since) while decoding.
+
+Layout: a layer's kept entries are always the first ``lengths[l][r]`` slots of its buffers (same count at every KV
+head), so the one-token step (PyTorch: whole buffer with a length mask; native: each row's prefix) runs unchanged.
+A decode step appends one entry per layer it writes at slot N, attends over the N kept entries plus it, and then
+the policy evicts one: the victim's slot is refilled from the tail (O(1) copies; slots are not in position order).
+The recent window of ``streaming`` and ``h2o`` is a ring over the slots after the sinks / heavy hitters.
+
+Composition with FBS skipping: eviction acts on the entries a layer holds, so under ``hole`` (a token that skips
+layer l writes no entry there) each layer's kept set is the policy applied to the entries that layer received (its
+own sequence of positions), a layer that skips neither reads nor changes its cache, and layers keep different
+positions. Under ``project`` a skipped token's projected entry is appended and counts like any other (for ``h2o``
+it enters the recent window with the score of no attention received).
+
+Prefill attends over the whole prompt (each reference's generation path does too), then keeps the budget: only the
+kept entries are stored, so the cache is allocated to the budget (plus one slot), not to the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+#: the policies ``kv_cache=`` selects (``full``: no eviction)
+POLICIES = ("full", "streaming", "h2o", "snapkv")
+SINKS = 4         # StreamingLLM's attention sinks (the reference's start_size)
+SNAP_WINDOW = 32  # SnapKV's observation window (the reference's LongBench setting)
+SNAP_KERNEL = 7   # SnapKV's pooling kernel (max pooling, as in that setting)
+#: prefill query rows per chunk of H2O's explicit attention (bounds its (chunk, prompt) weight matrix)
+H2O_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePolicy:
+    """A KV-cache policy and its budget (entries kept per layer, row and KV head)."""
+
+    name: str
+    budget: int
+
+    def __post_init__(self):
+        if self.name not in POLICIES[1:]:
+            raise ValueError(f"kv_cache must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        least = {"streaming": SINKS + 1, "h2o": 1, "snapkv": SNAP_WINDOW + 1}[self.name]
+        if self.budget < least:
+            why = {"streaming": f"{SINKS} attention sinks plus a recent window",
+                   "h2o": "at least one recent entry", "snapkv": f"its {SNAP_WINDOW}-token observation window plus "
+                                                               "at least one voted entry"}[self.name]
+            raise ValueError(f"kv_cache={self.name!r} keeps {why}: kv_budget must be >= {least}, got {self.budget}")
+
+    @property
+    def scores(self) -> bool:
+        """The policy reads each decode step's attention weights (the step then attends explicitly)."""
+        return self.name == "h2o"
+
+    def capacity(self, prompt: int, max_new: int) -> int:
+        """Slots per row the cache needs: the kept entries plus the one a step appends before evicting (SnapKV:
+        every generated entry is kept)."""
+        if self.name == "snapkv":
+            return min(prompt, self.budget) + max_new
+        return min(prompt + max_new, self.budget + 1)
+
+    def bind(self, cache, rope=None) -> "Evictor":
+        """The per-cache state of this policy. ``rope(positions (b, n) long) -> (cos, sin) (b, n, hd)``: the model's
+        rotary tables (StreamingLLM re-rotates its sinks)."""
+        return {"streaming": Streaming, "h2o": H2O, "snapkv": SnapKV}[self.name](self, cache, rope)
+
+
+def make_policy(kv_cache: str | None, kv_budget: int | None) -> CachePolicy | None:
+    """The :class:`CachePolicy` of ``kv_cache`` / ``kv_budget`` (None for the full cache)."""
+    if kv_cache in (None, "full"):
+        if kv_budget is not None:
+            raise ValueError("kv_budget applies to a cache policy: pass kv_cache='streaming', 'h2o' or 'snapkv'")
+        return None
+    if kv_budget is None:
+        raise ValueError(f"kv_cache={kv_cache!r} needs kv_budget (entries kept per layer and KV head)")
+    return CachePolicy(kv_cache, int(kv_budget))
+
+
+def add_kv_cache_arguments(p) -> None:
+    """``--kv-cache`` / ``--kv-budget`` on an argparse parser (``fbs generate``, ``fbs eval run``)."""
+    p.add_argument("--kv-cache", choices=POLICIES, default="full",
+                   help="KV cache policy: full (default), streaming (StreamingLLM: 4 sinks + recent window), h2o "
+                        "(heavy hitters + recent), snapkv (observation-window votes at prefill)")
+    p.add_argument("--kv-budget", type=int,
+                   help="entries a --kv-cache policy keeps per layer and KV head (required with one)")
+
+
+def kv_cache_options(args) -> dict:
+    """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` (checked: a clear error when they do not
+    fit together)."""
+    make_policy(args.kv_cache, args.kv_budget)
+    return {} if args.kv_cache == "full" else {"kv_cache": args.kv_cache, "kv_budget": args.kv_budget}
+
+
+# --------------------------------------------------------------------------- attention that returns its weights
+def attend_scored(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  acc: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q`` (b, H, T, hd) over ``keys`` / ``vals`` (b, Hkv, n, hd) (GQA: query head h reads KV head
+    h // (H / Hkv), HF's order) under the bool ``mask`` (b, 1, T or 1, n; True = attend), computed explicitly so that
+    its weights, summed over the queries and the KV head's query heads, are added to ``acc[idx]`` (acc (B, Hkv, >= n),
+    idx (b,) its rows). Returns (b, H, T, hd) in q's dtype."""
+    b, h, t, hd = q.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    qg = q.reshape(b, hkv, h // hkv, t, hd)
+    s = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)).float() * scale      # (b, Hkv, g, T, n)
+    if mask is not None:
+        s = s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    w = s.softmax(-1)
+    o = torch.matmul(w.to(vals.dtype), vals.unsqueeze(2))                           # (b, Hkv, g, T, hd)
+    acc[:, :, :n].index_add_(0, idx, w.sum((2, 3)))
+    return o.reshape(b, h, t, hd).to(q.dtype)
+
+
+def _gather(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x (b, Hkv, T[, hd]) at the slots ``keep`` (b, Hkv, n) of each head."""
+    if x.dim() == 3:
+        return x.gather(2, keep)
+    return x.gather(2, keep.unsqueeze(-1).expand(*keep.shape, x.shape[-1]))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE rotation x cos + rotate_half(x) sin; x (b, Hkv, n, hd), cos / sin (b, n, hd)."""
+    half = x.shape[-1] // 2
+    return x * cos.unsqueeze(1) + torch.cat((-x[..., half:], x[..., :half]), -1) * sin.unsqueeze(1)
+
+
+# --------------------------------------------------------------------------- per-cache state
+class Evictor:
+    """A policy's state over one :class:`fbs.engine.cache.KVCache`. The cache calls :meth:`booked` when entries are
+    booked, :meth:`settle` once they are written and attended, :meth:`prefill` for a fresh prompt."""
+
+    #: slots [0, fixed) are outside the recent window's ring (sinks / heavy hitters); the ring is [fixed, budget)
+    fixed = 0
+
+    def __init__(self, policy: CachePolicy, cache, rope):
+        self.policy, self.cache, self.rope, self.budget = policy, cache, rope, policy.budget
+        n_layers, batch = len(cache.k), cache.batch
+        #: per layer and row, the ring slot of the oldest recent entry (None: nothing evicted yet, slots in order)
+        self.ring: list[list[int | None]] = [[None] * batch for _ in range(n_layers)]
+
+    # ---- hooks ----------------------------------------------------------------
+    def scores(self, l: int) -> torch.Tensor | None:
+        """(B, Hkv, C) accumulated attention of layer l's entries, when the policy keeps it (the step adds to it)."""
+        return None
+
+    def booked(self, l: int, rows: list[int], starts: list[int], positions: list[list[int]]) -> None:
+        """Entries of ``rows`` were booked at ``starts`` with ``positions``."""
+
+    def settle(self, l: int, rows: list[int]) -> None:
+        """The rows' new entries at layer l are written and attended: evict those rows back to the budget. A
+        one-token step appends at most one entry per layer, so at most one is evicted."""
+        lens = self.cache.lengths[l]
+        over = [r for r in rows if lens[r] > self.budget]
+        if not over:
+            return
+        if any(lens[r] != self.budget + 1 for r in over):
+            raise RuntimeError(f"layer {l} holds more than one entry over the KV budget {self.budget}: multi-token "
+                               "writes after the prompt are not supported under a cache policy")
+        ring = self.ring[l]
+        for r in over:
+            if ring[r] is None:
+                self._first_eviction(l, r)
+        idx = torch.tensor(over, device=self.cache.k[l].device)
+        old = torch.tensor([ring[r] for r in over], device=idx.device)
+        self._evict(l, over, idx, old)
+        width = self.budget - self.fixed
+        pos = self.cache.positions[l]
+        for r in over:
+            o = ring[r]
+            pos[r][o] = pos[r].pop()  # the new entry (slot N) moved into the ring slot of the oldest recent one
+            ring[r] = self.fixed + (o - self.fixed + 1) % width
+            lens[r] = self.budget
+        self._after(l, over, idx)
+
+    def _first_eviction(self, l: int, r: int) -> None:
+        self.ring[l][r] = self.fixed
+
+    def _evict(self, l: int, rows: list[int], idx: torch.Tensor, old: torch.Tensor) -> None:
+        """Drop one entry per row and head; the new entry (slot N) takes the ring slot ``old`` of the oldest recent
+        entry, which leaves the window."""
+        raise NotImplementedError
+
+    def _after(self, l: int, rows: list[int], idx: torch.Tensor) -> None:
+        pass
+
+    def _move(self, tensors, idx: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per row (and head, when ``dst`` is (b, Hkv)), copy slot ``src`` to slot ``dst`` in each tensor."""
+        for t in tensors:
+            if dst.dim() == 1:
+                t[idx, :, dst] = t[idx, :, src]
+            else:
+                heads = torch.arange(t.shape[1], device=idx.device)
+                t[idx[:, None], heads[None, :], dst] = t[idx, :, src]
+
+    # ---- prefill --------------------------------------------------------------
+    def prefill(self, l: int, rows: list[int], q, k, v, positions: list[list[int]], scale: float) -> torch.Tensor:
+        """Attention of a fresh prompt (q (b, H, T, hd), rotated k / v (b, Hkv, T, hd)) over itself; stores the
+        kept entries (all of them when T <= budget). Returns (b, H, T, hd)."""
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        self._store(l, rows, k, v, positions, self._select(k, positions) if k.shape[2] > self.budget else None)
+        return o
+
+    def _select(self, k, positions) -> torch.Tensor:
+        """(b, Hkv, budget) prompt slots kept (prompt longer than the budget)."""
+        raise NotImplementedError
+
+    def _store(self, l, rows, k, v, positions, keep: torch.Tensor | None, acc: torch.Tensor | None = None) -> None:
+        c = self.cache
+        if keep is not None:
+            k, v = _gather(k, keep), _gather(v, keep)
+            if acc is not None:
+                acc = _gather(acc, keep)
+        n = k.shape[2]
+        idx = torch.tensor(rows, device=k.device)
+        c.k[l][idx, :, :n] = k
+        c.v[l][idx, :, :n] = v
+        if acc is not None:
+            self.scores(l)[idx, :, :n] = acc
+        pos = torch.tensor(positions, device=k.device)                                   # (b, T)
+        kept = pos[:, None, :].expand(-1, k.shape[1], -1) if keep is None else pos[:, None, :].expand(
+            -1, k.shape[1], -1).gather(2, keep)                                           # (b, Hkv, n)
+        for i, r in enumerate(rows):
+            c.positions[l][r] = kept[i, 0].tolist()
+            c.lengths[l][r] = n
+            self.ring[l][r] = None if keep is None else self.fixed
+        self._stored(l, rows, idx, kept, keep is not None)
+
+    def _stored(self, l, rows, idx, kept: torch.Tensor, evicted: bool) -> None:
+        pass
+
+    # ---- introspection and slots ----------------------------------------------
+    def kept(self, l: int, r: int) -> torch.Tensor:
+        """(Hkv, n) positions of the entries row r holds at layer l, in slot order."""
+        pos = torch.tensor(self.cache.positions[l][r], dtype=torch.long)
+        return pos.expand(self.cache.k[l].shape[1], -1)
+
+    def load_row(self, row: int, src: "Evictor", src_row: int) -> None:
+        """Copy ``src``'s state of row ``src_row`` (the cache has copied its entries and lengths already)."""
+        for l in range(len(self.ring)):
+            self.ring[l][row] = src.ring[l][src_row]
+
+    def clear_row(self, row: int) -> None:
+        for l in range(len(self.ring)):
+            self.ring[l][row] = None
+
+
+class Streaming(Evictor):
+    """StreamingLLM: :data:`SINKS` sinks + a recent window, sinks re-rotated next to the window (module doc)."""
+
+    fixed = SINKS
+
+    def __init__(self, policy, cache, rope):
+        super().__init__(policy, cache, rope)
+        if rope is None:
+            raise ValueError("the streaming policy re-rotates its sinks: bind it with the model's rope")
+        b, hkv, _, hd = cache.k[0].shape
+        #: per layer, the sinks' keys as first rotated (at ``sink_pos``), so re-rotations never compound rounding
+        self.sink_k = [torch.zeros(b, hkv, SINKS, hd, dtype=cache.k[0].dtype, device=cache.k[0].device)
+                       for _ in cache.k]
+        self.sink_pos: list[list[list[int]]] = [[[] for _ in range(b)] for _ in cache.k]
+        self._memo: tuple = (None, None)
+
+    def _first_eviction(self, l, r):
+        super()._first_eviction(l, r)
+        self.sink_k[l][r] = self.cache.k[l][r, :, :SINKS]
+        self.sink_pos[l][r] = self.cache.positions[l][r][:SINKS]
+
+    def _evict(self, l, rows, idx, old):
+        c = self.cache
+        self._move((c.k[l], c.v[l]), idx, torch.full_like(old, self.budget), old)
+
+    def _after(self, l, rows, idx):
+        self._place_sinks(l, rows, idx)
+
+    def _place_sinks(self, l, rows, idx):
+        """Rotate the sinks to the positions just before the oldest window entry (at the ring slot)."""
+        pos = self.cache.positions[l]
+        deltas = tuple(tuple(pos[r][self.ring[l][r]] - SINKS + i - p for i, p in enumerate(self.sink_pos[l][r]))
+                       for r in rows)
+        if self._memo[0] != deltas:  # a step's layers usually share it
+            cos, sin = self.rope(torch.tensor(deltas, device=idx.device))
+            one, _ = self.rope(torch.zeros(1, 1, dtype=torch.long, device=idx.device))
+            s = one[..., :1]  # the rope's attention scaling (cos at 0): the re-rotation is a pure rotation
+            self._memo = (deltas, (cos / s, sin / s))
+        cos, sin = self._memo[1]
+        self.cache.k[l][idx, :, :SINKS] = _rotate(self.sink_k[l][idx], cos, sin)
+
+    def _select(self, k, positions):
+        t = k.shape[2]
+        keep = list(range(SINKS)) + list(range(t - (self.budget - SINKS), t))
+        return torch.tensor(keep, device=k.device).expand(k.shape[0], k.shape[1], -1)
+
+    def _stored(self, l, rows, idx, kept, evicted):
+        if evicted:
+            self.sink_k[l][idx] = self.cache.k[l][idx, :, :SINKS]
+            for r in rows:
+                self.sink_pos[l][r] = self.cache.positions[l][r][:SINKS]
+            self._place_sinks(l, rows, idx)
+
+    def load_row(self, row, src, src_row):
+        super().load_row(row, src, src_row)
+        for l in range(len(self.ring)):
+            self.sink_k[l][row] = src.sink_k[l][src_row]
+            self.sink_pos[l][row] = list(src.sink_pos[l][src_row])
+
+
+class _PerHead(Evictor):
+    """Per-head kept sets: true positions per (row, KV head, slot) in a tensor, (B, Hkv, C)."""
+
+    def __init__(self, policy, cache, rope):
+        super().__init__(policy, cache, rope)
+        self.pos = [torch.zeros(cache.k[0].shape[:3], dtype=torch.long, device=cache.k[0].device) for _ in cache.k]
+
+    def booked(self, l, rows, starts, positions):
+        if len(positions[0]) != 1:
+            raise RuntimeError("multi-token writes after the prompt are not supported under a cache policy")
+        dev = self.pos[l].device
+        self.pos[l][torch.tensor(rows, device=dev), :, torch.tensor(starts, device=dev)] = torch.tensor(
+            positions, device=dev)
+
+    def _stored(self, l, rows, idx, kept, evicted):
+        self.pos[l][idx, :, :kept.shape[2]] = kept
+
+    def kept(self, l, r):
+        return self.pos[l][r, :, :self.cache.lengths[l][r]].cpu()
+
+    def load_row(self, row, src, src_row):
+        super().load_row(row, src, src_row)
+        for l in range(len(self.ring)):
+            n = self.cache.lengths[l][row]
+            self.pos[l][row, :, :n] = src.pos[l][src_row, :, :n]
+
+
+class H2O(_PerHead):
+    """H2O: heavy hitters by accumulated attention + a recent window, per KV head (module doc)."""
+
+    def __init__(self, policy, cache, rope):
+        super().__init__(policy, cache, rope)
+        self.fixed = policy.budget // 2  # heavy hitters; the recent window is the rest of the budget
+        self.acc = [torch.zeros(cache.k[0].shape[:3], dtype=torch.float32, device=cache.k[0].device)
+                    for _ in cache.k]
+
+    def scores(self, l):
+        return self.acc[l]
+
+    def _evict(self, l, rows, idx, old):
+        """The oldest recent entry leaves the window and competes with the heavy hitters: the lowest accumulated
+        score among them is evicted (per head); the new entry takes the ring slot."""
+        c, acc, h = self.cache, self.acc[l], self.fixed
+        cand = torch.cat((acc[idx, :, :h], acc[idx, :, old].unsqueeze(-1)), -1)       # (b, Hkv, h + 1)
+        worst = cand.argmin(-1)
+        victim = torch.where(worst == h, old[:, None], worst)                          # (b, Hkv) slot
+        self._move((c.k[l], c.v[l], acc, self.pos[l]), idx, old, victim)
+        self._move((c.k[l], c.v[l], acc, self.pos[l]), idx, torch.full_like(old, self.budget), old)
+        acc[idx, :, self.budget] = 0  # the tail slot's next entry starts with no attention received
+
+    def prefill(self, l, rows, q, k, v, positions, scale):
+        """Explicit attention over the prompt in query chunks (its weights are the first accumulated scores)."""
+        b, h, t, _ = q.shape
+        acc = torch.zeros(b, k.shape[1], t, dtype=torch.float32, device=q.device)
+        every = torch.arange(b, device=q.device)
+        outs = []
+        for s in range(0, t, H2O_CHUNK):
+            e = min(t, s + H2O_CHUNK)
+            mask = (torch.arange(t, device=q.device) <= torch.arange(s, e, device=q.device)[:, None])[None, None]
+            outs.append(attend_scored(q[:, :, s:e], k[:, :, :e], v[:, :, :e], mask[..., :e], scale, acc, every))
+        keep = None
+        if t > self.budget:
+            recent = self.budget - self.fixed
+            heavy = acc[:, :, :t - recent].topk(self.fixed, -1).indices.sort(-1).values     # (b, Hkv, fixed)
+            window = torch.arange(t - recent, t, device=q.device).expand(b, k.shape[1], -1)
+            keep = torch.cat((heavy, window), -1)
+        self._store(l, rows, k, v, positions, keep, acc)
+        return torch.cat(outs, 2)
+
+    def load_row(self, row, src, src_row):
+        super().load_row(row, src, src_row)
+        for l in range(len(self.ring)):
+            n = self.cache.lengths[l][row]
+            self.acc[l][row] = 0
+            self.acc[l][row, :, :n] = src.acc[l][src_row, :, :n]
+
+    def clear_row(self, row):
+        super().clear_row(row)
+        for a in self.acc:
+            a[row] = 0
+
+
+class SnapKV(_PerHead):
+    """SnapKV: observation-window votes at prefill, pooled, top-k kept; no eviction while decoding (module doc)."""
+
+    def settle(self, l, rows):
+        pass
+
+    def prefill(self, l, rows, q, k, v, positions, scale):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        keep = self.votes_keep(q, k, scale) if k.shape[2] > self.budget else None
+        self._store(l, rows, k, v, positions, keep)
+        return o
+
+    def votes(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+        """(b, Hkv, T - window) pooled votes of the observation window for the prefix entries."""
+        b, h, t, hd = q.shape
+        hkv, w = k.shape[1], SNAP_WINDOW
+        obs = q[:, :, t - w:].reshape(b, hkv, h // hkv, w, hd)
+        s = torch.matmul(obs, k.unsqueeze(2).transpose(-1, -2)).float() * scale         # (b, Hkv, g, w, T)
+        causal = torch.arange(t, device=q.device) <= torch.arange(t - w, t, device=q.device)[:, None]
+        weights = s.masked_fill(~causal, float("-inf")).softmax(-1)
+        vote = weights[..., :t - w].sum((2, 3))                                          # (b, Hkv, T - w)
+        return F.max_pool1d(vote, SNAP_KERNEL, stride=1, padding=SNAP_KERNEL // 2)
+
+    def votes_keep(self, q, k, scale) -> torch.Tensor:
+        t, w = k.shape[2], SNAP_WINDOW
+        top = self.votes(q, k, scale).topk(self.budget - w, -1).indices.sort(-1).values
+        return torch.cat((top, torch.arange(t - w, t, device=q.device).expand(*top.shape[:2], -1)), -1)
+
+
+__all__ = ["POLICIES", "CachePolicy", "Evictor", "make_policy", "add_kv_cache_arguments", "kv_cache_options", "attend_scored", "SINKS", "SNAP_WINDOW",
+           "SNAP_KERNEL"]
