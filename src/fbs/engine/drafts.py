@@ -103,6 +103,7 @@ class BaseDraft:
     name = "draft"
     start = 0
     adaptive = False
+    granularity = "layer"  # of the verifier's layers the draft runs itself (none here): for the accounting
 
     def __init__(self, session):
         self.s, self.dec = session, session.dec
@@ -357,8 +358,9 @@ class ModelDraft(BaseDraft):
     def commit(self, rows, positions, kept, verified) -> None:
         for r, p, c in zip(rows, positions, kept):
             cache = self.caches.get(r)
-            if cache is not None and cache.get_seq_length() > p + c:
-                cache.crop(p + c)
+            have = cache.get_seq_length() if cache is not None else 0
+            if have > p + c:
+                cache.crop(p + c - have)  # a negative count removes that many entries (every transformers version)
 
     def step_cost(self, row, context) -> float:
         return self.cost
