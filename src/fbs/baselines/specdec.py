@@ -94,7 +94,7 @@ def load_draft_model(path: str | os.PathLike, target=None, check_base: bool = Tr
     if not record.is_file() or json.loads(record.read_text())["files"] != manifest_of(path)["files"]:
         raise CheckpointError(f"the weights in {path} do not match their integrity record {MANIFEST_NAME}; copy the "
                               f"directory again or {TRAIN_HINT}")
-    student = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if target is not None:
         fp = getattr(target.config, "base_fingerprint", None)
         if check_base and info.get("base_fingerprint") != fp:
