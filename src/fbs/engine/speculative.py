@@ -1,6 +1,8 @@
-"""Lossless speculative decoding over the FBS engine: the model drafts with fewer layers, full depth verifies.
+"""Lossless speculative decoding over the FBS engine: a draft proposes, full depth verifies.
 
-Three drafters share one verifier:
+Every draft is a :class:`fbs.engine.drafts.DraftSource` of one verifier, selected by name with ``draft=`` (the
+registry of :mod:`fbs.engine.drafts`: prompt lookup, lookahead, a separate draft model, Medusa heads, and the three
+below). The engine's own drafters, defined here:
 
 * **FBS lossless** (``lossless=True``): the engine's own skipping decode step drafts, gates at tau;
 * **Draft&Verify** (Zhang et al. 2024; ``lossless=True, skip_plan=static plan, draft_stop=...``): the same step
@@ -133,7 +135,8 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
 class SpecStats:
     """What one lossless generate call did; counts are means per row (appendix B.4's sums per sequence)."""
 
-    drafter: str             # fbs (gates) | plan (static skip plan: Draft&Verify) | kangaroo
+    drafter: str             # the draft source's name: fbs (gates) | plan (static skip plan: Draft&Verify) |
+                             # kangaroo | prompt-lookup | lookahead | specdec | medusa | ...
     rows: int
     passes: float            # target passes, the prompt's included (K)
     proposed: float          # drafted tokens sent to verification (sum of m_t)
