@@ -16,7 +16,7 @@ from fbs.baselines.kangaroo import KangarooAdapter
 from fbs.baselines.medusa import MedusaHeads
 from fbs.engine import run
 from fbs.engine.drafts import Draft, DraftSource, draft_names, lookup_continuation
-from test_speculative import _assert_same_state, _decoder, _model
+from test_speculative import _assert_same_state, _decoder, _model, shipped_smollm2  # noqa: F401  (a fixture)
 
 REPEAT = [7, 8, 9, 10, 11, 12] * 3  # a repetitive prompt: prompt lookup and lookahead find n-grams
 
@@ -86,8 +86,9 @@ def test_drafts_that_copy_the_target_are_all_accepted(one_thread):
     res = model.generate(_prompts(), draft="specdec", draft_options=opts, draft_tokens=4, adapt_draft=False, **kw)
     assert res.new_tokens == model.generate(_prompts(), force_compute=True, **kw).new_tokens
     assert res.speculative.acceptance_rate == 1.0 and res.speculative.passes == 9
-    adapted = model.generate(_prompts(), draft="specdec", draft_options=opts, draft_tokens=4, **kw).speculative
-    assert adapted.gamma == [0, 0]
+    # the FBS model itself as the draft model (it drafts with its backbone), the draft length adapted
+    adapted = model.generate(_prompts(), draft="specdec", draft_options={"model": model}, draft_tokens=4, **kw)
+    assert adapted.new_tokens == res.new_tokens and adapted.speculative.gamma == [0, 0]
 
 
 def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
@@ -247,3 +248,35 @@ def test_bad_draft_names_and_missing_artifacts_are_clear_errors(tmp_path):
         other = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                              intermediate_size=64, vocab_size=100))
         model.generate(_prompts(), draft="specdec", draft_options={"model": other})
+
+
+@pytest.mark.slow
+def test_draft_sources_on_the_shipped_smollm2(shipped_smollm2):
+    """The shipped SmolLM2 model, 64 tokens after a prompt that invites copying, under both KV policies: every
+    new draft source gives the full-depth tokens (the draft model: an undistilled 5-layer student of the target,
+    whose drafts are all rejected; Medusa: fresh heads, each the model's own next-token head)."""
+    from fbs.baselines.specdec import student_from_target
+
+    model = shipped_smollm2
+    text = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n")
+    ids = model.tokenizer(text, return_tensors="pt").input_ids
+    kw = dict(max_new_tokens=64, ignore_eos=True)
+    full = model.generate(ids, force_compute=True, **kw).new_tokens
+    student, _ = student_from_target(model, 5)
+    sources = [("prompt-lookup", None), ("lookahead", {"ngram": 4}), ("specdec", {"model": student}),
+               ("medusa", {"heads": MedusaHeads(model.base.spec.hidden_size, 3)})]
+    for policy in ("hole", "project"):
+        for name, options in sources:
+            res = model.generate(ids, draft=name, draft_options=options, draft_tokens=5, adapt_draft=False,
+                                 kv_policy=policy, **kw)
+            assert res.new_tokens == full, (name, policy)
+            st = res.speculative
+            assert st.proposed > 0 and (st.accepted > 0 or name == "specdec"), (name, policy)  # undistilled: ~0
+
+
+def test_draft_options_a_source_does_not_take_are_a_clear_error():
+    model = _model("llama")
+    with pytest.raises(ValueError, match=r"draft 'lookahead' does not take the options \['ngramz'\]"):
+        model.generate(_prompts(), draft="lookahead", draft_options={"ngramz": 3})
+    with pytest.raises(ValueError, match="draft_options configure a draft source"):
+        model.generate(_prompts(), draft_options={"ngram": 3})

@@ -37,6 +37,7 @@ Layers above the engine register more with :func:`register_draft` (the engine ne
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,8 +132,6 @@ class BaseDraft:
 # --------------------------------------------------------------------------- registry
 #: name -> factory(session, **options) -> DraftSource
 _REGISTRY: dict[str, Callable[..., Any]] = {}
-#: names registered by a layer above the engine (for the error message when it has not been imported)
-_ELSEWHERE = {"kangaroo": "fbs.baselines", "specdec": "fbs.baselines", "medusa": "fbs.baselines"}
 
 
 def register_draft(name: str, factory: Callable[..., Any]) -> None:
@@ -148,17 +147,17 @@ def draft_names() -> list[str]:
 def make_draft(name, session, options: dict | None) -> DraftSource:
     """The draft source ``name`` (a registered name, or a factory ``f(session, **options)``) for one generate call."""
     options = dict(options or {})
-    if callable(name):
-        return name(session, **options)
-    factory = _REGISTRY.get(name)
+    factory = name if callable(name) else _REGISTRY.get(name)
     if factory is None:
-        where = _ELSEWHERE.get(name)
-        hint = f"; it is registered by {where}: import it first (the fbs command does)" if where else ""
-        raise ValueError(f"unknown draft {name!r}{hint}; registered drafts: {', '.join(draft_names())}")
+        raise ValueError(f"unknown draft {name!r}; registered drafts: {', '.join(draft_names())}")
     try:
-        return factory(session, **options)
+        inspect.signature(factory).bind(session, **options)
     except TypeError as e:
-        raise ValueError(f"draft {name!r} does not take the options {sorted(options)}: {e}") from e
+        hint = "; draft_options={'path': ...} loads files once fbs.baselines is imported (the fbs command does)" \
+            if "path" in options else ""
+        raise ValueError(f"draft {getattr(name, '__name__', name)!r} does not take the options {sorted(options)} "
+                         f"({e}){hint}") from e
+    return factory(session, **options)
 
 
 # --------------------------------------------------------------------------- prompt lookup
@@ -253,7 +252,8 @@ class LookaheadDraft(BaseDraft):
             ctx = self.context(r)
             P = len(ctx) - 1
             cand = list(self.pool[r].get(ctx[-1], [()])[0])[:g]
-            toks = cand + [self.window[r].get(P + 1 + j) or self._filler(r) for j in range(len(cand), g)]
+            win = self.window[r]
+            toks = cand + [win[P + 1 + j] if P + 1 + j in win else self._filler(r) for j in range(len(cand), g)]
             out[r] = Draft(toks)
         return out
 

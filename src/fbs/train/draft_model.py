@@ -17,6 +17,7 @@ wall time are recorded with the result.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -148,7 +149,7 @@ def train_draft_model(target, train_blocks: torch.Tensor, out_dir: str | Path, r
     def logits(ids):
         return student(input_ids=ids).logits
 
-    before = evaluate_draft(logits, target, eval_blocks) if eval_blocks is not None and not resume else None
+    before = evaluate_draft(logits, target, eval_blocks) if eval_blocks is not None else None  # the copied layers
     run = _distil(named, loss_of, train_blocks, out_dir, recipe, resume, stop_at, progress, "draft model")
     student.eval()
     summary = {"recipe": dataclasses.asdict(recipe), "layers": layers, "target_layers": target.num_layers,
@@ -162,7 +163,7 @@ def train_draft_model(target, train_blocks: torch.Tensor, out_dir: str | Path, r
     info = {"layers": layers, "base_fingerprint": target.config.base_fingerprint,
             "training": {k: v for k, v in summary.items() if k != "curve"}, **(meta or {}), "provenance": provenance()}
     save_draft_model(student, out_dir, info)
-    (out_dir / "curve.json").write_text(__import__("json").dumps(run["curve"]))
+    (out_dir / "curve.json").write_text(json.dumps(run["curve"]))
     return summary
 
 
@@ -195,7 +196,7 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
         _, hidden = _teacher(target, ids)
         return heads(base.norm(hidden[:, :-1]), base.lm_head)[0]
 
-    before = evaluate_draft(head0, target, eval_blocks, shift=1) if eval_blocks is not None and not resume else None
+    before = evaluate_draft(head0, target, eval_blocks, shift=1) if eval_blocks is not None else None  # fresh heads
     run = _distil(named, loss_of, train_blocks, out_dir, recipe, resume, stop_at, progress, "medusa")
     heads.eval()
     summary = {"recipe": dataclasses.asdict(recipe), "heads": K,
