@@ -227,7 +227,7 @@ class LookaheadDraft(BaseDraft):
         self.window: list[dict[int, int]] = [{} for _ in range(B)]        # absolute position -> guessed token
         self.diag: list[dict[int, tuple]] = [{} for _ in range(B)]        # position -> n-gram ending at its token
         self.pool: list[dict[int, list[tuple]]] = [{} for _ in range(B)]  # first token -> continuations, newest first
-        self.indexed = [len(p) for p in self.dec.prompts]                 # output n-grams added up to this position
+        self.indexed = [len(p) + 1 for p in self.dec.prompts]             # the end of the next output n-gram to add
 
     def _add(self, r: int, gram: tuple) -> None:
         conts = self.pool[r].setdefault(gram[0], [])
@@ -281,9 +281,8 @@ class LookaheadDraft(BaseDraft):
             self.diag[r] = {q: v for q, v in {**diag, **new}.items() if q > P + c - self.N}
             # n-grams of the committed output
             ctx = self.context(r)
-            for end in range(max(self.indexed[r], len(self.dec.prompts[r]) + self.N - 1), len(ctx) + 1):
-                if end - self.N >= 0:
-                    self._add(r, tuple(ctx[end - self.N:end]))
+            for end in range(max(self.indexed[r], self.N), len(ctx) + 1):  # n-grams ending in an output token
+                self._add(r, tuple(ctx[end - self.N:end]))
             self.indexed[r] = len(ctx) + 1
 
 
