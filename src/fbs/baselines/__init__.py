@@ -10,7 +10,8 @@
 Both run on :func:`fbs.baselines.host.host_model` (the engine's model with no FBS module) through two hooks
 of the core: the engine's ``skip_policy`` (``prefill_mix`` / ``decide`` / ``mix`` / ``bypass`` / ``observe``)
 and the parallel forward's ``mixer`` (``route`` / ``observe``), each layer being the one
-:func:`fbs.model.layer.layer_step`. Apart from the training module, this package imports only the core.
+:func:`fbs.model.layer.layer_step`. Apart from the training module, this package imports only the core and the
+engine (the draft sources it registers).
 
 The draft sources of lossless speculative decoding that load trained artifacts register here (importing this
 package registers them with :func:`fbs.engine.drafts.register_draft`, which the engine cannot do without importing
