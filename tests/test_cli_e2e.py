@@ -2,7 +2,7 @@
 with a one-character-per-id tokenizer and chat template, and an FBS checkpoint over it): ``info``, ``generate``,
 ``serve``, ``bench``, ``bench serve``, ``data build / label / stats / chat``, ``probe``, ``eval make-tasks``,
 ``eval pareto``, ``train stage1 / stage2 / stage2-report / stage2-accept / flexidepth / kangaroo /
-draft-search``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
+draft-search / draft-model / medusa``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
 table / merge / sweep / group-b / chat / mechanism / ch / ch-table / safety / list``, ``analyze``,
 ``bench recompute``, ``train ablations``) run end to end in their own modules' tests.
 
@@ -554,6 +554,44 @@ def test_lossless_generate_equals_full_depth(saved, capsys, tmp_path):
         doc = json.loads(out)
         assert code == 0 and doc["text"] == text and doc["new_tokens"] == len(ref.new_tokens[0]), argv
         assert doc["speculative"]["proposed"] > 0, argv
+
+
+def test_draft_sources_by_name_and_their_training_commands(saved, capsys, tmp_path):
+    """``generate --draft NAME`` for prompt lookup, lookahead, a distilled draft model (``train draft-model``) and
+    Medusa heads (``train medusa``), both trained on a corpus from ``data build``: the text is full depth's, and
+    ``--json`` reports the draft's statistics. A missing artifact names the command that makes it."""
+    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, force_compute=True)
+    corpus, student, heads = tmp_path / "corpus", tmp_path / "student", tmp_path / "medusa"
+    assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
+                            "--max-docs-per-source", "6", "--val-fraction", "0.5", "--test-fraction", "0"])[0] == 0
+    common = [*saved.args, "--data", str(corpus), "--block-size", "32", "--eval-blocks", "2", "--max-train-blocks",
+              "8", "--steps", "3", "--batch-size", "2", "--warmup", "1", "--checkpoint-every", "2", "--no-progress"]
+    code, out, err = run_cli(capsys, ["train", "draft-model", *common, "--layers", "2", "--out-dir", str(student)])
+    assert code == 0 and f"draft-model saved to {student}" in out, err
+    info = json.loads((student / "draft_model.json").read_text())
+    assert info["layers"] == [0, saved.model.num_layers - 1] and info["training"]["steps_done"] == 3
+    assert info["base_fingerprint"] == saved.model.config.base_fingerprint and info["command"] == "fbs train draft-model"
+    assert (student / "checkpoints" / "latest").is_file()
+    code, out, err = run_cli(capsys, ["train", "medusa", *common, "--heads", "2", "--out-dir", str(heads)])
+    assert code == 0 and f"medusa saved to {heads}" in out, err
+    for argv in (["--draft", "prompt-lookup", "--draft-option", "max_ngram=2"],
+                 ["--draft", "lookahead", "--draft-option", "ngram=3", "--draft-tokens", "5"],
+                 ["--draft", "specdec", "--draft-path", str(student)],
+                 ["--draft", "medusa", "--draft-path", str(heads)], ["--draft", "fbs"]):
+        code, out, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
+                                          *argv])
+        assert code == 0, (argv, err)
+        doc = json.loads(out)
+        assert doc["text"] == text and doc["draft"] == argv[1], argv
+        assert doc["verify_passes"] == doc["speculative"]["passes"] and doc["tokens_per_s"] > 0
+        st = doc["speculative"]
+        assert doc["mean_accepted_tokens"] == pytest.approx(st["accepted"] / (st["passes"] - 1))
+    code, _, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--draft", "specdec", "--draft-path",
+                                    str(tmp_path / "none")])
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "fbs train draft-model" in errors[0]
+    code, _, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--draft", "medusa"])
+    assert code == 2 and "fbs train medusa" in err
 
 
 def test_draft_search_writes_a_skip_set_that_decodes_losslessly(saved, capsys, tmp_path):

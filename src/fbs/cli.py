@@ -103,7 +103,11 @@ def cmd_generate(args) -> int:
         "kv_cache": args.kv_cache, "kv_budget": args.kv_budget,
     }
     if res.speculative is not None:
-        summary["speculative"] = res.speculative.to_dict()
+        st = res.speculative
+        rounds = st.passes - 1  # the prompt's pass verifies nothing
+        summary.update(draft=st.drafter, acceptance_rate=st.acceptance_rate, verify_passes=st.passes,
+                       mean_accepted_tokens=st.accepted / rounds if rounds > 0 else 0.0,
+                       speculative=st.to_dict())
     if args.json:
         if args.trace:
             summary["trace"] = res.trace.to_dict()
@@ -120,14 +124,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _option_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _lossless_options(args, model) -> dict:
-    """Decode options of ``--lossless`` (and of the drafts it selects: ``--draft-layers``, ``--kangaroo``)."""
-    if not (args.lossless or args.draft_layers or args.kangaroo):
+    """Decode options of ``--draft NAME`` / ``--lossless`` (= ``--draft fbs``) and of the drafts' own options
+    (``--draft-path``, ``--draft-option``, ``--draft-layers``, ``--kangaroo``)."""
+    if not (args.lossless or args.draft or args.draft_layers or args.kangaroo):
+        if args.draft_path or args.draft_option:
+            raise ValueError("--draft-path / --draft-option configure a draft: pass --draft NAME")
         return {}
+    from . import baselines  # noqa: F401  (registers the drafts that load files: kangaroo, specdec, medusa)
     from .engine.speculative import draft_plan
 
     opts = {"lossless": True, **{k: v for k, v in (("draft_tokens", args.draft_tokens),
                                                    ("draft_stop", args.draft_stop)) if v is not None}}
+    if args.draft:
+        options = {}
+        for item in args.draft_option or ():
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--draft-option takes KEY=VALUE (e.g. ngram=3), got {item!r}")
+            options[key.replace("-", "_")] = _option_value(value)
+        if args.draft_path:
+            options["path"] = args.draft_path
+            if args.no_base_check:
+                options["check_base"] = False
+        opts.update(draft=args.draft, draft_options=options or None)
     if args.draft_layers:
         opts["skip_plan"] = draft_plan(args.draft_layers, model.num_layers)
     if args.kangaroo:
@@ -183,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layers", help="lossless with a static draft (Draft&Verify): layers the draft skips, "
                                           "a comma list or the JSON of `fbs train draft-search`")
     p.add_argument("--kangaroo", help="lossless with a Kangaroo draft: adapter directory (`fbs train kangaroo`)")
+    p.add_argument("--draft", help="lossless decoding with this draft source: fbs (= --lossless), plan (with "
+                                   "--draft-layers), kangaroo, prompt-lookup, lookahead, specdec, medusa "
+                                   "(docs/speculative.md)")
+    p.add_argument("--draft-path", help="the draft's trained files: `fbs train draft-model` (specdec), `fbs train "
+                                        "medusa` (medusa) or `fbs train kangaroo` (kangaroo)")
+    p.add_argument("--draft-option", action="append", metavar="KEY=VALUE",
+                   help="a draft source's option, repeatable (prompt-lookup: max_ngram, min_ngram; lookahead: "
+                        "window, ngram, pool)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="with --json: include the per-step trace")

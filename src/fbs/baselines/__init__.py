@@ -10,12 +10,39 @@
 Both run on :func:`fbs.baselines.host.host_model` (the engine's model with no FBS module) through two hooks
 of the core: the engine's ``skip_policy`` (``prefill_mix`` / ``decide`` / ``mix`` / ``bypass`` / ``observe``)
 and the parallel forward's ``mixer`` (``route`` / ``observe``), each layer being the one
-:func:`fbs.model.layer.layer_step`. Apart from the training module, this package imports only the core.
+:func:`fbs.model.layer.layer_step`. Apart from the training module, this package imports only the core and the
+engine (the draft sources it registers).
+
+The draft sources of lossless speculative decoding that load trained artifacts register here (importing this
+package registers them with :func:`fbs.engine.drafts.register_draft`, which the engine cannot do without importing
+a layer above it): ``kangaroo`` (:mod:`fbs.baselines.kangaroo`), ``specdec`` (a distilled draft model,
+:mod:`fbs.baselines.specdec`) and ``medusa`` (:mod:`fbs.baselines.medusa`), each with ``draft_options={"path": DIR}``.
 """
 
 from .ffn_skip import FFNSkipLLM, ffn_skip_model
 from .flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthPolicy, skip_loss
 from .host import host_model
+from . import medusa, specdec
+from ..engine.drafts import register_draft
+
+
+def _kangaroo_factory(session, adapter=None, path=None, check_base: bool = True):
+    """``kangaroo`` with an adapter object, a saved adapter (``path``) or the call's ``draft_adapter``."""
+    from ..engine.speculative import KangarooDraft
+    from .kangaroo import KangarooAdapter
+
+    if adapter is None and path is not None:
+        adapter = KangarooAdapter.load(path, session.dec.m, check_base)
+    adapter = adapter if adapter is not None else session.dec.opts.draft_adapter
+    if adapter is None:
+        raise ValueError("draft 'kangaroo' needs an adapter: draft_options={'path': DIR}; train one with "
+                         "`fbs train kangaroo --out-dir DIR`")
+    return KangarooDraft(session, adapter)
+
+
+register_draft("kangaroo", _kangaroo_factory)
+register_draft("specdec", specdec.draft_factory)
+register_draft("medusa", medusa.draft_factory)
 
 __all__ = ["FFNSkipLLM", "FlexiDepth", "FlexiDepthConfig", "FlexiDepthPolicy", "ffn_skip_model", "host_model",
            "skip_loss"]

@@ -7,7 +7,7 @@ Modules: :mod:`.decoder` (options, trace, the per-call decoder and its decode st
 loop: start, run, finish, generate, stream), :mod:`.cache` (the KV
 cache and its layer-step context), :mod:`.fused` (the linear algebra of a step: HF modules or fused weight
 copies), :mod:`.quant` (weight formats), :mod:`.flops` (the cost model of a decode), :mod:`.speculative`
-(lossless self-drafting).
+(lossless speculative decoding: one verifier), :mod:`.drafts` (its draft sources and their registry).
 
 Driving a decoder step by step (the server's batcher and speculative decoding do): :func:`start` builds a
 :class:`Decoder` for prompts and options, :func:`run` yields its tokens step by step, :func:`finish` turns it into

@@ -92,6 +92,10 @@ class DecodeOptions:
     adapt_draft: bool = True                 # lossless: adapt gamma to the acceptance rate (draft_stop set: adapt it)
     draft_stop: float = 0.0                  # lossless: stop drafting once the draft's top-1 probability is below it
     draft_adapter: Any = None                # lossless: a fbs.baselines.kangaroo.KangarooAdapter drafts instead (Kangaroo)
+    draft: Any = None                        # lossless with this draft source: a name of fbs.engine.drafts' registry
+                                             # (fbs, plan, kangaroo, prompt-lookup, lookahead, specdec, medusa, ...)
+                                             # or a factory(session, **draft_options); implies lossless
+    draft_options: dict | None = None        # the draft source's options (e.g. {"ngram": 3}, {"path": DIR})
     skip_policy: object | None = None        # a baseline's skip policy (fbs.baselines) decides instead of the gates
 
     def __post_init__(self):
@@ -114,10 +118,16 @@ class DecodeOptions:
             raise ValueError(f"kv_policy must be 'hole' or 'project', got {self.kv_policy!r}")
         if isinstance(self.validator, str) and self.validator not in VALIDATORS:
             raise ValueError(f"validator must be one of {sorted(VALIDATORS)} or a callable")
+        if self.draft is not None:
+            self.lossless = True  # a draft source is verified: the output is full depth's
+        elif self.draft_options:
+            raise ValueError("draft_options configure a draft source: pass draft= (a name such as 'lookahead')")
         if self.draft_tokens < 1 or not 0.0 <= self.draft_stop < 1.0:
             raise ValueError("draft_tokens must be >= 1 and draft_stop in [0, 1)")
         if self.lossless and self.validator is not None:
             raise ValueError("lossless output is the full-depth output: a validator fallback would regenerate it")
+        if self.draft_adapter is not None and self.draft not in (None, "kangaroo"):
+            raise ValueError(f"draft_adapter is Kangaroo's adapter, but draft={self.draft!r}; pass one of them")
         if self.draft_adapter is not None and not self.lossless:
             raise ValueError("draft_adapter drafts for lossless decoding: pass lossless=True")
         if self.skip_policy is not None and self.skip_plan is not None:

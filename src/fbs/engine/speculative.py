@@ -1,6 +1,8 @@
-"""Lossless speculative decoding over the FBS engine: the model drafts with fewer layers, full depth verifies.
+"""Lossless speculative decoding over the FBS engine: a draft proposes, full depth verifies.
 
-Three drafters share one verifier:
+Every draft is a :class:`fbs.engine.drafts.DraftSource` of one verifier, selected by name with ``draft=`` (the
+registry of :mod:`fbs.engine.drafts`: prompt lookup, lookahead, a separate draft model, Medusa heads, and the three
+below). The engine's own drafters, defined here:
 
 * **FBS lossless** (``lossless=True``): the engine's own skipping decode step drafts, gates at tau;
 * **Draft&Verify** (Zhang et al. 2024; ``lossless=True, skip_plan=static plan, draft_stop=...``): the same step
@@ -45,6 +47,7 @@ import torch
 
 from .cache import CacheContext, KVCache
 from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
+from .drafts import BaseDraft, Draft, DraftSource, Verified, make_draft, register_draft
 from .flops import LayerCost, step_bytes
 from .fused import full_depth
 
@@ -132,7 +135,8 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
 class SpecStats:
     """What one lossless generate call did; counts are means per row (appendix B.4's sums per sequence)."""
 
-    drafter: str             # fbs (gates) | plan (static skip plan: Draft&Verify) | kangaroo
+    drafter: str             # the draft source's name: fbs (gates) | plan (static skip plan: Draft&Verify) |
+                             # kangaroo | prompt-lookup | lookahead | specdec | medusa | ...
     rows: int
     passes: float            # target passes, the prompt's included (K)
     proposed: float          # drafted tokens sent to verification (sum of m_t)
@@ -188,18 +192,27 @@ class _ChunkLog:
 
 
 # --------------------------------------------------------------------------- drafters
-class _EngineDraft:
+class EngineDraft(BaseDraft):
     """The engine's own decode step drafts: FBS gates at tau, a static skip plan (Draft&Verify), or a baseline's
-    ``skip_policy`` (:mod:`fbs.baselines`)."""
+    ``skip_policy`` (:mod:`fbs.baselines`). Drafting writes the verifier's own cache and chunk states, which
+    :meth:`rollback` restores."""
 
     start = 0  # verification runs every layer, from the embeddings
+    adaptive = True
 
     def __init__(self, spec: "_Speculation"):
-        self.s, self.dec = spec, spec.dec
+        super().__init__(spec)
         policy = getattr(self.dec, "skipper", None) is not None
-        self.kind = "policy" if policy else "plan" if self.dec.plan is not None else "fbs"
+        self.name = "policy" if policy else "plan" if self.dec.plan is not None else "fbs"
         self.granularity = self.dec.granularity
         self.snapshot: dict = {}
+
+    @property
+    def kind(self) -> str:
+        return self.name
+
+    def propose(self, rows, budget):
+        return self.s.draft_by_steps(self, rows, budget)
 
     def begin(self, rows: list[int]) -> None:
         rt = torch.tensor(rows, device=self.dec.dev)
@@ -209,6 +222,7 @@ class _EngineDraft:
         dec = self.dec
         dec.active = rows
         logits = dec.decode_step(steps, tokens)
+        self.s.draft_head_rows += len(rows)
         rec = dec.rec
         for r, s in zip(rows, steps):  # what the draft ran, for the accounting (the recorder is reused)
             self.s.draft_log[r].append((list(rec.executed[r][s]), list(rec.kv[r][s]), list(rec.p[r][s]), rec.k[r][s]))
@@ -220,29 +234,29 @@ class _EngineDraft:
     def executed_layers(self, row: int) -> float:
         return self.s.share[row] * self.dec.L
 
+    def step_cost(self, row: int, context: float) -> float:
+        return draft_step_cost(self.dec.flops.cost, context, self.executed_layers(row), self.dec.policy,
+                               self.dec.opts.weights)
+
     def rollback(self, rows: list[int], positions: list[int]) -> None:
         self.dec.cache.crop(rows, positions)
         rt = torch.tensor(rows, device=self.dec.dev)
         for l, st in self.snapshot.items():
             self.dec.chunks[l].assign(rt, st)
 
-    def verify_input(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
-        return self.s.verify_ops.embed(torch.tensor(seqs, device=self.dec.dev))
 
-    def commit(self, rows: list[int], positions: list[int], kept: list[int], lengths: list[int]) -> None:
-        pass
-
-
-class _KangarooDraft:
+class KangarooDraft(BaseDraft):
     """Kangaroo: the first ``exit_layer`` layers (full depth, the decode step's arithmetic), the adapter with its
     own one-layer KV cache, the shared LM head. Every round token goes through the shallow layers (the last draft
     token too: its hidden state feeds verification, which starts at the exit layer)."""
 
-    kind = "kangaroo"
+    name = kind = "kangaroo"
     granularity = "layer"
+    adaptive = True
 
     def __init__(self, spec: "_Speculation", adapter):
-        self.s, self.dec, self.adapter = spec, spec.dec, adapter
+        super().__init__(spec)
+        self.adapter = adapter
         self.start = adapter.exit_layer
         base = self.dec.m.base.spec
         if not 0 < self.start < self.dec.L:
@@ -265,6 +279,9 @@ class _KangarooDraft:
         ctx = self._ctx(rows, pos, x)
         ctx.write(0, *self.adapter.kv(x, ctx.cos, ctx.sin))
 
+    def propose(self, rows, budget):
+        return self.s.draft_by_steps(self, rows, budget)
+
     def begin(self, rows: list[int]) -> None:
         self.hidden = {r: [] for r in rows}
 
@@ -285,6 +302,7 @@ class _KangarooDraft:
         x, pos = self._shallow(rows, steps, tokens)
         ctx = self._ctx(rows, pos, x)
         self.s.adapter_calls += len(rows)
+        self.s.draft_head_rows += len(rows)
         self.s.adapter_keys += sum(self.cache.lengths[0][r] + 1 for r in rows)
         h = self.adapter(x, ctx.cos, ctx.sin, lambda q, k, v: ctx.attend(0, q, k, v))
         return self.adapter.logits(h, self.dec.m.base.lm_head)[:, 0]
@@ -296,6 +314,10 @@ class _KangarooDraft:
         c = self.dec.flops.cost
         return self.start + c.attn_proj / c.dense
 
+    def step_cost(self, row: int, context: float) -> float:
+        return draft_step_cost(self.dec.flops.cost, context, self.executed_layers(row), self.dec.policy,
+                               self.dec.opts.weights)
+
     def rollback(self, rows: list[int], positions: list[int]) -> None:
         """The draft wrote nothing at layers >= exit (the verifier's), and exact entries below."""
 
@@ -304,9 +326,10 @@ class _KangarooDraft:
         xs = [torch.cat(self.hidden[r] + [self.hidden[r][-1]] * (t - len(self.hidden[r])), 1) for r in rows]
         return torch.cat(xs, 0)
 
-    def commit(self, rows: list[int], positions: list[int], kept: list[int], lengths: list[int]) -> None:
+    def commit(self, rows: list[int], positions: list[int], kept: list[int], verified: Verified) -> None:
         """Crop the adapter's cache; a row that kept its whole round also needs the adapter's entry of the last
         round token (consumed by the shallow layers only)."""
+        lengths = verified.lengths
         self.cache.crop(rows, [p + k for p, k in zip(positions, kept)])
         full = [i for i, r in enumerate(rows) if kept[i] == lengths[i]]
         if full:
@@ -329,7 +352,8 @@ class _Speculation:
         self.draft_rounds: list[tuple[int, list]] = []          # (P, passes) of every finished round and row
         self.verify_rounds: list[tuple[int, int, list]] = []    # (P, tokens, PAW k per token)
         self.adapter_calls = self.adapter_keys = self.head_rows = 0
-        self.drafter = _KangarooDraft(self, o.draft_adapter) if o.draft_adapter is not None else _EngineDraft(self)
+        self.draft_head_rows = 0                                # draft tokens scored by the target's LM head
+        self.drafter: DraftSource = self._drafter(o)
         self.gamma = [o.draft_tokens] * B
         self.threshold = [o.draft_stop] * B
         self.match = [0.0] * B
@@ -341,6 +365,15 @@ class _Speculation:
         self.idle = [0] * B                                     # rounds a row spent at gamma 0
         self.final = TraceRecorder(B, o.max_new_tokens, dec.L)  # what the verifier computed, per kept token
 
+    def _drafter(self, o) -> DraftSource:
+        """The call's draft source: ``draft`` by name (or factory), else Kangaroo with ``draft_adapter``, else the
+        engine's own step (gates, or the static ``skip_plan``)."""
+        if o.draft is not None:
+            return make_draft(o.draft, self, o.draft_options)
+        if o.draft_adapter is not None:
+            return KangarooDraft(self, o.draft_adapter)
+        return EngineDraft(self)
+
     # ---- one round -----------------------------------------------------------
     def round(self, rows: list[int]) -> dict[int, list[int]]:
         """Draft, verify, accept and commit for the active ``rows``; returns each row's committed tokens."""
@@ -348,7 +381,14 @@ class _Speculation:
         n = {r: len(dec.out[r]) for r in rows}
         P = [len(dec.prompts[r]) + n[r] - 1 for r in rows]
         budget = {r: min(self._gamma_now(r), o.max_new_tokens - n[r] - 1) for r in rows}
-        drafts, q = self._draft(rows, n, budget)
+        proposals = self.drafter.propose(rows, budget)
+        drafts, q = {}, {}
+        for r in rows:
+            d = proposals.get(r) or Draft([])
+            if len(d.tokens) > budget[r]:
+                raise ValueError(f"draft {self.drafter.name!r} proposed {len(d.tokens)} tokens for a budget of "
+                                 f"{budget[r]}")
+            drafts[r], q[r] = list(d.tokens), d.q
         self.drafter.rollback(rows, P)
         seqs = [[dec.out[r][-1]] + drafts[r] for r in rows]
         t = max(len(s) for s in seqs)
@@ -370,7 +410,7 @@ class _Speculation:
             self._adapt(r, min(a, c - 1), len(drafts[r]), P[i])
         dec.cache.crop(rows, [p + c for p, c in zip(P, kept)])
         self.log.keep(dec.chunks, dict(zip(rows, kept)))
-        self.drafter.commit(rows, P, kept, [len(s) for s in seqs])
+        self.drafter.commit(rows, P, kept, Verified(padded, [len(s) for s in seqs], x, raw))
         for r in rows:
             if self.draft_log[r]:
                 self.draft_rounds.append((len(dec.prompts[r]) + n[r] - 1, self.draft_log[r]))
@@ -378,27 +418,37 @@ class _Speculation:
         return committed
 
     def _gamma_now(self, r: int) -> int:
-        """The row's draft length this round: its gamma, or a one-token probe every PROBE_EVERY rounds at gamma 0."""
-        if self.gamma[r] > 0:
+        """The row's draft length this round: its gamma, or a one-token probe every PROBE_EVERY rounds at gamma 0
+        (a draft source that does not adapt gets ``draft_tokens``)."""
+        if self.gamma[r] > 0 or not self.drafter.adaptive:
             return self.gamma[r]
         self.idle[r] += 1
         return 1 if self.idle[r] % PROBE_EVERY == 0 else 0
 
-    def _draft(self, rows, n, budget):
-        """Up to ``budget[r]`` tokens per row (fewer when the draft's confidence drops below the threshold)."""
+    def draft_by_steps(self, drafter, rows: list[int], budget: dict[int, int]) -> dict[int, Draft]:
+        """A step drafter's proposal (``begin(rows)``, ``step(rows, steps, tokens) -> logits``, ``finish``): token
+        by token, greedy or sampled from the warped draft logits (EOS masked as the engine does), up to
+        ``budget[r]`` tokens per row, fewer when the draft's top-1 probability drops below the row's threshold.
+        Rows with budget 0 only ``finish`` their last committed token."""
+        dec = self.dec
+        n = {r: len(dec.out[r]) for r in rows}
+        drafts, q = self._draft(drafter, rows, n, budget)
+        return {r: Draft(drafts[r], q[r]) for r in rows}
+
+    def _draft(self, drafter, rows, n, budget):
         dec = self.dec
         drafts = {r: [] for r in rows}
         q = {r: [] for r in rows}
-        self.drafter.begin(rows)
+        drafter.begin(rows)
         idle = [r for r in rows if budget[r] == 0]
         if idle:  # no draft: the verifier consumes the last committed token alone
-            self.drafter.finish(idle, [n[r] - 1 for r in idle], [dec.out[r][-1] for r in idle])
+            drafter.finish(idle, [n[r] - 1 for r in idle], [dec.out[r][-1] for r in idle])
         drafting = [r for r in rows if budget[r] > 0]
         cur = {r: dec.out[r][-1] for r in drafting}
         j = 0
         while drafting:
             steps = [n[r] - 1 + j for r in drafting]
-            logits = self.drafter.step(drafting, steps, [cur[r] for r in drafting]).float()
+            logits = drafter.step(drafting, steps, [cur[r] for r in drafting]).float()
             logits = self._mask_eos(logits[:, None], [s + 1 for s in steps])[:, 0]
             toks, probs, conf = self._draw(logits)
             going, stopped = [], []
@@ -411,7 +461,7 @@ class _Speculation:
                 (stopped if done else going).append(r)
                 cur[r] = toks[i]
             if stopped:
-                self.drafter.finish(stopped, [n[r] + j for r in stopped], [cur[r] for r in stopped])
+                drafter.finish(stopped, [n[r] + j for r in stopped], [cur[r] for r in stopped])
             drafting, j = going, j + 1
         return drafts, {r: torch.stack(v) if v else None for r, v in q.items()}
 
@@ -450,7 +500,10 @@ class _Speculation:
                 a += 1
             return drafts[:a] + [target[a]], a
         p = self.dec.warp(logits[:g + 1]).softmax(-1)
-        a, nxt = accept_sampled(p, q if q is not None else p[:0], drafts, self.dec.gen)
+        if q is None:  # deterministic drafts: a point mass on each
+            q = torch.zeros(g, p.shape[-1], device=p.device)
+            q[torch.arange(g), torch.tensor(drafts, dtype=torch.long)] = 1.0
+        a, nxt = accept_sampled(p, q, drafts, self.dec.gen)
         return drafts[:a] + [nxt], a
 
     def _commit(self, r: int, tokens: list[int], raw: torch.Tensor, n: int) -> list[int]:
@@ -487,7 +540,7 @@ class _Speculation:
         self.accepted[r] += a
         self.rejections[r] += int(a < g)
         steps = self.draft_log[r]
-        if steps and self.drafter.kind != "kangaroo":
+        if steps and isinstance(self.drafter, EngineDraft):
             share = sum(sum(ex) for ex, *_ in steps) / (len(steps) * self.dec.L)
             self.share[r] = 0.7 * self.share[r] + 0.3 * share
         if g == 0 or not o.adapt_draft:
@@ -500,9 +553,10 @@ class _Speculation:
             new = th + DV_STEP if self.match[r] < DV_TARGET else (th if g == self.gamma[r] else th - DV_STEP)
             self.threshold[r] = min(max(DV_THRESHOLD_EMA * th + (1 - DV_THRESHOLD_EMA) * new, 0.0), 0.999)
             return
+        if not self.drafter.adaptive:
+            return
         alpha = acceptance_mle(self.succ[r], self.fail[r])
-        cost = draft_step_cost(self.dec.flops.cost, context, self.drafter.executed_layers(r), self.dec.policy,
-                               o.weights)
+        cost = self.drafter.step_cost(r, context)
         self.gamma[r] = best_gamma(alpha, cost, o.draft_tokens, min_gamma=0)
 
     # ---- the verifier's pass (and Kangaroo's shallow layers) ------------------
@@ -558,8 +612,7 @@ class _Speculation:
                 inv, macs = inv + n.invocations, macs + n.layers + n.overhead
         inv += self.adapter_calls * c.attn_proj / c.dense
         macs += self.adapter_calls * c.attn_proj + self.adapter_keys * c.per_key
-        heads = self.head_rows + (self.adapter_calls if self.drafter.kind == "kangaroo" else sum(self.draft_steps))
-        macs += heads * c.lm_head
+        macs += (self.head_rows + self.draft_head_rows) * c.lm_head + self.drafter.draft_macs()
         return inv / (ref.tokens * L), macs / ref.baseline
 
     def stats(self) -> SpecStats:
@@ -567,7 +620,7 @@ class _Speculation:
         steps = [s for _, rnd in self.draft_rounds for s in rnd]
         executed = sum(sum(ex) for ex, *_ in steps)
         return SpecStats(
-            drafter=self.drafter.kind, rows=B, passes=sum(self.passes) / B, proposed=sum(self.proposed) / B,
+            drafter=self.drafter.name, rows=B, passes=sum(self.passes) / B, proposed=sum(self.proposed) / B,
             accepted=sum(self.accepted) / B, rejections=sum(self.rejections) / B, draft_steps=sum(self.draft_steps) / B,
             draft_skip_ratio=1.0 - executed / (len(steps) * self.dec.L) if steps else 0.0,
             gamma=list(self.gamma), threshold=list(self.threshold))
@@ -578,7 +631,7 @@ def run_lossless(dec) -> Iterator[StepOutput]:
     each round commits, one :class:`fbs.engine.StepOutput` per token index."""
     spec = dec.spec = _Speculation(dec)
     t0 = time.perf_counter()
-    tap = spec.drafter.prefill_tap if isinstance(spec.drafter, _KangarooDraft) else None
+    tap = getattr(spec.drafter, "prefill_tap", None)
     logits = torch.stack(dec.prefill(tap=tap))
     dec.timings = {"prefill_s": time.perf_counter() - t0}
     t1 = time.perf_counter()
@@ -615,3 +668,34 @@ def draft_plan(layers, num_layers: int) -> torch.Tensor:
     plan = torch.zeros(num_layers, dtype=torch.bool)
     plan[list(layers)] = True
     return plan
+
+
+# --------------------------------------------------------------------------- the engine's own drafts by name
+def _fbs_draft(spec) -> EngineDraft:
+    """``fbs``: the FBS model's own step at its tau (or with ``skip_plan``, if given, as the engine always did)."""
+    return EngineDraft(spec)
+
+
+def _plan_draft(spec, layers=None) -> EngineDraft:
+    """``plan``: a static skip plan drafts (Draft&Verify): ``skip_plan=`` or ``draft_options={"layers": ...}``
+    (a comma list or the JSON of ``fbs train draft-search``)."""
+    dec = spec.dec
+    if layers is not None:
+        dec.plan = draft_plan(layers, dec.L).expand(dec.opts.max_new_tokens, dec.L).tolist()
+    if dec.plan is None:
+        raise ValueError("draft 'plan' drafts with a static skip plan: pass skip_plan= or draft_options={'layers': "
+                         "'3,5'} (fbs generate --draft-layers; search one with `fbs train draft-search`)")
+    return EngineDraft(spec)
+
+
+def _kangaroo_draft(spec, adapter=None) -> KangarooDraft:
+    adapter = adapter if adapter is not None else spec.dec.opts.draft_adapter
+    if adapter is None:
+        raise ValueError("draft 'kangaroo' needs an adapter: draft_adapter= (or draft_options={'path': DIR} with "
+                         "fbs.baselines imported); train one with `fbs train kangaroo`")
+    return KangarooDraft(spec, adapter)
+
+
+register_draft("fbs", _fbs_draft)
+register_draft("plan", _plan_draft)
+register_draft("kangaroo", _kangaroo_draft)

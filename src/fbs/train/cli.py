@@ -6,6 +6,8 @@
 
 ``fbs train kangaroo`` / ``fbs train draft-search``: the drafts of lossless speculative decoding (Kangaroo's adapter,
 Draft&Verify's static skip set; :mod:`fbs.train.speculative`).
+
+``fbs train draft-model`` / ``fbs train medusa``: a distilled draft model and Medusa heads (:mod:`fbs.train.draft_model`).
 """
 
 from __future__ import annotations
@@ -125,6 +127,56 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distil(args: argparse.Namespace, what: str) -> int:
+    """``fbs train draft-model`` / ``fbs train medusa``: the resumable distillation of :mod:`fbs.train.draft_model`."""
+    import torch
+
+    from ..model.loading import load_from_args
+    from .draft_model import DistilRecipe, train_draft_model, train_medusa_heads
+
+    torch.manual_seed(args.seed)
+    model = load_from_args(args).eval()
+    train_ids, eval_ids = _blocks(args, model.tokenizer)
+    recipe = DistilRecipe(steps=args.steps, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
+                          seed=args.seed, checkpoint_every=args.checkpoint_every,
+                          **({"layers": args.layers} if what == "draft-model" else {"heads": args.heads}))
+    meta = {"data": args.data, "block_size": args.block_size, "train_blocks": len(train_ids),
+            "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"),
+            "command": "fbs train " + what}
+    fn = train_draft_model if what == "draft-model" else train_medusa_heads
+    try:
+        summary = fn(model, train_ids, args.out_dir, recipe, eval_blocks=eval_ids, resume=not args.no_resume,
+                     progress=not args.no_progress, meta=meta)
+    except KeyboardInterrupt:
+        print(f"interrupted; checkpoint saved under {args.out_dir}/checkpoints (rerun the command to resume)",
+              file=sys.stderr)
+        return 130
+    print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=1))
+    name = "specdec" if what == "draft-model" else "medusa"
+    print(f"{what} saved to {args.out_dir}; decode with: fbs generate --draft {name} --draft-path {args.out_dir} "
+          "\"PROMPT\"")
+    return 0
+
+
+def cmd_draft_model(args: argparse.Namespace) -> int:
+    return _distil(args, "draft-model")
+
+
+def cmd_medusa(args: argparse.Namespace) -> int:
+    return _distil(args, "medusa")
+
+
+def _distil_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    _draft_arguments(p)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--batch-size", type=int, default=4, help="blocks per step")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints")
+    p.add_argument("--out-dir", required=True, help="where the result goes (checkpoints under OUT/checkpoints)")
+    p.add_argument("--no-resume", action="store_true", help="ignore checkpoints in out_dir")
+
+
 def _draft_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli_args import add_model_arguments
 
@@ -191,3 +243,14 @@ def register(subparsers: Any) -> None:
     d.add_argument("--max-layers", type=int, help="search this many rounds (skipped layers) even when a round does not improve, keep the best set")
     d.add_argument("--out", required=True, help="JSON file of the chosen set")
     d.set_defaults(func=cmd_draft_search)
+    m = sub.add_parser("draft-model", help="speculative decoding's separate draft: a student of every k-th layer of "
+                                           "the model, distilled by KL to it at full depth (fbs.baselines.specdec); "
+                                           "resumes from out_dir")
+    _distil_arguments(m, 2000)
+    m.add_argument("--layers", type=int, default=5, help="the student's layers (evenly spaced, first and last)")
+    m.set_defaults(func=cmd_draft_model)
+    h = sub.add_parser("medusa", help="Medusa-1 heads on the frozen model, self-distilled (fbs.baselines.medusa); "
+                                      "resumes from out_dir")
+    _distil_arguments(h, 1000)
+    h.add_argument("--heads", type=int, default=4, help="K: head k predicts the token k + 2 ahead")
+    h.set_defaults(func=cmd_medusa)

@@ -1,0 +1,95 @@
+"""Medusa-1 heads (Cai et al. 2024) on the frozen FBS model: K residual blocks over its last hidden state.
+
+Head k (k = 0..K-1) reads the final-normed hidden state at position i and predicts the token at i + 2 + k (the
+model's own LM head predicts i + 1)::
+
+    logits_k = LM_head(h + SiLU(W_k h + b_k))        h = RMSNorm_final(x_L), W_k zero-initialised
+
+Deviation from the paper: every head shares the model's frozen LM head instead of owning a copy (on SmolLM2 a
+copy is 28M parameters per head, a fifth of the model); the heads train only their residual blocks (d^2 + d
+each). Training (``fbs train medusa``, :mod:`fbs.train.medusa`): self-distillation, KL to the FBS model's own
+next-token distribution at the position each head predicts, backbone frozen. Decoding
+(:class:`fbs.engine.drafts.HeadsDraft`): the chain of the heads' top-1, verified by the engine's verifier (tree
+candidates with a tree attention mask are a later step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "medusa.json"
+WEIGHTS_NAME = "medusa.safetensors"
+TRAIN_HINT = "train heads with `fbs train medusa --out-dir DIR`"
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        for b in self.blocks:  # a fresh head starts as the model's own next-token head
+            nn.init.zeros_(b.weight)
+            nn.init.zeros_(b.bias)
+
+    def forward(self, h: torch.Tensor, lm_head) -> torch.Tensor:
+        """h (..., d), normed -> (K, ..., V) logits through the shared ``lm_head``."""
+        return torch.stack([lm_head(h + torch.nn.functional.silu(b(h))) for b in self.blocks])
+
+    def save(self, path: str | os.PathLike, base_fingerprint: str | None, meta: dict | None = None) -> Path:
+        from safetensors.torch import save_file
+
+        from ..model.checkpoint import write_manifest
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        info = {"hidden_size": self.blocks[0].in_features, "num_heads": self.num_heads,
+                "base_fingerprint": base_fingerprint, **(meta or {})}
+        with tempfile.TemporaryDirectory(dir=path, prefix=".tmp-") as tmp:
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                      os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+            Path(tmp, CONFIG_NAME).write_text(json.dumps(info, indent=1))
+            for name in (WEIGHTS_NAME, CONFIG_NAME):
+                os.replace(os.path.join(tmp, name), path / name)
+        write_manifest(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "MedusaHeads":
+        from ..model.checkpoint import MANIFEST_NAME, manifest_of
+        from ..model.errors import CheckpointError, read_tensors
+
+        path = Path(path)
+        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise CheckpointError(f"{path} holds no Medusa heads ({CONFIG_NAME}, {WEIGHTS_NAME}); {TRAIN_HINT}")
+        record = path / MANIFEST_NAME
+        if not record.is_file() or json.loads(record.read_text())["files"] != manifest_of(path)["files"]:
+            raise CheckpointError(f"the weights in {path} do not match their integrity record {MANIFEST_NAME}; copy "
+                                  f"the directory again or {TRAIN_HINT}")
+        info = json.loads((path / CONFIG_NAME).read_text())
+        heads = cls(info["hidden_size"], info["num_heads"])
+        heads.load_state_dict(read_tensors(path / WEIGHTS_NAME, TRAIN_HINT))
+        if model is not None:
+            if info["hidden_size"] != model.base.spec.hidden_size:
+                raise CheckpointError(f"the heads in {path} are for hidden size {info['hidden_size']}, the model has "
+                                      f"{model.base.spec.hidden_size}; {TRAIN_HINT}")
+            fp = getattr(model.config, "base_fingerprint", None)
+            if check_base and info.get("base_fingerprint") != fp:
+                raise CheckpointError(f"the heads in {path} were trained on another base model (fingerprint "
+                                      f"{info.get('base_fingerprint')}, this model's base has {fp}); {TRAIN_HINT}")
+            heads = heads.to(model.base.embedding_weight.device, model.base.embedding_weight.dtype)
+        return heads.eval()
+
+
+def draft_factory(session, heads=None, path=None, check_base: bool = True):
+    """``medusa`` with a heads module or a saved one (``path``)."""
+    from ..engine.drafts import HeadsDraft
+
+    if heads is None and path is not None:
+        heads = MedusaHeads.load(path, session.dec.m, check_base)
+    return HeadsDraft(session, heads)

@@ -1,0 +1,429 @@
+"""Draft sources of the lossless speculative verifier (:mod:`fbs.engine.speculative`), and their registry.
+
+The verifier owns everything that makes the output exact: it asks a draft source for up to ``budget`` tokens per
+row, runs the full model over [last committed token, drafts] in one cached pass, keeps the longest prefix the
+target agrees with (greedy) or the speculative-sampling rule's choice (sampling), and rolls back the K/V and chunk
+state of everything it rejected. A draft source only proposes, so no draft can change the output: a bad one only
+costs speed.
+
+A draft source implements :class:`DraftSource`; the verifier calls, per generate call and round::
+
+    prefill_tap(l, rows, x)                    optional: the prompt's input of layer l (Kangaroo reads its exit layer)
+    propose(rows, budget) -> {row: Draft}      tokens (and, when sampling, the distributions they were drawn from)
+    rollback(rows, positions)                  forget what drafting wrote to the verifier's state at positions >= P
+    verify_input(rows, seqs) -> x              the verifier's input (b, t, d) for the padded round tokens
+    commit(rows, positions, kept, verified)    the round's outcome: kept tokens per row and the verifier's pass
+
+``P`` (``positions``) is each row's position of its last committed token, which the verifier consumes first.
+
+Sources by name (:func:`draft_names`, ``model.generate(..., draft=NAME)``, ``fbs generate --draft NAME``):
+
+* ``fbs`` — the FBS model drafts with its gates at tau (:class:`fbs.engine.speculative.EngineDraft`);
+* ``plan`` — the same step with a static skip plan (Draft&Verify; ``skip_plan=``);
+* ``kangaroo`` — the first N layers, an adapter and the shared LM head (``draft_adapter=``, or
+  ``draft_options={"path": DIR}`` once :mod:`fbs.baselines` is imported);
+* ``prompt-lookup`` — :class:`PromptLookupDraft`: the continuation of the latest earlier occurrence of the last
+  n-gram of prompt + output;
+* ``lookahead`` — :class:`LookaheadDraft`: Jacobi iteration with an n-gram pool (Fu et al. 2024), one chain per pass;
+* ``specdec`` — :class:`ModelDraft`: a separate causal LM with the same vocabulary and its own KV cache (Leviathan
+  et al. 2023; ``draft_options={"model": hf_model}``, or ``{"path": DIR}`` of ``fbs train draft-model`` once
+  :mod:`fbs.baselines` is imported);
+* ``medusa`` — :class:`HeadsDraft`: Medusa-1 heads on the verifier's last hidden state (``{"heads": module}``, or
+  ``{"path": DIR}`` of ``fbs train medusa`` once :mod:`fbs.baselines` is imported).
+
+Layers above the engine register more with :func:`register_draft` (the engine never imports them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+# --------------------------------------------------------------------------- the interface
+@dataclasses.dataclass
+class Draft:
+    """One row's proposal: ``tokens`` for positions P+1.., and ``q`` (len(tokens), V) the probabilities each token
+    was drawn from when sampling (None: the tokens were chosen deterministically, a point mass: the verifier keeps
+    draft j with the target's probability of it and otherwise draws from the target with that token removed)."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Verified:
+    """What the verifier computed in a round, for the draft sources that learn from it: ``seqs`` the round tokens
+    per row at positions P.. (``lengths`` real ones, then pads), ``hidden`` the last layer's output (b, t, d) before
+    the final norm, ``logits`` the target's next-token logits (b, t, V)."""
+
+    seqs: list[list[int]]
+    lengths: list[int]
+    hidden: torch.Tensor
+    logits: torch.Tensor
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """A draft for the verifier. ``name`` is reported as ``SpecStats.drafter``; ``start`` is the first layer the
+    verifier runs (0: from the token embeddings; Kangaroo resumes at its exit layer); ``adaptive``: the verifier
+    adapts the draft length to the acceptance rate (else it asks for ``draft_tokens`` every round)."""
+
+    name: str
+    start: int
+    adaptive: bool
+
+    def propose(self, rows: list[int], budget: dict[int, int]) -> dict[int, Draft]:
+        """At most ``budget[r]`` tokens for each row (fewer or none is fine)."""
+
+    def rollback(self, rows: list[int], positions: list[int]) -> None:
+        """Undo what drafting wrote to the verifier's own state (K/V, chunk states) at positions >= ``positions``."""
+
+    def verify_input(self, rows: list[int], seqs: list[list[int]]) -> torch.Tensor:
+        """The verifier's input for the round tokens ``seqs`` (b, t): embeddings, or hidden states at ``start``."""
+
+    def commit(self, rows: list[int], positions: list[int], kept: list[int], verified: Verified) -> None:
+        """Row ``rows[i]`` committed ``kept[i]`` tokens at positions ``positions[i]+1..``: the verifier consumed the
+        round's tokens at ``positions[i] .. positions[i]+kept[i]-1``; the last committed one is consumed next round."""
+
+    def step_cost(self, row: int, context: float) -> float:
+        """One drafted token's cost in decode steps of the verifier (for the adaptive draft length)."""
+
+    def draft_macs(self) -> float:
+        """MACs drafting spent outside the verifier's layers and LM head so far (a draft model, heads)."""
+
+
+class BaseDraft:
+    """Defaults of :class:`DraftSource` for drafts that keep no state in the verifier's cache: the verifier starts
+    from the embeddings, nothing to roll back, drafting is free unless said otherwise."""
+
+    name = "draft"
+    start = 0
+    adaptive = False
+    granularity = "layer"  # of the verifier's layers the draft runs itself (none here): for the accounting
+
+    def __init__(self, session):
+        self.s, self.dec = session, session.dec
+
+    def rollback(self, rows, positions) -> None:
+        pass
+
+    def verify_input(self, rows, seqs) -> torch.Tensor:
+        return self.s.verify_ops.embed(torch.tensor(seqs, device=self.dec.dev))
+
+    def commit(self, rows, positions, kept, verified) -> None:
+        pass
+
+    def step_cost(self, row, context) -> float:
+        return 0.0
+
+    def draft_macs(self) -> float:
+        return 0.0
+
+    def context(self, r: int) -> list[int]:
+        """Row r's prompt and committed tokens."""
+        return self.dec.prompts[r] + self.dec.out[r]
+
+
+# --------------------------------------------------------------------------- registry
+#: name -> factory(session, **options) -> DraftSource
+_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def register_draft(name: str, factory: Callable[..., Any]) -> None:
+    """Make ``factory(session, **draft_options)`` the draft source called ``name`` (replacing an earlier one: a
+    layer that can load artifacts from files registers a factory that also accepts ``path``)."""
+    _REGISTRY[name] = factory
+
+
+def draft_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_draft(name, session, options: dict | None) -> DraftSource:
+    """The draft source ``name`` (a registered name, or a factory ``f(session, **options)``) for one generate call."""
+    options = dict(options or {})
+    factory = name if callable(name) else _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown draft {name!r}; registered drafts: {', '.join(draft_names())}")
+    try:
+        inspect.signature(factory).bind(session, **options)
+    except TypeError as e:
+        hint = "; draft_options={'path': ...} loads files once fbs.baselines is imported (the fbs command does)" \
+            if "path" in options else ""
+        raise ValueError(f"draft {getattr(name, '__name__', name)!r} does not take the options {sorted(options)} "
+                         f"({e}){hint}") from e
+    return factory(session, **options)
+
+
+# --------------------------------------------------------------------------- prompt lookup
+def lookup_continuation(seq: list[int], max_ngram: int, min_ngram: int, budget: int) -> list[int]:
+    """Prompt lookup: for n from ``max_ngram`` down to ``min_ngram``, the last n tokens of ``seq`` are searched for
+    earlier in ``seq``; at the latest earlier occurrence, the (at most ``budget``) tokens that followed it are the
+    proposal. Empty when nothing matches."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        tail = seq[L - n:]
+        for i in range(L - n - 1, -1, -1):  # latest first; i + n <= L - 1: the occurrence is not the tail itself
+            if seq[i:i + n] == tail:
+                return seq[i + n:i + n + budget]
+    return []
+
+
+class PromptLookupDraft(BaseDraft):
+    """Prompt lookup decoding (Saxena 2023; HF's ``prompt_lookup_num_tokens``) on the engine's verifier: the draft
+    is the continuation of the latest earlier occurrence of the last ``max_ngram``..``min_ngram`` tokens in the
+    prompt and the output so far. Free to propose; pays where the output copies its context (code edits,
+    summaries, retrieval)."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, session, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(session)
+        if not 1 <= int(min_ngram) <= int(max_ngram):
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+
+    def propose(self, rows, budget):
+        return {r: Draft(lookup_continuation(self.context(r), self.max_ngram, self.min_ngram, budget[r]))
+                for r in rows if budget[r] > 0}
+
+
+# --------------------------------------------------------------------------- lookahead
+class LookaheadDraft(BaseDraft):
+    """Lookahead decoding (Fu et al. 2024), training-free, simplified to what a chain verifier runs.
+
+    Per row it keeps a Jacobi window (a guess for each of the next W positions) and an n-gram pool (at most G
+    (N-1)-gram continuations per first token). Each round the draft for positions P+1..P+W is the pool's most
+    recent continuation of the last committed token where one exists, followed by the window's guesses for the
+    positions after it. The verifier's one pass over this chain checks the candidate and is at the same time one
+    Jacobi iteration: the target's prediction at every rejected position becomes the guess for the next position,
+    and the diagonals of successive iterations (a guess, then the prediction the target made after seeing it, ...)
+    become n-grams of the pool, as do the n-grams of the committed output.
+
+    What differs from the paper: one candidate (not G) is verified per pass, and the lookahead branch is the
+    verified chain itself rather than a separate 2-D window in the same pass; verifying G candidates and a
+    lookahead window together needs a tree attention mask, which this verifier does not have yet. ``window`` is
+    W (at most ``draft_tokens``), ``ngram`` N, ``pool`` G.
+    """
+
+    name = "lookahead"
+
+    def __init__(self, session, window: int | None = None, ngram: int = 3, pool: int | None = None,
+                 seed: int = 0):
+        super().__init__(session)
+        limit = self.dec.opts.draft_tokens
+        self.W = int(window) if window is not None else limit
+        if not 1 <= self.W <= limit or int(ngram) < 2:
+            raise ValueError(f"lookahead needs 1 <= window <= draft_tokens ({limit}) and ngram >= 2, got window "
+                             f"{self.W}, ngram {ngram}; raise draft_tokens for a wider window")
+        self.N, self.G = int(ngram), int(pool) if pool is not None else self.W
+        self.gen = torch.Generator().manual_seed(seed)
+        B = self.dec.B
+        self.window: list[dict[int, int]] = [{} for _ in range(B)]        # absolute position -> guessed token
+        self.diag: list[dict[int, tuple]] = [{} for _ in range(B)]        # position -> n-gram ending at its token
+        self.pool: list[dict[int, list[tuple]]] = [{} for _ in range(B)]  # first token -> continuations, newest first
+        self.indexed = [len(p) + 1 for p in self.dec.prompts]             # the end of the next output n-gram to add
+
+    def _add(self, r: int, gram: tuple) -> None:
+        conts = self.pool[r].setdefault(gram[0], [])
+        tail = gram[1:]
+        if tail in conts:
+            conts.remove(tail)
+        conts.insert(0, tail)
+        del conts[self.G:]
+
+    def _filler(self, r: int) -> int:
+        """A guess for a position the window has none for: a random token of the row's context (as the paper
+        initialises its window)."""
+        ctx = self.context(r)
+        return ctx[int(torch.randint(len(ctx), (1,), generator=self.gen))]
+
+    def propose(self, rows, budget):
+        out = {}
+        for r in rows:
+            g = min(budget[r], self.W)
+            if g <= 0:
+                continue
+            ctx = self.context(r)
+            P = len(ctx) - 1
+            cand = list(self.pool[r].get(ctx[-1], [()])[0])[:g]
+            win = self.window[r]
+            toks = cand + [win[P + 1 + j] if P + 1 + j in win else self._filler(r) for j in range(len(cand), g)]
+            out[r] = Draft(toks)
+        return out
+
+    def commit(self, rows, positions, kept, verified) -> None:
+        pred = verified.logits.argmax(-1).tolist()
+        for i, r in enumerate(rows):
+            P, c = positions[i], kept[i]
+            t = verified.lengths[i]
+            seq = verified.seqs[i][:t]
+            # Jacobi: the target's prediction after each rejected position is the next guess for the position after
+            win = {q: v for q, v in self.window[r].items() if q > P + c}
+            for j in range(c, t):
+                win[P + j + 1] = pred[i][j]
+            self.window[r] = win
+            # diagonals of successive iterations: the guess at P+j, then what the target predicted after it
+            diag = self.diag[r]
+            new = {}
+            for j in range(t):
+                prev = diag.get(P + j)
+                gram = (prev if prev is not None and prev[-1] == seq[j] else (seq[j],)) + (pred[i][j],)
+                gram = gram[-self.N:]
+                new[P + j + 1] = gram
+                if len(gram) == self.N:
+                    self._add(r, gram)
+            self.diag[r] = {q: v for q, v in {**diag, **new}.items() if q > P + c - self.N}
+            # n-grams of the committed output
+            ctx = self.context(r)
+            for end in range(max(self.indexed[r], self.N), len(ctx) + 1):  # n-grams ending in an output token
+                self._add(r, tuple(ctx[end - self.N:end]))
+            self.indexed[r] = len(ctx) + 1
+
+
+# --------------------------------------------------------------------------- a separate draft model
+def _linear_params(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+class ModelDraft(BaseDraft):
+    """Speculative decoding with a separate draft model (Leviathan et al. 2023; Chen et al. 2023): any HF causal LM
+    whose vocabulary matches the target's, with its own KV cache per row (HF's ``DynamicCache``), drafts token by
+    token; the verifier keeps what the target agrees with and the draft's cache is cropped to the kept tokens.
+
+    ``model``: an HF ``PreTrainedModel`` (e.g. the student of ``fbs train draft-model``) or an
+    :class:`fbs.FBSForCausalLM`, which drafts with its backbone (the FBS modules do not run in the draft: a draft
+    only changes speed, never the output)."""
+
+    name = "specdec"
+    adaptive = True
+
+    def __init__(self, session, model=None):
+        super().__init__(session)
+        if model is None:
+            raise ValueError("draft 'specdec' needs a draft model: draft_options={'model': hf_model} or, with "
+                             "fbs.baselines imported, {'path': DIR} of `fbs train draft-model`")
+        hf = getattr(getattr(model, "base", None), "hf", model)  # an FBSForCausalLM drafts with its backbone
+        vocab = hf.get_output_embeddings().weight.shape[0]
+        want = self.dec.m.base.spec.vocab_size
+        if vocab != want:
+            raise ValueError(f"the draft model's vocabulary has {vocab} tokens, the target's {want}; a draft must share "
+                             "the target's tokenizer (train one with `fbs train draft-model`)")
+        self.hf = hf.eval()
+        self.dev = next(hf.parameters()).device
+        self.caches: dict[int, Any] = {}
+        self.seq: dict[int, list[int]] = {}
+        self.fed = 0  # tokens the draft model consumed (for its MACs)
+        self.macs_per_token = _linear_params(hf)
+        self.cost = self.macs_per_token / max(_linear_params(self.dec.m.base.hf), 1)
+
+    def _cache(self, r: int):
+        from transformers import DynamicCache
+
+        if r not in self.caches:
+            self.caches[r] = DynamicCache()
+        return self.caches[r]
+
+    def propose(self, rows, budget):
+        return self.s.draft_by_steps(self, rows, budget)
+
+    def begin(self, rows) -> None:
+        for r in rows:
+            self.seq[r] = self.context(r)
+
+    def step(self, rows, steps, tokens) -> torch.Tensor:
+        """Next-token logits (b, V) after each row's ``tokens`` at generated index ``steps`` (position prompt +
+        step); first catches the draft's cache up with the committed tokens it has not seen."""
+        out = []
+        for r, s, tok in zip(rows, steps, tokens):
+            pos = len(self.dec.prompts[r]) + s
+            self.seq[r] = self.seq[r][:pos] + [tok]
+            cache = self._cache(r)
+            have = cache.get_seq_length()
+            ids = torch.tensor([self.seq[r][have:pos + 1]], device=self.dev)
+            self.fed += ids.shape[1]
+            logits = self.hf(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            out.append(logits.to(self.dec.dev))
+        return torch.stack(out)
+
+    def finish(self, rows, steps, tokens) -> None:
+        """The last draft token is consumed by the verifier only (the draft catches up next round)."""
+
+    def commit(self, rows, positions, kept, verified) -> None:
+        for r, p, c in zip(rows, positions, kept):
+            cache = self.caches.get(r)
+            have = cache.get_seq_length() if cache is not None else 0
+            if have > p + c:
+                cache.crop(p + c - have)  # a negative count removes that many entries (every transformers version)
+
+    def step_cost(self, row, context) -> float:
+        return self.cost
+
+    def draft_macs(self) -> float:
+        return float(self.fed * self.macs_per_token)
+
+
+# --------------------------------------------------------------------------- draft heads (Medusa)
+class HeadsDraft(BaseDraft):
+    """Medusa-1 (Cai et al. 2024) chain drafts: K heads on the verifier's last hidden state before the last
+    committed token (at P-1, the state whose LM head chose the token at P) each predict one further token (head k,
+    from 0, the token at P+1+k); the draft is the chain of the heads' top-1 (sampling: each head's warped distribution, drawn from). The first round of a row has no
+    hidden state yet (prefill returns logits only) and drafts nothing.
+
+    ``heads``: a module with ``num_heads`` mapping final-normed hidden states (b, d) and the model's LM head to
+    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`). Medusa's tree of the heads' top-k candidates needs a tree
+    attention mask, which this verifier does not have yet: one chain per pass."""
+
+    name = "medusa"
+
+    def __init__(self, session, heads=None):
+        super().__init__(session)
+        if heads is None:
+            raise ValueError("draft 'medusa' needs heads: draft_options={'heads': module} or, with fbs.baselines "
+                             "imported, {'path': DIR} of `fbs train medusa`")
+        self.heads = heads.eval()
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.calls = 0
+        head = self.dec.m.base.lm_head
+        self.macs_per_call = _linear_params(heads) + heads.num_heads * head.weight.numel()  # each head runs the LM head
+        self.cost = self.macs_per_call / max(heads.num_heads, 1) / max(_linear_params(self.dec.m.base.hf), 1)
+
+    def propose(self, rows, budget):
+        out = {}
+        live = [r for r in rows if budget[r] > 0 and r in self.hidden]
+        if not live:
+            return out
+        h = self.dec.m.base.norm(torch.cat([self.hidden[r] for r in live]))
+        logits = self.heads(h, self.dec.m.base.lm_head).float()  # (K, b, V)
+        self.calls += len(live)
+        o = self.dec.opts
+        for i, r in enumerate(live):
+            k = min(budget[r], logits.shape[0])
+            lg = logits[:k, i]
+            if o.do_sample:
+                q = self.dec.warp(lg).softmax(-1)
+                out[r] = Draft(torch.multinomial(q, 1, generator=self.dec.gen)[:, 0].tolist(), q)
+            else:
+                out[r] = Draft(lg.argmax(-1).tolist())
+        return out
+
+    def commit(self, rows, positions, kept, verified) -> None:
+        for i, (r, c) in enumerate(zip(rows, kept)):
+            self.hidden[r] = verified.hidden[i, c - 1:c]  # the state after the last consumed token
+
+    def step_cost(self, row, context) -> float:
+        return self.cost
+
+    def draft_macs(self) -> float:
+        return float(self.calls * self.macs_per_call)
+
+
+register_draft("prompt-lookup", PromptLookupDraft)
+register_draft("lookahead", LookaheadDraft)
+register_draft("specdec", ModelDraft)
+register_draft("medusa", HeadsDraft)

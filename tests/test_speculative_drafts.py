@@ -1,0 +1,282 @@
+"""Draft sources on the one lossless verifier (fbs.engine.drafts): prompt lookup, lookahead, a separate draft model
+(specdec), Medusa heads, and the engine's own drafts by name.
+
+Oracles: the engine at full depth (``force_compute=True``) for greedy output, token for token; for sampling, the
+full-depth model's exact joint distribution of the first two sampled tokens (computed from its logits), against
+which the drafted sampler's empirical distribution must pass a chi-square test; hand-made token sequences for
+prompt lookup; the state of a never-drafting run after rollback.
+"""
+
+import pytest
+import torch
+
+import fbs.baselines  # noqa: F401  (registers kangaroo / specdec / medusa with their file loaders)
+from conftest import fbs_tiny, randomize, tiny_hf
+from fbs.baselines.kangaroo import KangarooAdapter
+from fbs.baselines.medusa import MedusaHeads
+from fbs.engine import run
+from fbs.engine.drafts import Draft, DraftSource, draft_names, lookup_continuation
+from test_speculative import _assert_same_state, _decoder, _model, shipped_smollm2  # noqa: F401  (a fixture)
+
+REPEAT = [7, 8, 9, 10, 11, 12] * 3  # a repetitive prompt: prompt lookup and lookahead find n-grams
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [REPEAT + torch.randint(0, 255, (3,), generator=g).tolist(),
+            torch.randint(0, 255, (9,), generator=g).tolist()]
+
+
+def _heads(model, seed=0):
+    heads = MedusaHeads(model.base.spec.hidden_size, 3)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in heads.blocks:
+            b.weight.copy_(torch.randn(b.weight.shape, generator=g) * 0.05)
+    return heads
+
+
+def _sources(model):
+    """(name, draft options) of every draft source, over the model (the specdec draft: another tiny HF model of
+    the same vocabulary, two layers; Kangaroo: a fresh adapter after layer 2)."""
+    return [
+        ("fbs", None), ("plan", {"layers": "2,4"}), ("kangaroo", {"adapter": KangarooAdapter.for_model(model, 2)}),
+        ("prompt-lookup", None), ("lookahead", {"ngram": 3}), ("specdec", {"model": tiny_hf("llama", 2, seed=4)}),
+        ("medusa", {"heads": _heads(model)}),
+    ]
+
+
+def test_every_named_draft_is_registered():
+    assert {"fbs", "plan", "kangaroo", "prompt-lookup", "lookahead", "specdec", "medusa"} <= set(draft_names())
+
+
+@pytest.mark.parametrize("policy", ["hole", "project"])
+def test_every_draft_source_greedy_equals_full_depth(policy, one_thread):
+    """64 tokens for a batch of two prompts of different lengths, each draft source by name: the full-depth
+    output, token for token; every source proposed something."""
+    model = _model("llama")
+    kw = dict(max_new_tokens=64, ignore_eos=True, kv_policy=policy)
+    full = model.generate(_prompts(), force_compute=True, **kw).new_tokens
+    for name, options in _sources(model):
+        res = model.generate(_prompts(), draft=name, draft_options=options, draft_tokens=5, **kw)
+        assert res.new_tokens == full, name
+        st = res.speculative
+        assert st.drafter == name and st.proposed > 0, name
+        assert st.accepted + st.passes == 64, name  # each pass commits its accepted drafts plus one
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_new_draft_sources_greedy_equal_full_depth_on_other_families(family, one_thread):
+    model = _model(family)
+    kw = dict(max_new_tokens=48, ignore_eos=True)
+    full = model.generate(_prompts(), force_compute=True, **kw).new_tokens
+    for name, options in [("prompt-lookup", None), ("lookahead", None),
+                          ("specdec", {"model": tiny_hf(family, 2, seed=4)}), ("medusa", {"heads": _heads(model)})]:
+        assert model.generate(_prompts(), draft=name, draft_options=options, **kw).new_tokens == full, name
+
+
+def test_drafts_that_copy_the_target_are_all_accepted(one_thread):
+    """A draft model that is the target's own backbone with the FBS modules at zero (an untrained FBS model equals
+    its base) drafts exactly the target's greedy tokens: every draft is accepted, so 40 tokens take the prompt's
+    pass and 8 rounds (7 of 4 drafts + 1, then 3 + 1). With the draft length adapted, a draft as costly as the
+    target does not pay: gamma falls to 0 (plain steps)."""
+    model = fbs_tiny("llama", seed=2)  # untrained FBS modules: the model computes its base
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    opts = {"model": tiny_hf("llama", 6, seed=2)}
+    res = model.generate(_prompts(), draft="specdec", draft_options=opts, draft_tokens=4, adapt_draft=False, **kw)
+    assert res.new_tokens == model.generate(_prompts(), force_compute=True, **kw).new_tokens
+    assert res.speculative.acceptance_rate == 1.0 and res.speculative.passes == 9
+    # the FBS model itself as the draft model (it drafts with its backbone), the draft length adapted
+    adapted = model.generate(_prompts(), draft="specdec", draft_options={"model": model}, draft_tokens=4, **kw)
+    assert adapted.new_tokens == res.new_tokens and adapted.speculative.gamma == [0, 0]
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
+    # the last 3-gram (1, 2, 3) occurs at 0 and 4: the latest earlier occurrence (4) is followed by 7, 1, 2
+    assert lookup_continuation([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 1, 3) == [7, 1, 2]
+    assert lookup_continuation([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 1, 10) == [7, 1, 2, 3]  # up to the end
+    # no 3- or 2-gram match: the 1-gram (6) occurs at 2, followed by 9, 1
+    assert lookup_continuation([4, 5, 6, 9, 1, 6], 3, 1, 2) == [9, 1]
+    assert lookup_continuation([4, 5, 6, 9, 1, 6], 3, 2, 2) == []  # min_ngram 2: no match
+    assert lookup_continuation([1, 2, 3], 3, 1, 4) == []
+
+
+def test_prompt_lookup_on_a_copying_model_accepts_its_proposals(one_thread):
+    """A model that continues a repeated pattern: prompt lookup proposes the pattern, the verifier accepts it."""
+    model = _model("llama")
+    ids = [REPEAT]
+    full = model.generate(ids, force_compute=True, max_new_tokens=16, ignore_eos=True).new_tokens[0]
+    # the proposals are what lookup_continuation gives on prompt + output; some are accepted whenever the model's
+    # greedy output repeats an earlier n-gram's continuation
+    res = model.generate(ids, draft="prompt-lookup", max_new_tokens=16, ignore_eos=True)
+    assert res.new_tokens[0] == full and res.speculative.proposed > 0
+
+
+def test_lookahead_rejects_a_window_wider_than_the_verifier():
+    model = _model("llama")
+    with pytest.raises(ValueError, match="window <= draft_tokens"):
+        model.generate(_prompts(), draft="lookahead", draft_options={"window": 9}, draft_tokens=4)
+
+
+def test_lookahead_pool_grows_from_jacobi_iterations_and_output(one_thread):
+    """After decoding, the pool holds n-grams (keyed by their first token) and every committed n-gram of the output
+    is among them or was displaced by newer ones (at most G per key)."""
+    model = _model("llama")
+    dec = _decoder(model, max_new_tokens=32, draft="lookahead", draft_options={"ngram": 3, "pool": 2})
+    for _ in run(dec):
+        pass
+    pool = dec.spec.drafter.pool[0]
+    assert pool and all(1 <= len(v) <= 2 and all(len(c) == 2 for c in v) for v in pool.values())
+    out = dec.out[0]
+    last = tuple(out[-3:])
+    assert last[1:] in pool[last[0]]  # the newest output n-gram was added last: first in its list
+
+
+@pytest.mark.parametrize("name", ["lookahead", "specdec", "medusa"])
+def test_rollback_leaves_the_state_of_a_run_that_never_drafted(name, one_thread):
+    """After rejected drafts, every layer's K/V and the chunk states equal those of full-depth decoding of the same
+    tokens (project policy: the verifier wrote every layer)."""
+    model = _model("qwen2")
+    options = dict(_sources(model))[name]
+    dec = _decoder(model, max_new_tokens=40, draft=name, draft_options=options, kv_policy="project",
+                   adapt_draft=False)
+    for _ in run(dec):
+        pass
+    assert dec.spec.rejections[0] > 0
+    ref = _decoder(model, max_new_tokens=len(dec.out[0]), force_compute=True, kv_policy="project")
+    for _ in run(ref):
+        pass
+    assert ref.out[0] == dec.out[0]
+    _assert_same_state(dec, ref)
+
+
+def _exact_pairs(model, prompt, top_k):
+    """The full-depth model's joint distribution of the first two sampled tokens under top-k (k * k pairs)."""
+    def probs(ids):
+        res = model.generate([ids], force_compute=True, max_new_tokens=1, ignore_eos=True, output_scores=True)
+        logits = res.scores[0][0]
+        kth = logits.topk(top_k).values[-1]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    p1 = probs(prompt)
+    out = {}
+    for t1 in p1.nonzero()[:, 0].tolist():
+        p2 = probs(prompt + [t1])
+        for t2 in p2.nonzero()[:, 0].tolist():
+            out[(t1, t2)] = float(p1[t1] * p2[t2])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["specdec", "lookahead", "prompt-lookup"])
+def test_drafted_sampling_keeps_the_full_models_distribution(name, one_thread):
+    """2,000 rows sample three tokens with the draft (one seeded call; rows draw independently): the first two
+    tokens' empirical joint distribution passes a chi-square test at the 0.1 % level against the full-depth model's
+    exact joint distribution (top-k 3: 9 pairs, 8 degrees of freedom), and drafts were both accepted and
+    rejected. The second token is always a verified draft's outcome (a stochastic draft model's q, or a point-mass
+    proposal)."""
+    model = _model("llama")
+    # the model's top-3 first tokens (52, 147, 194) occur in the prompt, followed by tokens the model may sample
+    # next: prompt lookup proposes a second token in every row, sometimes accepted
+    prompt = [4, 30, 52, 52, 147, 243, 194, 194, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8]
+    exact = _exact_pairs(model, prompt, 3)
+    options = {"model": tiny_hf("llama", 2, seed=4)} if name == "specdec" else None
+    n = 2000
+    res = model.generate([prompt] * n, draft=name, draft_options=options, do_sample=True, top_k=3, seed=11,
+                         max_new_tokens=3, ignore_eos=True, draft_tokens=2)
+    counts = {}
+    for row in res.new_tokens:
+        counts[(row[0], row[1])] = counts.get((row[0], row[1]), 0) + 1
+    assert set(counts) <= set(exact)
+    chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in exact.items())
+    assert chi2 < 26.12, (chi2, counts, exact)  # chi-square quantile 0.999, 8 degrees of freedom
+    st = res.speculative
+    assert st.proposed >= 1 and 0 < st.acceptance_rate < 1
+
+
+def test_a_point_mass_draft_is_accepted_with_the_targets_probability():
+    """The verifier's rule for a deterministic proposal d (q = point mass): keep it with probability p(d), else draw
+    from p with d removed; hand-computed for p = (.5, .3, .2), d = 1: P(1) = .3, P(0) = .7 * 5/7 = .5, P(2) = .2."""
+    from fbs.engine.speculative import accept_sampled
+
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.zeros(3)
+    kept = 0
+    for _ in range(n):
+        a, nxt = accept_sampled(p, q, [1], gen)
+        counts[1 if a == 1 else nxt] += 1
+        kept += a
+    assert (counts / n - p[0]).abs().max() < 0.012 and abs(kept / n - 0.3) < 0.012  # ~4 standard errors
+
+
+def test_a_custom_draft_source_plugs_in_as_a_factory(one_thread):
+    """The protocol is public: a factory returning a draft that always proposes token 3 is verified like any."""
+    from fbs.engine.drafts import BaseDraft
+
+    class Threes(BaseDraft):
+        name = "threes"
+
+        def propose(self, rows, budget):
+            return {r: Draft([3] * budget[r]) for r in rows}
+
+    model = _model("llama")
+    kw = dict(max_new_tokens=20, ignore_eos=True)
+    res = model.generate(_prompts(), draft=Threes, **kw)
+    assert isinstance(res.speculative, object) and res.speculative.drafter == "threes"
+    assert res.new_tokens == model.generate(_prompts(), force_compute=True, **kw).new_tokens
+    assert isinstance(Threes.__new__(Threes), DraftSource)
+
+
+def test_bad_draft_names_and_missing_artifacts_are_clear_errors(tmp_path):
+    model = _model("llama")
+    with pytest.raises(ValueError, match="unknown draft 'nope'.*registered drafts: .*lookahead"):
+        model.generate(_prompts(), draft="nope")
+    with pytest.raises(ValueError, match="fbs train draft-search"):
+        model.generate(_prompts(), draft="plan")
+    with pytest.raises(ValueError, match="fbs train draft-model"):
+        model.generate(_prompts(), draft="specdec", draft_options={"path": str(tmp_path)})
+    with pytest.raises(ValueError, match="fbs train medusa"):
+        model.generate(_prompts(), draft="medusa", draft_options={"path": str(tmp_path)})
+    with pytest.raises(ValueError, match="fbs train kangaroo"):
+        model.generate(_prompts(), draft="kangaroo", draft_options={"path": str(tmp_path)})
+    with pytest.raises(ValueError, match="vocabulary"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        other = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=100))
+        model.generate(_prompts(), draft="specdec", draft_options={"model": other})
+
+
+@pytest.mark.slow
+def test_draft_sources_on_the_shipped_smollm2(shipped_smollm2):
+    """The shipped SmolLM2 model, 64 tokens after a prompt that invites copying, under both KV policies: every
+    new draft source gives the full-depth tokens (the draft model: an undistilled 5-layer student of the target,
+    whose drafts are all rejected; Medusa: fresh heads, each the model's own next-token head)."""
+    from fbs.baselines.specdec import student_from_target
+
+    model = shipped_smollm2
+    text = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n")
+    ids = model.tokenizer(text, return_tensors="pt").input_ids
+    kw = dict(max_new_tokens=64, ignore_eos=True)
+    full = model.generate(ids, force_compute=True, **kw).new_tokens
+    student, _ = student_from_target(model, 5)
+    sources = [("prompt-lookup", None), ("lookahead", {"ngram": 4}), ("specdec", {"model": student}),
+               ("medusa", {"heads": MedusaHeads(model.base.spec.hidden_size, 3)})]
+    for policy in ("hole", "project"):
+        for name, options in sources:
+            res = model.generate(ids, draft=name, draft_options=options, draft_tokens=5, adapt_draft=False,
+                                 kv_policy=policy, **kw)
+            assert res.new_tokens == full, (name, policy)
+            st = res.speculative
+            assert st.proposed > 0 and (st.accepted > 0 or name == "specdec"), (name, policy)  # undistilled: ~0
+
+
+def test_draft_options_a_source_does_not_take_are_a_clear_error():
+    model = _model("llama")
+    with pytest.raises(ValueError, match=r"draft 'lookahead' does not take the options \['ngramz'\]"):
+        model.generate(_prompts(), draft="lookahead", draft_options={"ngramz": 3})
+    with pytest.raises(ValueError, match="draft_options configure a draft source"):
+        model.generate(_prompts(), draft_options={"ngram": 3})

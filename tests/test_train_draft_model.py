@@ -1,0 +1,79 @@
+"""Distilled drafts (fbs.train.draft_model): the draft-model student and Medusa heads, on a tiny random model.
+
+Oracles: the held-out KL to the target before and after a short run (it must fall), an uninterrupted run (a run
+stopped after a checkpoint and resumed must end with the same weights), the target's layers (the student's are
+copies), and full-depth greedy decoding (the saved artifacts decode losslessly)."""
+
+import pytest
+import torch
+
+import fbs.baselines  # noqa: F401  (registers the file loaders of specdec / medusa)
+from conftest import fbs_tiny, randomize
+from fbs.baselines.medusa import MedusaHeads
+from fbs.baselines.specdec import load_draft_model, student_from_target, student_layers
+from fbs.model.errors import CheckpointError
+from fbs.train.draft_model import DistilRecipe, train_draft_model, train_medusa_heads
+
+
+def _target():
+    return randomize(fbs_tiny("llama", seed=1), seed=3).eval()
+
+
+def _blocks(model, n=8, t=24):
+    return model.generate(torch.randint(0, 255, (n, 4), generator=torch.Generator().manual_seed(0)),
+                          max_new_tokens=t - 4, ignore_eos=True, force_compute=True, do_sample=True,
+                          seed=0).sequences
+
+
+def test_student_copies_every_kth_layer_of_the_target():
+    assert student_layers(30, 5) == [0, 7, 14, 22, 29] and student_layers(6, 2) == [0, 5]
+    target = _target()
+    student, layers = student_from_target(target, 3)
+    assert layers == [0, 2, 5] and student.config.num_hidden_layers == 3
+    src = target.base.hf.model.layers
+    for i, l in enumerate(layers):
+        for (name, p), (_, q) in zip(student.model.layers[i].named_parameters(), src[l].named_parameters()):
+            assert torch.equal(p, q), name
+    assert torch.equal(student.lm_head.weight, target.base.hf.lm_head.weight)
+
+
+def test_draft_model_training_lowers_kl_resumes_and_decodes_losslessly(tmp_path, one_thread):
+    target = _target()
+    blocks = _blocks(target)
+    train, held = blocks[:6], blocks[6:]
+    recipe = DistilRecipe(steps=8, lr=3e-3, warmup=2, batch_size=2, checkpoint_every=3, layers=2)
+    full = train_draft_model(target, train, tmp_path / "a", recipe, eval_blocks=held, resume=False)
+    assert full["eval_after"]["kl"] < full["eval_before"]["kl"] and full["loss_last"] < full["loss_first"]
+    assert full["tokens"] == 8 * 2 * 24 and full["layers"] == [0, 5]
+    # stopped after the checkpoint of step 6 (an interrupted run), then resumed: the uninterrupted run's weights
+    part = train_draft_model(target, train, tmp_path / "b", recipe, eval_blocks=held, stop_at=6)
+    assert part["steps_done"] == 6 and not (tmp_path / "b" / "config.json").exists()
+    done = train_draft_model(target, train, tmp_path / "b", recipe, eval_blocks=held)
+    assert done["steps_done"] == 8 and done["curve"] == pytest.approx(full["curve"], rel=1e-5)
+    a, b = load_draft_model(tmp_path / "a", target), load_draft_model(tmp_path / "b", target)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    ids = held[:, :6]
+    res = target.generate(ids, draft="specdec", draft_options={"path": str(tmp_path / "a")}, **kw)
+    assert res.new_tokens == target.generate(ids, force_compute=True, **kw).new_tokens
+    other = fbs_tiny("llama", seed=5)
+    with pytest.raises(CheckpointError, match="another base model.*fbs train draft-model"):
+        load_draft_model(tmp_path / "a", other)
+
+
+def test_medusa_training_lowers_kl_and_the_heads_decode_losslessly(tmp_path, one_thread):
+    target = _target()
+    with torch.no_grad():  # peaked next-token distributions (a random model's are near uniform: nothing to learn)
+        target.base.hf.model.norm.weight.mul_(20)
+    blocks = _blocks(target)
+    recipe = DistilRecipe(steps=10, lr=1e-2, warmup=1, batch_size=2, checkpoint_every=5, heads=3)
+    out = train_medusa_heads(target, blocks[:6], tmp_path / "m", recipe, eval_blocks=blocks[6:], resume=False)
+    assert out["eval_after"]["kl"] < out["eval_before"]["kl"] and out["loss_last"] < out["loss_first"]
+    heads = MedusaHeads.load(tmp_path / "m", target)
+    assert heads.num_heads == 3 and out["head_params"] == 3 * (64 * 64 + 64)
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    ids = blocks[6:, :6]
+    res = target.generate(ids, draft="medusa", draft_options={"path": str(tmp_path / "m")}, **kw)
+    assert res.new_tokens == target.generate(ids, force_compute=True, **kw).new_tokens
+    assert res.speculative.proposed > 0
