@@ -1,8 +1,8 @@
 """The ``fbs`` command line end to end through ``fbs.cli.main`` on a tiny model saved to disk (an HF directory
 with a one-character-per-id tokenizer and chat template, and an FBS checkpoint over it): ``info``, ``generate``,
 ``serve``, ``bench``, ``bench serve``, ``data build / label / stats / chat``, ``probe``, ``eval make-tasks``,
-``eval pareto``, ``train stage1 / stage2 / stage2-report / stage2-accept / flexidepth / kangaroo /
-draft-search / draft-model / medusa``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
+``eval pareto``, ``eval segatron``, ``train stage1 / stage2 / stage2-report / stage2-accept / flexidepth / segatron /
+kangaroo / draft-search / draft-model / medusa``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
 table / merge / sweep / group-b / chat / mechanism / ch / ch-table / safety / list``, ``analyze``,
 ``bench recompute``, ``train ablations``) run end to end in their own modules' tests.
 
@@ -764,6 +764,63 @@ def test_train_flexidepth_reports_the_base_perplexity(saved, capsys, tmp_path):
     from fbs.baselines.flexidepth import CONFIG_NAME, WEIGHTS_NAME
 
     assert all((Path(summary["final"]) / name).is_file() for name in (CONFIG_NAME, WEIGHTS_NAME))
+
+
+def test_train_segatron_resumes_and_eval_segatron_scores_it(saved, zh_corpus, capsys, tmp_path):
+    """``train segatron`` on the saved base: two steps, then a rerun with ``--max-steps 3`` resumes (no second
+    step-0 evaluation, one more step), and the step-0 PPL is the base's (fresh tables are zero). ``eval segatron``
+    of the export: the probe record is one ``fbs eval ch-table`` accepts, and each PPL row is the API's own
+    perplexity of that model on the probe's evaluation blocks."""
+    import math
+
+    import yaml
+
+    from fbs.baselines.segatron import Segatron
+    from fbs.data.probe import corpus_sequences
+    from fbs.eval.ch_table import load_ch_record
+
+    corpus = tmp_path / "corpus"
+    assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",
+                            "--max-docs-per-source", "6", "--val-fraction", "0.5", "--test-fraction", "0"])[0] == 0
+    recipe = dict(block_size=32, eval_blocks=2, batch_tokens=128, micro_batch_size=2, eval_every=0, save_every=1,
+                  threads=1, segatron=dict(max_paragraphs=4, max_sentences=8, max_tokens=16))
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    argv = ["train", "segatron", "--config", str(tmp_path / "recipe.yaml"), "--model", saved.base, "--data",
+            str(corpus), "--out-dir", str(tmp_path / "run"), "--no-progress"]
+    threads = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(capsys, [*argv, "--max-steps", "2"])
+        assert code == 0, err
+        code, out, err = run_cli(capsys, [*argv, "--max-steps", "3"])
+        assert code == 0, err
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads(out[:out.rindex("}") + 1])
+    assert summary["steps"] == 3 and summary["tokens"] == 3 * 128
+    assert f"exported to {summary['final']}" in out and "3 steps / 384 tokens" in out
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [0, 1, 2, 2, 3, 3]  # run 1: eval 0, steps 1-2, eval 2; run 2: step 3, eval 3
+    assert log[0]["ppl"] == log[0]["ppl_base"]
+
+    probe, ppl = tmp_path / "probe.json", tmp_path / "ppl.json"
+    code, text, err = run_cli(capsys, [
+        "eval", "segatron", "--segatron", summary["final"], "--model", saved.base, "--corpus", str(zh_corpus.path),
+        "--train-split", "train", "--eval-split", "train", "--seq-len", "16", "--train-seqs", "6", "--eval-seqs", "4",
+        "--idiom-items", "0", "--epochs", "1", "--batch-size", "4", "--threads", "1", "--probe-out", str(probe),
+        "--ppl-out", str(ppl), "--ppl-models", "segatron,base", "--resamples", "50", "--no-progress"])
+    assert code == 0, err
+    rec = load_ch_record(probe)
+    assert rec.data["layer"] == 3 and rec.data["predictor"] == "linear probe (Segatron)" and rec.n_blocks == 4
+    doc = json.loads(ppl.read_text())
+    blocks = torch.tensor([ids for ids, _ in corpus_sequences(zh_corpus.path, "train", char_tokenizer(), 16, 4, 1)])
+    model = Segatron.from_pretrained(summary["final"], saved.base)
+    with torch.no_grad():
+        for row, logits in zip(doc["ppl"]["rows"], (model(blocks).logits, saved.model.base.hf(blocks).logits)):
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                    blocks[:, 1:].reshape(-1))
+            assert row["ppl"] == pytest.approx(math.exp(nll.item()), rel=1e-5), row["label"]
+            assert row["ci_low"] <= row["ppl"] <= row["ci_high"]
+    assert [r["label"] for r in doc["ppl"]["rows"]] == ["segatron", "base"] and "| segatron |" in text
 
 
 def test_eval_tolerance_profile_and_plot(saved, capsys, tmp_path):

@@ -348,3 +348,18 @@ def test_native_int8_drafts_keep_lossless_decoding_lossless(isa, policy):
     out = model.generate(prompts, max_new_tokens=16, ignore_eos=True, lossless=True, weights="int8", kv_policy=policy)
     assert out.speculative.draft_skip_ratio > 0 and out.speculative.rejections > 0
     assert out.new_tokens == ref.new_tokens
+
+
+def test_a_stale_build_lock_does_not_block_loading():
+    """A build killed mid-way leaves torch's lock file in the build directory, which would make every later load
+    wait forever; loading removes it under its own OS-released lock."""
+    import subprocess
+    import sys
+
+    require_native()
+    lock = native._build_dir() / "lock"
+    lock.touch()
+    code = "from fbs import native; assert native.module() is not None"
+    run = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not lock.exists()

@@ -7,7 +7,11 @@
   token whether to skip the layer, a light adapter processes skipped tokens, K/V are still computed.
   Trained by ``fbs train flexidepth`` (:mod:`fbs.train.flexidepth`, imported by the CLI only).
 
-Both run on :func:`fbs.baselines.host.host_model` (the engine's model with no FBS module) through two hooks
+* :mod:`fbs.baselines.segatron` — a Segatron-style model (Bai et al. 2021; Group D, next to CH): paragraph,
+  sentence and token-in-sentence embeddings, found causally in the token stream, added to the input of the base
+  decoder (plus LoRA adapters). It skips nothing; it runs as an HF causal LM. Trained by ``fbs train segatron``.
+
+FFN-SkipLLM and FlexiDepth run on :func:`fbs.baselines.host.host_model` (the engine's model with no FBS module) through two hooks
 of the core: the engine's ``skip_policy`` (``prefill_mix`` / ``decide`` / ``mix`` / ``bypass`` / ``observe``)
 and the parallel forward's ``mixer`` (``route`` / ``observe``), each layer being the one
 :func:`fbs.model.layer.layer_step`. Apart from the training module, this package imports only the core and the
@@ -22,6 +26,7 @@ a layer above it): ``kangaroo`` (:mod:`fbs.baselines.kangaroo`), ``specdec`` (a 
 from .ffn_skip import FFNSkipLLM, ffn_skip_model
 from .flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthPolicy, skip_loss
 from .host import host_model
+from .segatron import Segatron, SegatronConfig
 from . import medusa, specdec
 from ..engine.drafts import register_draft
 
@@ -44,5 +49,5 @@ register_draft("kangaroo", _kangaroo_factory)
 register_draft("specdec", specdec.draft_factory)
 register_draft("medusa", medusa.draft_factory)
 
-__all__ = ["FFNSkipLLM", "FlexiDepth", "FlexiDepthConfig", "FlexiDepthPolicy", "ffn_skip_model", "host_model",
-           "skip_loss"]
+__all__ = ["FFNSkipLLM", "FlexiDepth", "FlexiDepthConfig", "FlexiDepthPolicy", "Segatron", "SegatronConfig",
+           "ffn_skip_model", "host_model", "skip_loss"]

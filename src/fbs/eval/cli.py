@@ -788,6 +788,10 @@ def register(subparsers) -> None:
 
     add_ch_table_parser(sub)
 
+    from fbs.eval.segatron import add_parser as add_segatron_parser  # `fbs eval segatron`: Group D next to CH
+
+    add_segatron_parser(sub)
+
     from fbs.eval.tolerance import add_parser as add_tolerance_parser  # `fbs eval tolerance`: skip tolerance profile
 
     add_tolerance_parser(sub)

@@ -37,6 +37,8 @@ OpenMP), or with ``FBS_NATIVE=0``, the engine keeps the PyTorch ops; nothing els
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -120,6 +122,19 @@ def _seed(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """An exclusive lock on the file ``lock`` between processes, released by the OS if its holder dies (a killed
+    build leaves no stale lock behind, unlike the lock file torch's build leaves in the build directory)."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def module():
     """The compiled extension, building it on first use; None when disabled or the build failed (logged once)."""
     global _module, _failed
@@ -133,13 +148,16 @@ def module():
                 from torch.utils.cpp_extension import load
 
                 path = _build_dir()
-                if not (path / "fbs_native.so").exists():  # a pause the user should see explained
-                    print(f"fbs: building the native kernels in {path} (once per machine)", file=sys.stderr)
-                    _seed(path)
-                path.mkdir(parents=True, exist_ok=True)
-                _module = load("fbs_native", sources=[str(p) for p in sources()], extra_include_paths=[str(_gen_dir())],
-                               extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               build_directory=str(path), verbose=False)
+                with _exclusive(path.parent / f".{path.name}.lock"):
+                    if not (path / "fbs_native.so").exists():  # a pause the user should see explained
+                        print(f"fbs: building the native kernels in {path} (once per machine)", file=sys.stderr)
+                        _seed(path)
+                    path.mkdir(parents=True, exist_ok=True)
+                    # torch's own lock file there is stale when present: a build that holds it holds ours too
+                    (path / "lock").unlink(missing_ok=True)
+                    _module = load("fbs_native", sources=[str(p) for p in sources()],
+                                   extra_include_paths=[str(_gen_dir())], extra_cflags=["-O3", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only cache ...: the PyTorch ops stay in use
                 _failed = f"{type(e).__name__}: {e}"
                 logger.warning("native kernels unavailable, using PyTorch ops (%s)", _failed.splitlines()[0])

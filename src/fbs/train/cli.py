@@ -2,6 +2,8 @@
 
 ``fbs train flexidepth``: the FlexiDepth baseline on the same data and budget (:mod:`fbs.train.flexidepth`).
 
+``fbs train segatron``: the Segatron-style baseline (Group D) at CH's Stage-1 budget (:mod:`fbs.train.segatron`).
+
 ``fbs train ablations``: the module ablations of paper §4.3 (:mod:`fbs.train.ablations`).
 
 ``fbs train kangaroo`` / ``fbs train draft-search``: the drafts of lossless speculative decoding (Kangaroo's adapter,
@@ -71,6 +73,20 @@ def cmd_flexidepth(args: argparse.Namespace) -> int:
     ev = summary["eval"]
     print(f"tau {cfg.flexidepth_config().tau:.2f}: skip {100 * ev['skip_ratio']:5.1f}% | PPL {ev['ppl']:.2f} | "
           f"base {ev['ppl_base']:.2f}")
+    print(f"exported to {summary['final']}")
+    return 0
+
+
+def cmd_segatron(args: argparse.Namespace) -> int:
+    from .segatron import SegatronTrainConfig, train
+
+    done = run_recipe(args, SegatronTrainConfig, ("out_dir", "max_steps", "data", "model"), train)
+    if isinstance(done, int):
+        return done
+    _cfg, summary = done
+    ev = summary["eval"]
+    print(f"segatron: {summary['steps']} steps / {summary['tokens']:,} tokens, "
+          f"{summary['trainable']['total']:,} trainable | PPL {ev['ppl']:.2f} | base {ev['ppl_base']:.2f}")
     print(f"exported to {summary['final']}")
     return 0
 
@@ -215,6 +231,11 @@ def register(subparsers: Any) -> None:
     _recipe_arguments(f, "YAML file of FlexiDepthTrainConfig fields (configs/flexidepth_smollm2.yaml)",
                       "override a field (YAML value; flexidepth.FIELD for FlexiDepthConfig), repeatable")
     f.set_defaults(func=cmd_flexidepth)
+    g = sub.add_parser("segatron", help="the Segatron-style baseline (Group D): paragraph / sentence / token-in-"
+                                        "sentence embeddings + LoRA, CH's Stage-1 data and budget; resumes from out_dir")
+    _recipe_arguments(g, "YAML file of SegatronTrainConfig fields (configs/segatron_smollm2.yaml)",
+                      "override a field (YAML value; segatron.FIELD for SegatronConfig), repeatable")
+    g.set_defaults(func=cmd_segatron)
     from .ablations import add_arguments as ablation_arguments, cmd_ablations
 
     a = sub.add_parser("ablations", help="the paper's module ablations (§4.3): -PAW, -CH, -SG, k_max, gate inputs, "
