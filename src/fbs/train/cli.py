@@ -147,7 +147,7 @@ def _distil(args: argparse.Namespace, what: str) -> int:
     """``fbs train draft-model`` / ``fbs train medusa``: the resumable distillation of :mod:`fbs.train.draft_model`."""
     import torch
 
-    from ..model.loading import load_from_args
+    from ..cli_args import load_from_args
     from .draft_model import DistilRecipe, train_draft_model, train_medusa_heads
 
     torch.manual_seed(args.seed)
