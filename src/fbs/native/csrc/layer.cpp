@@ -1,6 +1,7 @@
 // The native decoder layer (layer.h): weights, the per-row pieces, one layer step, runs of layers, the halves.
 #include "layer.h"
 
+#include "act.h"
 #include "attention.h"
 #include "gate.h"
 #include "norm.h"
@@ -138,8 +139,7 @@ void Layer::ffn_rows(float* H, int64_t m, int64_t isa) const {
   mm(hn.data(), m, gu, ff.data(), isa);
   for (int64_t j = 0; j < m; ++j) {
     const float* gj = ff.data() + j * 2 * inter;
-    float* aj = act.data() + j * inter;
-    for (int64_t c = 0; c < inter; ++c) aj[c] = gj[c] / (1.0f + std::exp(-gj[c])) * gj[inter + c];
+    fbs_act::silu_mul(gj, gj + inter, act.data() + j * inter, inter);
   }
   mm(act.data(), m, dn, dv.data(), isa);
   for (int64_t c = 0; c < m * d; ++c) H[c] += dv[c];

@@ -7,6 +7,13 @@ namespace fbs_quant {
 int64_t block_bytes(int64_t kind) { return kind == kI8Channel ? 512 : kind == kQ8Block ? 512 + 32 : 256 + 64; }
 
 void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds, float* c) {
+#ifdef FBS_X86
+  static const bool wide = fbs::best_isa() >= fbs::kIsaAvx512;
+  if (wide && K % kBlock == 0) {
+    quantize_avx512(x, M, K, ldx, q, d, ds, c);
+    return;
+  }
+#endif
   const int64_t Kp = (K + kBlock - 1) / kBlock * kBlock, Kb = Kp / kBlock;
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * ldx;

@@ -38,6 +38,8 @@ void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, floa
 void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa);
 
 #ifdef FBS_X86
+// quantize for K a multiple of 32 with AVX-512 (arch/x86/quant_vnni512.cpp): the same values, 16 lanes at a time.
+void quantize_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds, float* c);
 // One tile (channels n0..n0+15) for all rows of a, per instruction set (arch/x86/quant_*.cpp).
 void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
                   int64_t n0);

@@ -86,6 +86,30 @@ FBS_VNNI void tile(const Act& a, const uint8_t* p, const float* S, int64_t kind,
 }
 }  // namespace
 
+__attribute__((target("avx512f"))) void quantize_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
+                                                        float* d, float* ds, float* c) {
+  const int64_t Kb = K / kBlock;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * ldx;
+    double cc = 0.0;
+    for (int64_t b = 0; b < Kb; ++b) {
+      const __m512 v0 = _mm512_loadu_ps(xm + b * kBlock), v1 = _mm512_loadu_ps(xm + b * kBlock + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float db = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m512 s = _mm512_set1_ps(inv);  // round half to even (the default rounding mode), as nearbyint
+      const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, s)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, s));
+      int8_t* qb = q + m * K + b * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(i0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(i1));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+      d[m * Kb + b] = db;
+      ds[m * Kb + b] = db * float(sum);
+      cc += double(db) * double(sum);
+    }
+    c[m] = float(128.0 * cc);
+  }
+}
+
 void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
                   int64_t n0) {
   for (int64_t m = 0; m < a.M;) {  // rows in blocks of up to 8 per pass over the tile
