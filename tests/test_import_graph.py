@@ -31,9 +31,6 @@ FLOORS = {"core": ("jsonl", "model", "native", "provenance", "fbs"), "engine": (
           "upper": ("data", "baselines", "eval", "train", "rl", "serve", "bench"), "top": ("cli",)}
 #: What the library's core and engine never import: command-line parsing belongs to the commands.
 CLI_ONLY = ("argparse",)
-#: Private names of another package still read through its module object, until that package names them publicly:
-#: (reading module, the private name). ``fbs.native`` has no public name for its build key yet.
-PRIVATE_READS = {("fbs.provenance", "fbs.native._build_dir")}
 #: The one import that points up, by design: the model's ``generate`` / ``stream`` convenience methods hand the
 #: model to the engine (a function-local import; the engine never imports the model class).
 ALLOWED_UP = {("fbs.model.causal_lm", "fbs.engine")}
@@ -308,8 +305,7 @@ def f(x):
 
 def test_no_module_reads_a_private_name_of_another_package():
     bad = sorted((mod, name) for mod, path in all_modules().items() for name in private_reads(path.read_text(), mod))
-    assert [b for b in bad if b not in PRIVATE_READS] == []
-    assert PRIVATE_READS <= set(bad), "a listed private read is gone: drop it from PRIVATE_READS"
+    assert bad == []
 
 
 @pytest.mark.parametrize("floor", ["core", "engine"])

@@ -51,7 +51,7 @@ def assert_provenance(d: dict) -> None:
 def test_fields_and_the_commit_git_reports():
     d = prov.provenance()
     assert_provenance(d)
-    assert d["native_build"] == native._build_dir().name  # the extension's build directory: sources + torch
+    assert d["native_build"] == native._build_dir().name == native.build_key()  # the extension's build directory: sources + torch
     json.dumps(d)  # every value serializes as it is
 
 

@@ -95,7 +95,7 @@ def native_info() -> tuple[str | None, dict]:
     from fbs import native
 
     try:
-        key = native._build_dir().name
+        key = native.build_key()
     except Exception:  # the key is a record field, never a reason to stop a run
         key = None
     return key, native.status()

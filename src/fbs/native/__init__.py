@@ -89,8 +89,14 @@ def enabled() -> bool:
     return os.environ.get("FBS_NATIVE", "1") != "0"
 
 
+def build_key() -> str:
+    """The name of this source tree's build (``fbs-<hash of the sources, the policy header and torch>``): what a
+    record names to tie its numbers to the kernels that produced them."""
+    return f"fbs-{_source_digest()}"
+
+
 def _build_dir() -> Path:
-    return cache_root() / "native" / f"fbs-{_source_digest()}"
+    return cache_root() / "native" / build_key()
 
 
 def _gen_dir() -> Path:
