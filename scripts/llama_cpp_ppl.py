@@ -37,6 +37,7 @@ from fbs.bench.llama_cpp import (FORMATS, install_dir, model_path, parse_perplex
                                  read_token_dump, run_tool)
 from fbs.eval.ood import ood_blocks  # noqa: E402
 from fbs.model.loading import load_fbs  # noqa: E402
+from fbs.provenance import provenance  # noqa: E402
 
 
 def held_out_text(tokenizer, per_kind: int) -> tuple[str, list[str]]:
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-token-check", action="store_true", help="skip the comparison of the scored token ids")
+    ap.add_argument("--shipped", action="store_true",
+                    help="score the shipped FBS checkpoint (its LoRA merged into the backbone) instead of the base; "
+                         "every layer runs either way")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = install_dir()
@@ -97,7 +101,7 @@ def main() -> None:
         raise SystemExit(f"llama.cpp's llama-perplexity or formats are missing in {root} ({', '.join(missing)}): "
                          "run `bash scripts/build_llama_cpp.sh` or set FBS_LLAMA_CPP_DIR")
     torch.set_num_threads(args.threads)
-    model = load_fbs(args.model, shipped=False).eval()
+    model = load_fbs(args.model, shipped=args.shipped).eval()
     tok = model.tokenizer
     if args.text:
         text, source = Path(args.text).read_text(encoding="utf-8"), [args.text]
@@ -123,7 +127,7 @@ def main() -> None:
               else sum(a != b for a, b in zip(dumped, scored))}
 
     ref_ours = ours.get("fp32", next(iter(ours.values())))["ppl"]
-    ref_llama = llama.get("F16", next(iter(llama.values())))["ppl"]
+    ref_llama = llama.get("F16", next(iter(llama.values())))["ppl"] if llama else None
     print(f"{len(ids)} tokens ({'; '.join(source) if args.text else f'{len(source)} OOD blocks'}), ctx {args.ctx}: "
           f"{n_chunks} chunks, {n_chunks * (args.ctx - args.ctx // 2 - 1)} tokens scored; llama.cpp chunks "
           f"{tokens['llama_chunks']}; scored token ids identical: {tokens['chunk_ids_equal']}")
@@ -135,8 +139,10 @@ def main() -> None:
               f"{r['chunks']} |")
     if args.out:
         doc = {"command": "python scripts/llama_cpp_ppl.py " + " ".join(sys.argv[1:]), "ctx": args.ctx,
+               "model": args.model, "shipped_checkpoint": args.shipped,
                "text": {"source": source, "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()},
-               "tokens": tokens, "ours": ours, "llama_cpp": llama, "llama_cpp_dir": str(root)}
+               "tokens": tokens, "ours": ours, "llama_cpp": llama, "llama_cpp_dir": str(root),
+               "provenance": provenance()}
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
