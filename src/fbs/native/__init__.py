@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -141,6 +142,25 @@ def _exclusive(lock: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _import_built(path: Path):
+    """The finished build of these exact sources, imported without asking ninja (the build key is a hash of the
+    sources' contents, so checkouts at other paths with the same sources share it instead of rebuilding it); None
+    when there is none yet."""
+    so = path / "fbs_native.so"
+    if not so.is_file():
+        return None
+    import torch  # noqa: F401  the extension links against torch's libraries
+
+    spec = importlib.util.spec_from_file_location("fbs_native", so)
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except ImportError as e:  # a partial or foreign file: build it again
+        logger.info("could not import the native build %s (%s); rebuilding", so, e)
+        return None
+    return mod
+
+
 def module():
     """The compiled extension, building it on first use; None when disabled or the build failed (logged once)."""
     global _module, _failed
@@ -154,6 +174,9 @@ def module():
                 from torch.utils.cpp_extension import load
 
                 path = _build_dir()
+                _module = _import_built(path)
+                if _module is not None:
+                    return _module
                 with _exclusive(path.parent / f".{path.name}.lock"):
                     if not (path / "fbs_native.so").exists():  # a pause the user should see explained
                         print(f"fbs: building the native kernels in {path} (once per machine)", file=sys.stderr)
