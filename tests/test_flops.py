@@ -57,6 +57,24 @@ def test_step_bytes_and_predicted_saving_by_hand():
     assert predicted_saving(c, 10, 0) == 0.0
 
 
+def test_a_systems_own_roofline_prices_its_own_format_by_hand():
+    """The roofline a system is held to reads the bytes of its own weight format: the engine's ``weights`` or
+    llama.cpp's GGUF type (f16 K/V); the fp32 baseline stays the common yardstick."""
+    from fbs.bench.roofline import MachinePeaks, decode_roofline, system_format
+
+    c = LayerCost.from_config(LlamaConfig(**CFG))
+    peaks = MachinePeaks(read_gbs=1.0, copy_gbs=1.0, gemv_gbs=1.0, matmul_gflops=1e9, threads=1)
+    q4 = system_format({"weights": "q4"})
+    # 4 layers of 36,864 weights at 0.5 + 4/32 bytes + norms in fp32; head q8 (1 + 2/32) + final norm; fp32 K/V
+    q4_bytes = 4 * (36864 * 0.625 + 128 * 4) + 16384 * (1 + 2 / 32) + 64 * 4 + 4 * 10 * 256
+    assert decode_roofline(c, peaks, 8, 4, weights=q4)["bytes_per_step"] == pytest.approx(q4_bytes)
+    gguf = system_format({"format": "Q4_0"})
+    q40_bytes = 4 * (36864 * (0.5 + 2 / 32) + 128 * 2) + 16384 * (1 + 2 / 32) + 64 * 4 + 4 * 10 * 128
+    assert decode_roofline(c, peaks, 8, 4, weights=gguf)["bytes_per_step"] == pytest.approx(q40_bytes)
+    assert system_format({}) is system_format({"weights": "fp32"})
+    assert system_format({"format": "IQ2_XS"}) is None
+
+
 def _tiny_fbs(paw=(), ch=()):
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**CFG)).eval()

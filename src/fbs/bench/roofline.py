@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from fbs.engine.flops import LayerCost, step_bytes
+from fbs.engine.flops import WEIGHT_FORMATS, LayerCost, WeightFormat, step_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,25 @@ def measure_machine(size_mb: int = 256, repeats: int = 5, matmul_n: int = 2048,
     logger.info("machine: read %.1f GB/s, copy %.1f GB/s, gemv %.1f GB/s, matmul %.1f GFLOP/s (%d threads)",
                 read, copy, gemv, mm, peaks.threads)
     return peaks
+
+
+#: llama.cpp's GGUF tensor types as byte formats: the type's bytes per weight (scales, and mins for Q4_1, included),
+#: the LM head in Q8_0 for the 4-bit types (as SmolLM2's GGUFs store it), its default K/V cache in f16 (the layers'
+#: norm vectors, f32 in the files, are priced at 2 bytes too: well under 0.1 % of a step's bytes).
+GGUF_FORMATS: dict[str, WeightFormat] = {
+    "F16": WeightFormat("F16", weight=2, scale=0, activation=2),
+    "Q8_0": WeightFormat("Q8_0", weight=1 + 2 / 32, scale=0, activation=2),
+    "Q4_1": WeightFormat("Q4_1", weight=0.5 + 4 / 32, scale=0, activation=2, head="q8"),
+    "Q4_0": WeightFormat("Q4_0", weight=0.5 + 2 / 32, scale=0, activation=2, head="q8"),
+}
+
+
+def system_format(params: dict) -> WeightFormat | None:
+    """The byte format a bench system decodes in, from its params: ``weights`` (the engine's formats; fp32 when
+    absent) or a llama.cpp ``format``; None for a format without a byte model."""
+    if "format" in params:
+        return GGUF_FORMATS.get(str(params["format"]).upper())
+    return WEIGHT_FORMATS.get(params.get("weights", "fp32"))
 
 
 def decode_roofline(cost: LayerCost, peaks: MachinePeaks, prompt_len: int, new_tokens: int, batch: int = 1,

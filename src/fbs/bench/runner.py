@@ -24,7 +24,7 @@ from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_p
                                measure, measure_interleaved, paired_decode, prompts_digest)
 from fbs import native
 from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS, LlamaBenchSystem, system_name
-from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine
+from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine, system_format
 from fbs.bench.systems import (FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems, forced_plan,
                                hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
 from fbs.engine.flops import LayerCost
@@ -243,9 +243,12 @@ def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: Be
     out = {"baseline_tok_s": base["tok_s"], "bound": base["bound"], "fraction_of_baseline": tok_s / base["tok_s"],
            "system_tok_s": None, "fraction_of_system": None}
     skip = (res.probe or {}).get("layer_skip_ratio")
-    if res.family in ("baseline", "fbs") and skip is not None:
+    if res.family == "external":
+        skip = 0.0
+    fmt = system_format(res.params)
+    if res.family in ("baseline", "fbs", "external") and skip is not None and fmt is not None:
         policy = res.params.get("kv_policy", "project")
-        own = decode_roofline(cost, peaks, bench.prompt_len, bench.new_tokens, B, 1.0 - skip, policy)
+        own = decode_roofline(cost, peaks, bench.prompt_len, bench.new_tokens, B, 1.0 - skip, policy, weights=fmt)
         if res.family == "fbs":  # the added modules' weights are read every step too
             own_bytes = own["bytes_per_step"] + extra_bytes
             own["step_s"] = max(own_bytes / (peaks.bandwidth_gbs * 1e9), own["step_s"])
