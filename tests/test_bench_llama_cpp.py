@@ -169,14 +169,25 @@ def test_a_failing_tool_fails_the_row_not_the_run(fake_root):
     assert res.status == "failed" and "failed to load model" in res.note
 
 
-def test_alias_expands_to_the_four_formats():
+def test_alias_expands_to_every_format():
     from fbs.bench.runner import RunSpec
 
     spec = RunSpec(systems=("llama-cpp",))
-    assert [g for g in ("llama-cpp-q4_1", "llama-cpp-q8_0", "llama-cpp-q4_0", "llama-cpp-f16", "fbs-full")
-            if spec.wants(g)] == ["llama-cpp-q4_1", "llama-cpp-q8_0", "llama-cpp-q4_0", "llama-cpp-f16"]
+    assert [g for g in ("llama-cpp-q4_1", "llama-cpp-q4_k_m", "llama-cpp-q8_0", "llama-cpp-q4_0", "llama-cpp-f16",
+                        "fbs-full") if spec.wants(g)] == ["llama-cpp-q4_1", "llama-cpp-q4_k_m", "llama-cpp-q8_0",
+                                                          "llama-cpp-q4_0", "llama-cpp-f16"]
     with pytest.raises(ValueError, match="aliases: llama-cpp = llama-cpp-q4_1"):
         RunSpec(systems=("llama-cpp-q5",))
+
+
+def test_each_base_gets_the_formats_made_for_it():
+    """The shipped file's own format first (SmolLM2's Q4_1, Qwen2.5-Coder's Q4_K_M), then the requantized ones."""
+    from fbs.bench.llama_cpp import llama_bench_systems
+
+    assert [s.name for s in llama_bench_systems("smollm2-135m")] == [
+        "llama-cpp-q4_1", "llama-cpp-q8_0", "llama-cpp-q4_0", "llama-cpp-f16"]
+    assert [s.name for s in llama_bench_systems("qwen2.5-coder-0.5b")] == [
+        "llama-cpp-q4_k_m", "llama-cpp-q8_0", "llama-cpp-q4_0"]
 
 
 def test_perplexity_output_parsed():

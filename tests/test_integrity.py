@@ -295,6 +295,21 @@ def test_assembled_parts_with_another_sha256_are_refused(monkeypatch, tmp_path):
         models._assemble_gguf(spec, work)
 
 
+def test_a_gguf_in_parts_is_assembled_once_into_the_given_directory(monkeypatch, tmp_path):
+    parts = {"part01.bin": b"GGUF" + b"a" * 300, "part02.bin": b"b" * 200}
+    whole = b"".join(parts.values())
+    _fake_bundle(monkeypatch, tmp_path, parts, hashlib.sha256(whole).hexdigest())
+    with pytest.raises(BaseModelError, match="ships its GGUF in 2 parts: pass a directory"):
+        models.bundled_gguf("fake")
+    out = models.bundled_gguf("fake", tmp_path / "models")
+    assert out == tmp_path / "models" / "fake.gguf" and out.read_bytes() == whole
+    (tmp_path / "part02.bin").write_bytes(b"b" * 199)  # the parts are not read again for an assembled file
+    assert models.bundled_gguf("fake", tmp_path / "models").read_bytes() == whole
+    out.write_bytes(whole[:-1])  # a damaged assembled file is refused, not reused
+    with pytest.raises(BaseModelError, match="has sha256"):
+        models.bundled_gguf("fake", tmp_path / "models")
+
+
 @pytest.fixture
 def converted(monkeypatch, tmp_path):
     """A converted bundled model as resolve_base leaves it in the cache (tiny Llama, character tokenizer,

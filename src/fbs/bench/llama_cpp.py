@@ -40,11 +40,21 @@ from fbs.bench.harness import BenchConfig, GenOutput
 
 #: The llama-cpp-python release whose vendored llama.cpp source the build script compiles.
 LLAMA_CPP_VERSION = "0.3.36"
-#: GGUF formats the build script makes, in the order the bench reports them (Q4_1 is the shipped file).
-FORMATS = ("Q4_1", "Q8_0", "Q4_0", "F16")
+#: GGUF formats the build script makes for each bundled base: the shipped file's own format first, then the others
+#: requantized from it (``llama-quantize --allow-requantize``).
+MODEL_FORMATS = {"smollm2-135m": ("Q4_1", "Q8_0", "Q4_0", "F16"),
+                 "qwen2.5-coder-0.5b": ("Q4_K_M", "Q8_0", "Q4_0")}
+#: Every format a llama.cpp bench system can run, in the order the bench reports them.
+FORMATS = ("Q4_1", "Q4_K_M", "Q8_0", "Q4_0", "F16")
 BUILD_HINT = ("run `bash scripts/build_llama_cpp.sh` (builds llama.cpp's llama-bench / llama-perplexity from the "
-              f"llama-cpp-python {LLAMA_CPP_VERSION} sdist and makes the Q4_1, Q8_0, Q4_0 and F16 files; 10-25 min "
-              "on 2 cores), or point FBS_LLAMA_CPP_DIR at such a build")
+              f"llama-cpp-python {LLAMA_CPP_VERSION} sdist and makes the default model's Q4_1, Q8_0, Q4_0 and F16 "
+              "files; 10-25 min on 2 cores; FBS_LLAMA_MODELS=\"smollm2-135m qwen2.5-coder-0.5b\" adds Qwen's), or "
+              "point FBS_LLAMA_CPP_DIR at such a build")
+
+
+def formats_for(base: str) -> tuple[str, ...]:
+    """The formats made for ``base`` (every format for a base the build script does not know)."""
+    return MODEL_FORMATS.get(str(base), FORMATS)
 
 
 def install_dir() -> Path:
@@ -297,8 +307,8 @@ class LlamaBenchSystem:
         return self._measure(input_ids.shape[1], new_tokens, runs)
 
 
-def llama_bench_systems(base: str, formats: tuple[str, ...] = FORMATS) -> list[LlamaBenchSystem]:
-    return [LlamaBenchSystem(fmt, base) for fmt in formats]
+def llama_bench_systems(base: str, formats: tuple[str, ...] | None = None) -> list[LlamaBenchSystem]:
+    return [LlamaBenchSystem(fmt, base) for fmt in (formats_for(base) if formats is None else formats)]
 
 
 def rates(prefill_runs: list[float], decode_runs: list[float], prompt_len: int, new_tokens: int) -> dict[str, Any]:

@@ -23,7 +23,9 @@ from fbs.bench import report
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, paired_decode, prompts_digest)
 from fbs import native
-from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS, LlamaBenchSystem, system_name
+from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS
+from fbs.bench.llama_cpp import LlamaBenchSystem, system_name
+from fbs.bench.llama_cpp import formats_for as llama_cpp_formats_for
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine, system_format
 from fbs.bench.systems import (FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems, forced_plan,
                                hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
@@ -164,7 +166,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
     if spec.wants("assisted"):
         systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens, spec.draft_runs))
     systems += [LlamaBenchSystem(fmt, spec.base) for fmt, group in zip(LLAMA_CPP_FORMATS, LLAMA_CPP_GROUPS)
-                if spec.wants(group)]
+                if spec.wants(group) and fmt in llama_cpp_formats_for(spec.base)]
     if spec.wants("ffn-skipllm"):
         systems += ffn_skip_systems(model, tok, spec.ffn_skip_thresholds)
     if spec.wants("flexidepth"):

@@ -10,7 +10,7 @@ Public entry points:
     resolve_base(name_or_path) -> Path of an HF-format model directory (converting if needed)
     load_base(name_or_path)    -> (model, tokenizer)
     load_tokenizer(name_or_path)
-    bundled_gguf(name)         -> Path of the single GGUF file a bundled model ships in (llama.cpp reads it)
+    bundled_gguf(name, assemble_into) -> Path of the GGUF file a bundled model ships in (llama.cpp reads it)
     base_fingerprint(model)    -> content hash identifying a base model's weights
     sha256_file(path) / sha256_record(directory)   -> a file's sha256 / size and sha256 of each weights file
 """
@@ -129,22 +129,30 @@ def _package_dir(import_name: str, requirement: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def bundled_gguf(name: str) -> Path:
-    """The GGUF file a bundled base model ships in, for engines that read GGUF directly (llama.cpp).
+def bundled_gguf(name: str, assemble_into: str | os.PathLike | None = None) -> Path:
+    """The GGUF file a bundled base model ships in, for engines that read GGUF directly (llama.cpp), verified
+    against its pinned sha256. A GGUF shipped in several parts is concatenated into the directory
+    ``assemble_into`` (as ``<name>.gguf``; once: an existing verified file is reused).
 
     Raises :class:`BaseModelError` when ``name`` is not bundled, its package is missing, or its GGUF comes in
-    several parts (assembled only into a temporary file during conversion)."""
+    several parts and ``assemble_into`` is not given."""
     spec = BUNDLED.get(str(name))
     if spec is None:
         raise BaseModelError(f"{name!r} is not a bundled base model ({', '.join(sorted(BUNDLED))}): no GGUF ships it")
-    if len(spec.parts) != 1:
-        raise BaseModelError(f"{name} ships its GGUF in {len(spec.parts)} parts; only single-file GGUFs are used directly")
-    pkg, rel = spec.parts[0]
-    path = _package_dir(pkg, dict(spec.packages)[pkg]) / rel
-    if not path.is_file():
-        raise BaseModelError(f"expected model file {path} is missing; reinstall its package")
-    _verify_gguf(spec, path)
-    return path
+    if len(spec.parts) == 1:
+        return _assemble_gguf(spec, Path(tempfile.gettempdir()))
+    if assemble_into is None:
+        raise BaseModelError(f"{name} ships its GGUF in {len(spec.parts)} parts: pass a directory to assemble it in")
+    workdir = Path(assemble_into)
+    done = workdir / f"{spec.name}.gguf"
+    if done.is_file():
+        _verify_gguf(spec, done)
+        return done
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=workdir, prefix=f".{spec.name}-") as tmp:
+        gguf = _assemble_gguf(spec, Path(tmp))
+        os.replace(gguf, done)
+    return done
 
 
 #: Digests of installed package files computed in this process, by (resolved path, size, mtime in ns), so a
