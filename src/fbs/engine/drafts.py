@@ -49,10 +49,48 @@ import torch
 class Draft:
     """One row's proposal: ``tokens`` for positions P+1.., and ``q`` (len(tokens), V) the probabilities each token
     was drawn from when sampling (None: the tokens were chosen deterministically, a point mass: the verifier keeps
-    draft j with the target's probability of it and otherwise draws from the target with that token removed)."""
+    draft j with the target's probability of it and otherwise draws from the target with that token removed).
+
+    A token tree: ``parents[j]`` is the index in ``tokens`` of token j's parent, -1 for a child of the last
+    committed token (parents come before their children); token j then sits at position P + 1 + its depth.
+    Siblings are alternatives, tried in their order (put the likeliest first: a verifier that cannot run trees
+    keeps the chain of first children, :meth:`chain`). Trees are deterministic proposals (``q`` None)."""
 
     tokens: list[int]
     q: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def __post_init__(self):
+        if self.parents is not None:
+            if len(self.parents) != len(self.tokens) or any(not -1 <= p < j for j, p in enumerate(self.parents)):
+                raise ValueError(f"a draft tree needs one parent per token, each -1 or an earlier token's index; "
+                                 f"got parents {self.parents} for {len(self.tokens)} tokens")
+            if self.q is not None:
+                raise ValueError("a draft tree is a deterministic proposal: pass q=None")
+
+    def depths(self) -> list[int]:
+        """Each token's depth (1: a child of the last committed token)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def depth(self) -> int:
+        """The longest path: the most drafts one round can accept."""
+        return max(self.depths(), default=0)
+
+    def chain(self) -> "Draft":
+        """The chain of first children (the whole draft when it is a chain)."""
+        if self.parents is None:
+            return self
+        toks, node = [], -1
+        for j, p in enumerate(self.parents):
+            if p == node:
+                toks.append(self.tokens[j])
+                node = j
+        return Draft(toks)
 
 
 @dataclasses.dataclass
@@ -369,24 +407,79 @@ class ModelDraft(BaseDraft):
 
 
 # --------------------------------------------------------------------------- draft heads (Medusa)
+#: Medusa's default sparse candidate tree: each path lists, per depth d, the rank among head d-1's top-k of the
+#: token at that depth (a prefix-closed set: every path's parent is in it). 11 nodes, depth 4.
+MEDUSA_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+               (0, 0, 0, 0))
+
+
+def parse_tree(tree) -> tuple[tuple[int, ...], ...] | None:
+    """A candidate tree as rank paths: None or "tree" (:data:`MEDUSA_TREE`), "chain" (None: the top-1 chain), a
+    sequence of paths, or the text form "0;1;0,0;0,1" (paths separated by ';', ranks by ','). The paths are
+    sorted by depth then rank (parents first) and must be prefix-closed."""
+    if tree is None or tree == "tree":
+        return MEDUSA_TREE
+    if tree == "chain":
+        return None
+    if isinstance(tree, (int, float)):
+        tree = str(tree)
+    if isinstance(tree, str):
+        try:
+            tree = [tuple(int(x) for x in part.split(",")) for part in tree.split(";") if part.strip()]
+        except ValueError as e:
+            raise ValueError(f"a candidate tree is 'chain', 'tree' or rank paths like '0;1;0,0;0,1', got {tree!r}") \
+                from e
+    paths = sorted({tuple(int(x) for x in p) for p in tree}, key=lambda p: (len(p), p))
+    have = set(paths)
+    bad = [p for p in paths if not p or min(p) < 0 or (len(p) > 1 and p[:-1] not in have)]
+    if bad or not paths:
+        raise ValueError(f"a candidate tree's paths must be non-empty, of ranks >= 0, and contain every path's "
+                         f"parent; bad: {bad or 'no paths'}")
+    return tuple(paths)
+
+
+def tree_from_ranks(paths, top: torch.Tensor, depth: int) -> Draft:
+    """The draft tree of ``paths`` (rank paths, parents first) up to ``depth``: the token at depth d of a path
+    with last rank k is ``top[d - 1, k]`` (``top`` (D, R) each depth's candidates, best first)."""
+    index: dict[tuple, int] = {}
+    tokens, parents = [], []
+    for p in paths:
+        if len(p) > depth or p[-1] >= top.shape[1]:
+            continue
+        index[p] = len(tokens)
+        tokens.append(int(top[len(p) - 1, p[-1]]))
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+    return Draft(tokens, parents=parents)
+
+
 class HeadsDraft(BaseDraft):
-    """Medusa-1 (Cai et al. 2024) chain drafts: K heads on the verifier's last hidden state before the last
-    committed token (at P-1, the state whose LM head chose the token at P) each predict one further token (head k,
-    from 0, the token at P+1+k); the draft is the chain of the heads' top-1 (sampling: each head's warped distribution, drawn from). The first round of a row has no
-    hidden state yet (prefill returns logits only) and drafts nothing.
+    """Medusa-1 (Cai et al. 2024) drafts: K heads on the verifier's last hidden state before the last committed
+    token (at P-1, the state whose LM head chose the token at P) each predict one further token (head k, from 0,
+    the token at P+1+k). The first round of a row has no hidden state yet (prefill returns logits only) and
+    drafts nothing.
+
+    ``tree``: the candidate tree from the heads' top-k (:func:`parse_tree`; default :data:`MEDUSA_TREE`), verified
+    in one pass with a tree attention mask; ``"chain"``: the heads' top-1 chain (sampling: each head's warped
+    distribution, drawn from). Trees are deterministic proposals, so sampling keeps the target's distribution with
+    the verifier's exact rule for them (:func:`fbs.engine.speculative.accept_tree`); ``typical=True`` uses Medusa's
+    typical acceptance instead (faster, not the target's distribution).
 
     ``heads``: a module with ``num_heads`` mapping final-normed hidden states (b, d) and the model's LM head to
-    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`). Medusa's tree of the heads' top-k candidates needs a tree
-    attention mask, which this verifier does not have yet: one chain per pass."""
+    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`)."""
 
     name = "medusa"
 
-    def __init__(self, session, heads=None):
+    def __init__(self, session, heads=None, tree=None, typical: bool = False, posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
         super().__init__(session)
         if heads is None:
             raise ValueError("draft 'medusa' needs heads: draft_options={'heads': module} or, with fbs.baselines "
                              "imported, {'path': DIR} of `fbs train medusa`")
         self.heads = heads.eval()
+        self.tree = parse_tree(tree)
+        self.max_nodes = len(self.tree) if self.tree is not None else 0
+        self.acceptance = "typical" if typical else "exact"
+        self.posterior = (float(posterior_threshold), float(posterior_alpha))
         self.hidden: dict[int, torch.Tensor] = {}
         self.calls = 0
         head = self.dec.m.base.lm_head
@@ -402,10 +495,13 @@ class HeadsDraft(BaseDraft):
         logits = self.heads(h, self.dec.m.base.lm_head).float()  # (K, b, V)
         self.calls += len(live)
         o = self.dec.opts
+        ranks = 1 + max((max(p) for p in self.tree), default=0) if self.tree is not None else 1
         for i, r in enumerate(live):
             k = min(budget[r], logits.shape[0])
             lg = logits[:k, i]
-            if o.do_sample:
+            if self.tree is not None:
+                out[r] = tree_from_ranks(self.tree, lg.topk(min(ranks, lg.shape[-1]), -1).indices, k)
+            elif o.do_sample:
                 q = self.dec.warp(lg).softmax(-1)
                 out[r] = Draft(torch.multinomial(q, 1, generator=self.dec.gen)[:, 0].tolist(), q)
             else:

@@ -154,7 +154,7 @@ def _distil(args: argparse.Namespace, what: str) -> int:
     model = load_from_args(args).eval()
     train_ids, eval_ids = _blocks(args, model.tokenizer)
     recipe = DistilRecipe(steps=args.steps, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
-                          seed=args.seed, checkpoint_every=args.checkpoint_every,
+                          seed=args.seed, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
                           **({"layers": args.layers} if what == "draft-model" else {"heads": args.heads}))
     meta = {"data": args.data, "block_size": args.block_size, "train_blocks": len(train_ids),
             "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"),
@@ -189,6 +189,8 @@ def _distil_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
     p.add_argument("--batch-size", type=int, default=4, help="blocks per step")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints")
+    p.add_argument("--max-minutes", type=float, help="wall-time bound (resumed runs count their earlier time): stop "
+                                                     "after the step that crosses it and save the result as is")
     p.add_argument("--out-dir", required=True, help="where the result goes (checkpoints under OUT/checkpoints)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints in out_dir")
 
