@@ -28,8 +28,14 @@ Sources by name (:func:`draft_names`, ``model.generate(..., draft=NAME)``, ``fbs
 * ``specdec`` — :class:`ModelDraft`: a separate causal LM with the same vocabulary and its own KV cache (Leviathan
   et al. 2023; ``draft_options={"model": hf_model}``, or ``{"path": DIR}`` of ``fbs train draft-model`` once
   :mod:`fbs.baselines` is imported);
-* ``medusa`` — :class:`HeadsDraft`: Medusa-1 heads on the verifier's last hidden state (``{"heads": module}``, or
-  ``{"path": DIR}`` of ``fbs train medusa`` once :mod:`fbs.baselines` is imported).
+* ``medusa`` — :class:`HeadsDraft`: Medusa-1 heads on the verifier's last hidden state, a candidate tree of their
+  top-k (``{"heads": module}``, or ``{"path": DIR}`` of ``fbs train medusa`` once :mod:`fbs.baselines` is
+  imported, which also finds heads shipped for the model's base);
+* ``eagle`` — :class:`EagleDraft`: EAGLE-2's one-layer feature extrapolator and dynamic draft tree
+  (``{"layer": module}``, or ``{"path": DIR}`` of ``fbs train eagle``).
+
+Tree drafts (:attr:`Draft.parents`) are verified in one pass with a tree attention mask; a verifier whose ops
+run native multi-token steps verifies the tree's chain of first children instead.
 
 Layers above the engine register more with :func:`register_draft` (the engine never imports them).
 """
@@ -519,7 +525,172 @@ class HeadsDraft(BaseDraft):
         return float(self.calls * self.macs_per_call)
 
 
+# --------------------------------------------------------------------------- EAGLE-2
+class EagleDraft(BaseDraft):
+    """EAGLE-2 (Li et al. 2024): a one-layer draft over the target's features extrapolates them, and a dynamic
+    draft tree grows where the draft is confident.
+
+    The layer (:class:`fbs.baselines.eagle.EagleLayer`) keeps its own K/V per row, of entries made from true
+    target features only: entry i reads the target's feature f_i and the token at i + 1, and its output predicts
+    f_{i+1}. The prompt's features come from the target's last layer run once more over the prompt's input of
+    that layer (:meth:`prefill_tap`: one extra layer of prefill); each round's consumed tokens add theirs from the
+    verifier's pass (:meth:`commit`). Nothing speculative is stored, so nothing is rolled back.
+
+    A round's tree: the root is the last entry, whose output gives the candidates of depth 1 (top ``topk``,
+    scored by their draft log-probability); at each further depth the ``topk`` best-scored nodes of the deepest
+    level are expanded (their predicted features are fed back with their tokens, attending to the row's entries
+    and their ancestors), each adding its ``topk`` children scored by the path's summed log-probability; finally
+    the ``nodes`` best-scored nodes (with their ancestors) form the tree, ordered by depth then score.
+    ``depth`` defaults to ``draft_tokens``. Tree candidates are deterministic: sampling keeps the target's
+    distribution with the verifier's exact rule."""
+
+    name = "eagle"
+
+    def __init__(self, session, layer=None, depth: int | None = None, topk: int = 4, nodes: int = 16):
+        super().__init__(session)
+        if layer is None:
+            raise ValueError("draft 'eagle' needs a trained layer: draft_options={'layer': module} or, with "
+                             "fbs.baselines imported, {'path': DIR} of `fbs train eagle`")
+        limit = self.dec.opts.draft_tokens
+        self.depth = int(depth) if depth is not None else limit
+        if not 1 <= self.depth <= limit or int(topk) < 1 or int(nodes) < 1:
+            raise ValueError(f"eagle needs 1 <= depth <= draft_tokens ({limit}), topk >= 1 and nodes >= 1, got depth "
+                             f"{self.depth}, topk {topk}, nodes {nodes}; raise draft_tokens for a deeper tree")
+        self.layer = layer.eval()
+        self.topk, self.max_nodes = int(topk), int(nodes)
+        base = self.dec.m.base
+        self.base = base
+        self.k: dict[int, torch.Tensor] = {}   # row -> (Hkv, n, hd) keys of the entries at positions 0..n-1
+        self.v: dict[int, torch.Tensor] = {}
+        self.root: dict[int, torch.Tensor] = {}     # row -> (d,) the last entry's output (predicts f_P)
+        self.pending: dict[int, torch.Tensor] = {}  # row -> the prompt's features, waiting for the next token
+        self.layer_rows = self.head_rows = 0
+        self.layer_macs = _linear_params(layer)
+        self.head_macs = base.lm_head.weight.numel()
+
+    # ---- entries from true features --------------------------------------------
+    def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
+        """The prompt's input of the last layer: run that layer (full depth, a scratch cache) for the features."""
+        dec = self.dec
+        if l != dec.L - 1:
+            return
+        from ..model.chunk import ChunkState
+        from ..model.layer import layer_step
+        from .cache import CacheContext, KVCache
+
+        spec, cfg = self.base.spec, dec.m.config
+        b, n = x.shape[0], x.shape[1]
+        ops = getattr(dec.ops, "hf", dec.ops)
+        cache = KVCache(dec.L, b, spec.num_kv_heads, spec.head_dim, n, x.device, x.dtype)
+        chunks = {c: ChunkState(b, cfg.chunk_cache_size, cfg.chunk_rank, x.device, x.dtype) for c in dec.chunks}
+        pos = torch.arange(n, device=x.device).expand(b, n)
+        cos, sin = ops.rope(x, pos)
+        ctx = CacheContext(cache, chunks, list(range(b)), [list(range(n))] * b, cos, sin, dec.policy, dec.emb_v,
+                           dec.keys_v, self.base.scaling)
+        feats = layer_step(dec.m, ops, l, x, ctx).x
+        for i, r in enumerate(rows):
+            self.pending[r] = feats[i]
+
+    def _extend(self, r: int, feats: torch.Tensor, tokens: list[int], start: int) -> None:
+        """Entries at positions start.. from true features (c, d) and the tokens after them."""
+        f = feats[None].to(self.base.embedding_weight.dtype)
+        e = self.base.embed(torch.tensor([tokens], device=f.device))
+        cos, sin = self.base.rope(f, torch.arange(start, start + len(tokens), device=f.device)[None])
+        past = (self.k[r][None], self.v[r][None]) if r in self.k else None
+        h, k, v = self.layer(f, e, cos, sin, past)
+        self.k[r] = k[0] if past is None else torch.cat([self.k[r], k[0]], 1)
+        self.v[r] = v[0] if past is None else torch.cat([self.v[r], v[0]], 1)
+        self.root[r] = h[0, -1]
+        self.layer_rows += len(tokens)
+
+    def _catch_up(self, r: int) -> None:
+        """The prompt's entries, once the token after the prompt is known."""
+        if r in self.pending:
+            feats = self.pending.pop(r)
+            ctx = self.context(r)
+            self._extend(r, feats, ctx[1:feats.shape[0] + 1], 0)
+
+    @torch.no_grad()
+    def commit(self, rows, positions, kept, verified) -> None:
+        for i, (r, p, c) in enumerate(zip(rows, positions, kept)):
+            self._catch_up(r)
+            ctx = self.context(r)
+            self._extend(r, verified.hidden[i, :c], ctx[p + 1:p + c + 1], p)
+
+    # ---- the dynamic tree --------------------------------------------------------
+    def _logp(self, h: torch.Tensor) -> torch.Tensor:
+        self.head_rows += h.shape[0]
+        return self.base.lm_head(self.base.norm(h)).float().log_softmax(-1)
+
+    @torch.no_grad()
+    def propose(self, rows, budget):
+        out = {}
+        for r in rows:
+            self._catch_up(r)
+            depth = min(budget[r], self.depth)
+            if depth > 0 and r in self.root:
+                out[r] = self._tree(r, depth)
+        return out
+
+    def _tree(self, r: int, depth: int) -> Draft:
+        P = len(self.context(r)) - 1
+        K = self.topk
+        lp = self._logp(self.root[r][None])[0]
+        top = lp.topk(K)
+        # node: [token, parent, depth, score, predicted feature or None]
+        nodes = [[int(t), -1, 1, float(s), None] for s, t in zip(top.values, top.indices)]
+        level = list(range(len(nodes)))
+        tk, tv, done = [], [], []  # keys / values of expanded nodes, their node indices
+        for d in range(1, depth):
+            sel = sorted(level, key=lambda j: -nodes[j][3])[:K]
+            feats = torch.stack([self.root[r] if nodes[j][1] < 0 else nodes[nodes[j][1]][4] for j in sel])[None]
+            e = self.base.embed(torch.tensor([[nodes[j][0] for j in sel]], device=feats.device))
+            pos = torch.full((1, len(sel)), P + d - 1, device=feats.device)
+            cos, sin = self.base.rope(feats, pos)
+            n = self.k[r].shape[1]
+            past = (torch.cat([self.k[r]] + tk, 1)[None], torch.cat([self.v[r]] + tv, 1)[None])
+            mask = torch.zeros(len(sel), n + len(done) + len(sel), dtype=torch.bool, device=feats.device)
+            mask[:, :n] = True
+            for i, j in enumerate(sel):
+                mask[i, n + len(done) + i] = True
+                a = nodes[j][1]
+                while a >= 0:
+                    mask[i, n + done.index(a)] = True
+                    a = nodes[a][1]
+            h, k, v = self.layer(feats, e, cos, sin, past, mask[None, None])
+            self.layer_rows += len(sel)
+            tk.append(k[0])
+            tv.append(v[0])
+            done.extend(sel)
+            lps = self._logp(h[0])
+            level = []
+            for i, j in enumerate(sel):
+                nodes[j][4] = h[0, i]
+                top = lps[i].topk(K)
+                for s, t in zip(top.values, top.indices):
+                    level.append(len(nodes))
+                    nodes.append([int(t), j, d + 1, nodes[j][3] + float(s), None])
+        keep: set[int] = set()
+        for j in sorted(range(len(nodes)), key=lambda j: -nodes[j][3]):
+            chain = []
+            a = j
+            while a >= 0 and a not in keep:
+                chain.append(a)
+                a = nodes[a][1]
+            if len(keep) + len(chain) <= self.max_nodes:
+                keep.update(chain)
+            if len(keep) >= self.max_nodes:
+                break
+        order = sorted(keep, key=lambda j: (nodes[j][2], -nodes[j][3]))
+        index = {j: i for i, j in enumerate(order)}
+        return Draft([nodes[j][0] for j in order], parents=[index.get(nodes[j][1], -1) for j in order])
+
+    def draft_macs(self) -> float:
+        return float(self.layer_rows * self.layer_macs + self.head_rows * self.head_macs)
+
+
 register_draft("prompt-lookup", PromptLookupDraft)
 register_draft("lookahead", LookaheadDraft)
 register_draft("specdec", ModelDraft)
 register_draft("medusa", HeadsDraft)
+register_draft("eagle", EagleDraft)
