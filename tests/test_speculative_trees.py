@@ -219,3 +219,34 @@ def test_tree_sampling_keeps_the_full_models_distribution(one_thread):
     assert chi2 < 26.12, (chi2, counts, exact)  # chi-square quantile 0.999, 8 degrees of freedom
     st = res.speculative
     assert 0 < st.accepted < st.proposed == 1  # per row: one round, of depth 1; some rows kept a sibling
+
+
+def test_bench_runs_group_a_on_the_verifier(one_thread, tmp_path):
+    """``fbs bench``'s Group A systems (the draft names) run on the engine's verifier with their saved drafts and
+    reproduce the full-depth output; a missing trained draft gives a row naming the command that makes it."""
+    from fbs.baselines.medusa import MedusaHeads
+    from fbs.baselines.specdec import save_draft_model, student_from_target
+    from fbs.bench.harness import BenchConfig, measure
+    from fbs.bench.runner import RunSpec, build_systems
+
+    model = _model("llama")
+    fp = model.config.base_fingerprint
+    student, layers = student_from_target(model, 2)
+    save_draft_model(student, tmp_path / "s", {"layers": layers, "base_fingerprint": fp})
+    MedusaHeads(model.base.spec.hidden_size, 2).save(tmp_path / "m", fp)
+    _eagle(model).save(tmp_path / "e", fp)
+    paths = {"specdec": str(tmp_path / "s"), "medusa": str(tmp_path / "m"), "eagle": str(tmp_path / "e")}
+    spec = RunSpec(systems=("group-a",), group_a_paths=paths, draft_tokens=3)
+    systems = build_systems(model.base.hf, None, model, spec)
+    assert [s.name for s in systems] == ["draft-prompt-lookup", "lookahead", "specdec", "medusa", "eagle"]
+    prompts = torch.randint(0, 255, (2, 10), generator=torch.Generator().manual_seed(1))
+    cfg = BenchConfig(prompt_len=10, new_tokens=12, warmup=0, runs=1, num_prompts=2)
+    full = model.generate(prompts, force_compute=True, max_new_tokens=12, ignore_eos=True, min_new_tokens=12)
+    for system in systems:
+        res = measure(system, prompts, cfg)
+        assert res.status == "ok", (system.name, res.note)
+        assert res.probe["drafter"] == system.knobs["draft"] and res.probe["passes"] + res.probe["accepted"] == 12
+        assert torch.equal(res.outputs[:, -12:], full.sequences[:, -12:]), system.name
+    missing = build_systems(model.base.hf, None, model, RunSpec(systems=("specdec", "medusa", "eagle")))
+    assert [s.unavailable(1).split("`")[1].split(" --")[0] for s in missing] == [
+        "fbs train draft-model", "fbs train medusa", "fbs train eagle"]
