@@ -250,3 +250,19 @@ def test_bench_runs_group_a_on_the_verifier(one_thread, tmp_path):
     missing = build_systems(model.base.hf, None, model, RunSpec(systems=("specdec", "medusa", "eagle")))
     assert [s.unavailable(1).split("`")[1].split(" --")[0] for s in missing] == [
         "fbs train draft-model", "fbs train medusa", "fbs train eagle"]
+
+
+def test_native_formats_verify_the_trees_chain(one_thread):
+    """Ops that verify in native multi-token steps (int8) get each tree's chain of first children: the output is
+    full depth's in that format and every verified draft token is on the chain (nodes == depth)."""
+    from test_speculative_drafts import _heads
+
+    model = _model("llama")
+    kw = dict(max_new_tokens=32, ignore_eos=True, weights="int8")
+    full = model.generate(PROMPTS[:1], force_compute=True, **kw).new_tokens
+    res = model.generate(PROMPTS[:1], draft="medusa", draft_options={"heads": _heads(model)}, **kw)
+    st = res.speculative
+    assert res.new_tokens == full and st.nodes == st.proposed > 0
+    fp32 = model.generate(PROMPTS[:1], draft="medusa", draft_options={"heads": _heads(model)}, max_new_tokens=32,
+                          ignore_eos=True).speculative
+    assert fp32.nodes > fp32.proposed  # the same draft verifies whole trees on the PyTorch ops
