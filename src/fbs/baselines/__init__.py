@@ -22,7 +22,8 @@ package registers them with :func:`fbs.engine.drafts.register_draft`, which the 
 a layer above it): ``kangaroo`` (:mod:`fbs.baselines.kangaroo`), ``specdec`` (a distilled draft model,
 :mod:`fbs.baselines.specdec`), ``medusa`` (:mod:`fbs.baselines.medusa`) and ``eagle`` (:mod:`fbs.baselines.eagle`),
 each with ``draft_options={"path": DIR}``; Medusa heads and the EAGLE layer shipped for a base model
-(``assets/medusa-<base>``, ``assets/eagle-<base>``) are used when no path is given (:func:`shipped_draft`).
+(``assets/medusa-<base>``, ``assets/eagle-<base>``) are used when no path is given
+(:func:`fbs.baselines.medusa.shipped_draft`).
 """
 
 from .ffn_skip import FFNSkipLLM, ffn_skip_model
@@ -30,24 +31,8 @@ from .flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthPolicy, skip_los
 from .host import host_model
 from .segatron import Segatron, SegatronConfig
 from . import eagle, medusa, specdec
+from .medusa import shipped_draft
 from ..engine.drafts import register_draft
-
-
-def shipped_draft(kind: str, model):
-    """The directory of the ``kind`` draft ("medusa", "eagle") shipped in the package for ``model``'s base (the
-    one whose recorded base fingerprint is the model's), or None."""
-    import json
-
-    from ..model.loading import ASSETS
-
-    fp = getattr(model.config, "base_fingerprint", None)
-    if fp is None:
-        return None
-    for path in sorted(ASSETS.glob(f"{kind}-*")):
-        info = path / f"{kind}.json"
-        if info.is_file() and json.loads(info.read_text()).get("base_fingerprint") == fp:
-            return path
-    return None
 
 
 def _kangaroo_factory(session, adapter=None, path=None, check_base: bool = True):

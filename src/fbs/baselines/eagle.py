@@ -176,10 +176,10 @@ class EagleLayer(nn.Module):
 def draft_factory(session, layer=None, path=None, check_base: bool = True, depth: int | None = None, topk: int = 4,
                   nodes: int = 16):
     """``eagle`` with a layer module, a saved one (``path``), or the one shipped for the model's base
-    (:func:`fbs.baselines.shipped_draft`); the tree's ``depth``, ``topk`` and ``nodes`` go to
+    (:func:`fbs.baselines.medusa.shipped_draft`); the tree's ``depth``, ``topk`` and ``nodes`` go to
     :class:`fbs.engine.drafts.EagleDraft`."""
     from ..engine.drafts import EagleDraft
-    from . import shipped_draft
+    from .medusa import shipped_draft
 
     if layer is None:
         path = path if path is not None else shipped_draft("eagle", session.dec.m)

@@ -86,12 +86,26 @@ class MedusaHeads(nn.Module):
         return heads.eval()
 
 
+def shipped_draft(kind: str, model):
+    """The directory of the ``kind`` draft ("medusa", "eagle") shipped in the package for ``model``'s base (the
+    one whose recorded base fingerprint is the model's), or None."""
+    from ..model.loading import ASSETS
+
+    fp = getattr(model.config, "base_fingerprint", None)
+    if fp is None:
+        return None
+    for path in sorted(ASSETS.glob(f"{kind}-*")):
+        info = path / f"{kind}.json"
+        if info.is_file() and json.loads(info.read_text()).get("base_fingerprint") == fp:
+            return path
+    return None
+
+
 def draft_factory(session, heads=None, path=None, check_base: bool = True, tree=None, typical: bool = False,
                   posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
     """``medusa`` with a heads module, saved heads (``path``), or the heads shipped for the model's base
-    (:func:`fbs.baselines.shipped_draft`); the other options go to :class:`fbs.engine.drafts.HeadsDraft`."""
+    (:func:`shipped_draft`); the other options go to :class:`fbs.engine.drafts.HeadsDraft`."""
     from ..engine.drafts import HeadsDraft
-    from . import shipped_draft
 
     if heads is None:
         path = path if path is not None else shipped_draft("medusa", session.dec.m)
