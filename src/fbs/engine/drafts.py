@@ -103,7 +103,8 @@ class Draft:
 class Verified:
     """What the verifier computed in a round, for the draft sources that learn from it: ``seqs`` the round tokens
     per row at positions P.. (``lengths`` real ones, then pads), ``hidden`` the last layer's output (b, t, d) before
-    the final norm, ``logits`` the target's next-token logits (b, t, V)."""
+    the final norm, ``logits`` the target's next-token logits (b, t, V). After a tree round a row's entries are in
+    path order: the root, the kept nodes, then the others (so index j < kept is the round's j-th consumed token)."""
 
     seqs: list[list[int]]
     lengths: list[int]
