@@ -266,3 +266,25 @@ def test_native_formats_verify_the_trees_chain(one_thread):
     fp32 = model.generate(PROMPTS[:1], draft="medusa", draft_options={"heads": _heads(model)}, max_new_tokens=32,
                           ignore_eos=True).speculative
     assert fp32.nodes > fp32.proposed  # the same draft verifies whole trees on the PyTorch ops
+
+
+def test_medusa_typical_acceptance_samples_within_the_warped_support(one_thread):
+    """Typical acceptance is opt-in for sampling (it does not keep the target's distribution): every token comes
+    from the target's top-k at its position (the kept nodes passed the confidence cut under it, the next one is
+    drawn from it), checked against the full-depth forward over the sampled sequence; greedy ignores it."""
+    from test_speculative_drafts import _heads
+
+    model = _model("llama")
+    heads = _heads(model)
+    opts = {"heads": heads, "typical": True, "posterior_threshold": 0.01}
+    res = model.generate(PROMPTS, draft="medusa", draft_options=opts, do_sample=True, top_k=5, seed=3,
+                         max_new_tokens=24, ignore_eos=True, draft_tokens=3)
+    st = res.speculative
+    assert st.accepted > 0
+    for row, prompt in zip(res.new_tokens, PROMPTS):
+        logits = model(torch.tensor([prompt + row]), gate_mode="off").logits[0, len(prompt) - 1:-1]
+        top = logits.topk(5, -1).indices
+        assert all(t in top[j].tolist() for j, t in enumerate(row)), row
+    greedy = model.generate(PROMPTS, draft="medusa", draft_options=opts, max_new_tokens=24, ignore_eos=True)
+    assert greedy.new_tokens == model.generate(PROMPTS, force_compute=True, max_new_tokens=24,
+                                               ignore_eos=True).new_tokens
