@@ -413,6 +413,27 @@ class ModelDraft(BaseDraft):
         return float(self.fed * self.macs_per_token)
 
 
+def last_layer_output(dec, x: torch.Tensor) -> torch.Tensor:
+    """The last layer's output (b, n, d) over prompts whose input of that layer is ``x`` (b, n, d), computed at full
+    depth in a scratch cache (the decoder's prefill returns only the next-token logits; drafts that read the
+    target's last hidden states get them this way, for one more layer of prefill work)."""
+    from ..model.chunk import ChunkState
+    from ..model.layer import layer_step
+    from .cache import CacheContext, KVCache
+
+    base, cfg = dec.m.base, dec.m.config
+    spec = base.spec
+    b, n = x.shape[0], x.shape[1]
+    ops = getattr(dec.ops, "hf", dec.ops)
+    cache = KVCache(dec.L, b, spec.num_kv_heads, spec.head_dim, n, x.device, x.dtype)
+    chunks = {c: ChunkState(b, cfg.chunk_cache_size, cfg.chunk_rank, x.device, x.dtype) for c in dec.chunks}
+    pos = torch.arange(n, device=x.device).expand(b, n)
+    cos, sin = ops.rope(x, pos)
+    ctx = CacheContext(cache, chunks, list(range(b)), [list(range(n))] * b, cos, sin, dec.policy, dec.emb_v,
+                       dec.keys_v, base.scaling)
+    return layer_step(dec.m, ops, dec.L - 1, x, ctx).x
+
+
 # --------------------------------------------------------------------------- draft heads (Medusa)
 #: Medusa's default sparse candidate tree: each path lists, per depth d, the rank among head d-1's top-k of the
 #: token at that depth (a prefix-closed set: every path's parent is in it). 11 nodes, depth 4.
@@ -462,8 +483,8 @@ def tree_from_ranks(paths, top: torch.Tensor, depth: int) -> Draft:
 class HeadsDraft(BaseDraft):
     """Medusa-1 (Cai et al. 2024) drafts: K heads on the verifier's last hidden state before the last committed
     token (at P-1, the state whose LM head chose the token at P) each predict one further token (head k, from 0,
-    the token at P+1+k). The first round of a row has no hidden state yet (prefill returns logits only) and
-    drafts nothing.
+    the token at P+1+k). The prompt's last hidden state comes from the last layer run once more over the prompt
+    (:func:`last_layer_output`), so the first round drafts too.
 
     ``tree``: the candidate tree from the heads' top-k (:func:`parse_tree`; default :data:`MEDUSA_TREE`), verified
     in one pass with a tree attention mask; ``"chain"``: the heads' top-1 chain (sampling: each head's warped
@@ -514,6 +535,14 @@ class HeadsDraft(BaseDraft):
             else:
                 out[r] = Draft(lg.argmax(-1).tolist())
         return out
+
+    def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
+        """The prompt's last hidden state (the last layer run once more over the prompt), so that the first
+        round drafts too."""
+        if l == self.dec.L - 1:
+            h = last_layer_output(self.dec, x)
+            for i, r in enumerate(rows):
+                self.hidden[r] = h[i, -1:]
 
     def commit(self, rows, positions, kept, verified) -> None:
         for i, (r, c) in enumerate(zip(rows, kept)):
@@ -571,26 +600,11 @@ class EagleDraft(BaseDraft):
 
     # ---- entries from true features --------------------------------------------
     def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
-        """The prompt's input of the last layer: run that layer (full depth, a scratch cache) for the features."""
-        dec = self.dec
-        if l != dec.L - 1:
-            return
-        from ..model.chunk import ChunkState
-        from ..model.layer import layer_step
-        from .cache import CacheContext, KVCache
-
-        spec, cfg = self.base.spec, dec.m.config
-        b, n = x.shape[0], x.shape[1]
-        ops = getattr(dec.ops, "hf", dec.ops)
-        cache = KVCache(dec.L, b, spec.num_kv_heads, spec.head_dim, n, x.device, x.dtype)
-        chunks = {c: ChunkState(b, cfg.chunk_cache_size, cfg.chunk_rank, x.device, x.dtype) for c in dec.chunks}
-        pos = torch.arange(n, device=x.device).expand(b, n)
-        cos, sin = ops.rope(x, pos)
-        ctx = CacheContext(cache, chunks, list(range(b)), [list(range(n))] * b, cos, sin, dec.policy, dec.emb_v,
-                           dec.keys_v, self.base.scaling)
-        feats = layer_step(dec.m, ops, l, x, ctx).x
-        for i, r in enumerate(rows):
-            self.pending[r] = feats[i]
+        """The prompt's input of the last layer: run that layer once more for the prompt's features."""
+        if l == self.dec.L - 1:
+            feats = last_layer_output(self.dec, x)
+            for i, r in enumerate(rows):
+                self.pending[r] = feats[i]
 
     def _extend(self, r: int, feats: torch.Tensor, tokens: list[int], start: int) -> None:
         """Entries at positions start.. from true features (c, d) and the tokens after them."""
