@@ -255,7 +255,7 @@ def test_draft_sources_on_the_shipped_smollm2(shipped_smollm2):
     """The shipped SmolLM2 model, 64 tokens after a prompt that invites copying, under both KV policies: every
     new draft source gives the full-depth tokens (the draft model: an undistilled 5-layer student of the target,
     whose drafts are all rejected; Medusa: fresh heads, each the model's own next-token head, as a tree, and the
-    shipped heads; EAGLE: an untrained layer started from the last one, as a dynamic tree)."""
+    shipped heads; EAGLE: an untrained layer started from the last one, as a dynamic tree, and the shipped one)."""
     from fbs.baselines.specdec import student_from_target
 
     model = shipped_smollm2
@@ -270,8 +270,9 @@ def test_draft_sources_on_the_shipped_smollm2(shipped_smollm2):
     sources = [("prompt-lookup", None), ("lookahead", {"ngram": 4}), ("specdec", {"model": student}),
                ("medusa", {"heads": MedusaHeads(model.base.spec.hidden_size, 3)}),
                ("eagle", {"layer": EagleLayer.for_model(model)})]
-    if shipped_draft("medusa", model) is not None:  # the heads shipped for SmolLM2, found without a path
-        sources.append(("medusa", None))
+    for name in ("medusa", "eagle"):  # the drafts shipped for SmolLM2, found without a path
+        if shipped_draft(name, model) is not None:
+            sources.append((name, None))
     for policy in ("hole", "project"):
         for name, options in sources:
             res = model.generate(ids, draft=name, draft_options=options, draft_tokens=5, adapt_draft=False,
