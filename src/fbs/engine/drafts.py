@@ -251,9 +251,9 @@ class LookaheadDraft(BaseDraft):
     become n-grams of the pool, as do the n-grams of the committed output.
 
     What differs from the paper: one candidate (not G) is verified per pass, and the lookahead branch is the
-    verified chain itself rather than a separate 2-D window in the same pass; verifying G candidates and a
-    lookahead window together needs a tree attention mask, which this verifier does not have yet. ``window`` is
-    W (at most ``draft_tokens``), ``ngram`` N, ``pool`` G.
+    verified chain itself rather than a separate 2-D window in the same pass (the verifier takes token trees, but
+    this draft does not propose G candidates as one yet). ``window`` is W (at most ``draft_tokens``), ``ngram`` N,
+    ``pool`` G.
     """
 
     name = "lookahead"
