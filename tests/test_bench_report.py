@@ -114,4 +114,4 @@ def test_cli_registers_bench_with_paper_defaults():
 
 def test_run_spec_rejects_unknown_systems():
     with pytest.raises(ValueError, match="unknown systems"):
-        RunSpec(systems=("hf-greedy", "medusa"))
+        RunSpec(systems=("hf-greedy", "hydra"))

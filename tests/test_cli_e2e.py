@@ -2,7 +2,7 @@
 with a one-character-per-id tokenizer and chat template, and an FBS checkpoint over it): ``info``, ``generate``,
 ``serve``, ``bench``, ``bench serve``, ``data build / label / stats / chat``, ``probe``, ``eval make-tasks``,
 ``eval pareto``, ``eval segatron``, ``train stage1 / stage2 / stage2-report / stage2-accept / flexidepth / segatron /
-kangaroo / draft-search / draft-model / medusa``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
+kangaroo / draft-search / draft-model / medusa / eagle``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
 table / merge / sweep / group-b / chat / mechanism / ch / ch-table / safety / list``, ``analyze``,
 ``bench recompute``, ``train ablations``) run end to end in their own modules' tests.
 
@@ -557,8 +557,9 @@ def test_lossless_generate_equals_full_depth(saved, capsys, tmp_path):
 
 
 def test_draft_sources_by_name_and_their_training_commands(saved, capsys, tmp_path):
-    """``generate --draft NAME`` for prompt lookup, lookahead, a distilled draft model (``train draft-model``) and
-    Medusa heads (``train medusa``), both trained on a corpus from ``data build``: the text is full depth's, and
+    """``generate --draft NAME`` for prompt lookup, lookahead, a distilled draft model (``train draft-model``),
+    Medusa heads (``train medusa``; tree and chain) and EAGLE's layer (``train eagle``), trained on a corpus from
+    ``data build``: the text is full depth's, and
     ``--json`` reports the draft's statistics. A missing artifact names the command that makes it."""
     ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, force_compute=True)
     corpus, student, heads = tmp_path / "corpus", tmp_path / "student", tmp_path / "medusa"
@@ -574,10 +575,16 @@ def test_draft_sources_by_name_and_their_training_commands(saved, capsys, tmp_pa
     assert (student / "checkpoints" / "latest").is_file()
     code, out, err = run_cli(capsys, ["train", "medusa", *common, "--heads", "2", "--out-dir", str(heads)])
     assert code == 0 and f"medusa saved to {heads}" in out, err
+    eagle = tmp_path / "eagle"
+    code, out, err = run_cli(capsys, ["train", "eagle", *common, "--max-minutes", "30", "--out-dir", str(eagle)])
+    assert code == 0 and f"eagle saved to {eagle}" in out, err
+    assert json.loads((eagle / "eagle.json").read_text())["training"]["steps_done"] == 3
     for argv in (["--draft", "prompt-lookup", "--draft-option", "max_ngram=2"],
                  ["--draft", "lookahead", "--draft-option", "ngram=3", "--draft-tokens", "5"],
                  ["--draft", "specdec", "--draft-path", str(student)],
-                 ["--draft", "medusa", "--draft-path", str(heads)], ["--draft", "fbs"]):
+                 ["--draft", "medusa", "--draft-path", str(heads)], ["--draft", "fbs"],
+                 ["--draft", "medusa", "--draft-path", str(heads), "--draft-option", "tree=chain"],
+                 ["--draft", "eagle", "--draft-path", str(eagle), "--draft-option", "topk=2"]):
         code, out, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
                                           *argv])
         assert code == 0, (argv, err)
@@ -592,6 +599,8 @@ def test_draft_sources_by_name_and_their_training_commands(saved, capsys, tmp_pa
     assert code == 2 and len(errors) == 1 and "fbs train draft-model" in errors[0]
     code, _, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--draft", "medusa"])
     assert code == 2 and "fbs train medusa" in err
+    code, _, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--draft", "eagle"])
+    assert code == 2 and "fbs train eagle" in err
 
 
 def test_draft_search_writes_a_skip_set_that_decodes_losslessly(saved, capsys, tmp_path):

@@ -254,7 +254,8 @@ def test_bad_draft_names_and_missing_artifacts_are_clear_errors(tmp_path):
 def test_draft_sources_on_the_shipped_smollm2(shipped_smollm2):
     """The shipped SmolLM2 model, 64 tokens after a prompt that invites copying, under both KV policies: every
     new draft source gives the full-depth tokens (the draft model: an undistilled 5-layer student of the target,
-    whose drafts are all rejected; Medusa: fresh heads, each the model's own next-token head)."""
+    whose drafts are all rejected; Medusa: fresh heads, each the model's own next-token head, as a tree, and the
+    shipped heads; EAGLE: an untrained layer started from the last one, as a dynamic tree, and the shipped one)."""
     from fbs.baselines.specdec import student_from_target
 
     model = shipped_smollm2
@@ -263,8 +264,15 @@ def test_draft_sources_on_the_shipped_smollm2(shipped_smollm2):
     kw = dict(max_new_tokens=64, ignore_eos=True)
     full = model.generate(ids, force_compute=True, **kw).new_tokens
     student, _ = student_from_target(model, 5)
+    from fbs.baselines.eagle import EagleLayer
+    from fbs.baselines.medusa import shipped_draft
+
     sources = [("prompt-lookup", None), ("lookahead", {"ngram": 4}), ("specdec", {"model": student}),
-               ("medusa", {"heads": MedusaHeads(model.base.spec.hidden_size, 3)})]
+               ("medusa", {"heads": MedusaHeads(model.base.spec.hidden_size, 3)}),
+               ("eagle", {"layer": EagleLayer.for_model(model)})]
+    for name in ("medusa", "eagle"):  # the drafts shipped for SmolLM2, found without a path
+        if shipped_draft(name, model) is not None:
+            sources.append((name, None))
     for policy in ("hole", "project"):
         for name, options in sources:
             res = model.generate(ids, draft=name, draft_options=options, draft_tokens=5, adapt_draft=False,

@@ -77,3 +77,30 @@ def test_medusa_training_lowers_kl_and_the_heads_decode_losslessly(tmp_path, one
     res = target.generate(ids, draft="medusa", draft_options={"path": str(tmp_path / "m")}, **kw)
     assert res.new_tokens == target.generate(ids, force_compute=True, **kw).new_tokens
     assert res.speculative.proposed > 0
+
+
+def test_eagle_training_lowers_kl_stops_at_its_time_bound_and_decodes_losslessly(tmp_path, one_thread):
+    """EAGLE's layer on the frozen target: the held-out KL of its first draft token falls; a run bounded by wall
+    time stops early, saves what it has and says so; the saved layer decodes losslessly through ``draft="eagle"``
+    (its dynamic tree) and a layer for another base is refused with the command that makes a good one."""
+    from fbs.baselines.eagle import EagleLayer
+    from fbs.train.eagle import train_eagle
+
+    target = _target()
+    with torch.no_grad():  # peaked next-token distributions, as for Medusa
+        target.base.hf.model.norm.weight.mul_(20)
+    blocks = _blocks(target)
+    recipe = DistilRecipe(steps=10, lr=3e-3, warmup=1, batch_size=2, checkpoint_every=5)
+    out = train_eagle(target, blocks[:6], tmp_path / "e", recipe, eval_blocks=blocks[6:], resume=False)
+    assert out["eval_after"]["kl"] < out["eval_before"]["kl"] and out["loss_last"] < out["loss_first"]
+    assert out["steps_done"] == 10 and not out["stopped_for_time"]
+    bounded = train_eagle(target, blocks[:6], tmp_path / "t", DistilRecipe(steps=10, max_minutes=0.0), resume=False)
+    assert bounded["steps_done"] == 0 and bounded["stopped_for_time"] and (tmp_path / "t" / "eagle.json").is_file()
+    layer = EagleLayer.load(tmp_path / "e", target)
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    ids = blocks[6:, :6]
+    res = target.generate(ids, draft="eagle", draft_options={"path": str(tmp_path / "e")}, **kw)
+    assert res.new_tokens == target.generate(ids, force_compute=True, **kw).new_tokens
+    assert res.speculative.proposed > 0 and layer.fc.weight.shape == (64, 128)
+    with pytest.raises(CheckpointError, match="another base model.*fbs train eagle"):
+        EagleLayer.load(tmp_path / "e", fbs_tiny("llama", seed=5))

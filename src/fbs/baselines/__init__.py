@@ -20,14 +20,18 @@ engine (the draft sources it registers).
 The draft sources of lossless speculative decoding that load trained artifacts register here (importing this
 package registers them with :func:`fbs.engine.drafts.register_draft`, which the engine cannot do without importing
 a layer above it): ``kangaroo`` (:mod:`fbs.baselines.kangaroo`), ``specdec`` (a distilled draft model,
-:mod:`fbs.baselines.specdec`) and ``medusa`` (:mod:`fbs.baselines.medusa`), each with ``draft_options={"path": DIR}``.
+:mod:`fbs.baselines.specdec`), ``medusa`` (:mod:`fbs.baselines.medusa`) and ``eagle`` (:mod:`fbs.baselines.eagle`),
+each with ``draft_options={"path": DIR}``; Medusa heads and the EAGLE layer shipped for a base model
+(``assets/medusa-<base>``, ``assets/eagle-<base>``) are used when no path is given
+(:func:`fbs.baselines.medusa.shipped_draft`).
 """
 
 from .ffn_skip import FFNSkipLLM, ffn_skip_model
 from .flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthPolicy, skip_loss
 from .host import host_model
 from .segatron import Segatron, SegatronConfig
-from . import medusa, specdec
+from . import eagle, medusa, specdec
+from .medusa import shipped_draft
 from ..engine.drafts import register_draft
 
 
@@ -48,6 +52,7 @@ def _kangaroo_factory(session, adapter=None, path=None, check_base: bool = True)
 register_draft("kangaroo", _kangaroo_factory)
 register_draft("specdec", specdec.draft_factory)
 register_draft("medusa", medusa.draft_factory)
+register_draft("eagle", eagle.draft_factory)
 
 __all__ = ["FFNSkipLLM", "FlexiDepth", "FlexiDepthConfig", "FlexiDepthPolicy", "Segatron", "SegatronConfig",
-           "ffn_skip_model", "host_model", "skip_loss"]
+           "ffn_skip_model", "host_model", "shipped_draft", "skip_loss"]

@@ -9,8 +9,8 @@ Deviation from the paper: every head shares the model's frozen LM head instead o
 copy is 28M parameters per head, a fifth of the model); the heads train only their residual blocks (d^2 + d
 each). Training (``fbs train medusa``, :mod:`fbs.train.medusa`): self-distillation, KL to the FBS model's own
 next-token distribution at the position each head predicts, backbone frozen. Decoding
-(:class:`fbs.engine.drafts.HeadsDraft`): the chain of the heads' top-1, verified by the engine's verifier (tree
-candidates with a tree attention mask are a later step).
+(:class:`fbs.engine.drafts.HeadsDraft`): a candidate tree from the heads' top-k, verified in one pass with a tree
+attention mask (or the chain of the heads' top-1).
 """
 
 from __future__ import annotations
@@ -86,10 +86,30 @@ class MedusaHeads(nn.Module):
         return heads.eval()
 
 
-def draft_factory(session, heads=None, path=None, check_base: bool = True):
-    """``medusa`` with a heads module or a saved one (``path``)."""
+def shipped_draft(kind: str, model):
+    """The directory of the ``kind`` draft ("medusa", "eagle") shipped in the package for ``model``'s base (the
+    one whose recorded base fingerprint is the model's), or None."""
+    from ..model.loading import ASSETS
+
+    fp = getattr(model.config, "base_fingerprint", None)
+    if fp is None:
+        return None
+    for path in sorted(ASSETS.glob(f"{kind}-*")):
+        info = path / f"{kind}.json"
+        if info.is_file() and json.loads(info.read_text()).get("base_fingerprint") == fp:
+            return path
+    return None
+
+
+def draft_factory(session, heads=None, path=None, check_base: bool = True, tree=None, typical: bool = False,
+                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
+    """``medusa`` with a heads module, saved heads (``path``), or the heads shipped for the model's base
+    (:func:`shipped_draft`); the other options go to :class:`fbs.engine.drafts.HeadsDraft`."""
     from ..engine.drafts import HeadsDraft
 
-    if heads is None and path is not None:
-        heads = MedusaHeads.load(path, session.dec.m, check_base)
-    return HeadsDraft(session, heads)
+    if heads is None:
+        path = path if path is not None else shipped_draft("medusa", session.dec.m)
+        if path is not None:
+            heads = MedusaHeads.load(path, session.dec.m, check_base)
+    return HeadsDraft(session, heads, tree=tree, typical=typical, posterior_threshold=posterior_threshold,
+                      posterior_alpha=posterior_alpha)

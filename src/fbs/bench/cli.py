@@ -49,7 +49,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        ffn_skip_thresholds=args.ffn_skip_thresholds, flexidepth=args.flexidepth,
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
-                       lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget)
+                       lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
+                       group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lossless systems (fbs-lossless, draft-verify, kangaroo): most tokens drafted per verify pass")
     p.add_argument("--draft-layers", help="draft-verify: the skip set JSON of `fbs train draft-search` (or 3,5,7)")
     p.add_argument("--kangaroo", help="kangaroo: adapter directory of `fbs train kangaroo`")
+    p.add_argument("--specdec", help="specdec (Group A): the draft model of `fbs train draft-model`")
+    p.add_argument("--medusa", help="medusa (Group A): heads of `fbs train medusa` (default: the shipped ones)")
+    p.add_argument("--eagle", help="eagle (Group A): the layer of `fbs train eagle` (default: the shipped one)")
     p.add_argument("--lossless-taus", type=_floats, default=s.lossless_taus,
                    help="fbs-lossless: one more row per draft tau, comma list (acceptance against skip share)")
     p.add_argument("--early-exit-layer", type=int, help="HF self-speculative draft depth (default: half)")

@@ -27,8 +27,9 @@ from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS
 from fbs.bench.llama_cpp import LlamaBenchSystem, system_name
 from fbs.bench.llama_cpp import formats_for as llama_cpp_formats_for
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine, system_format
-from fbs.bench.systems import (FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems, forced_plan,
-                               hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup, lossless_systems)
+from fbs.bench.systems import (GROUP_A, FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems,
+                               forced_plan, group_a_systems, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup,
+                               lossless_systems)
 from fbs.engine.flops import LayerCost
 from fbs.engine.fused import WEIGHTS
 from fbs.engine.kvpolicy import make_policy
@@ -40,9 +41,9 @@ LLAMA_CPP_GROUPS = tuple(system_name(f) for f in LLAMA_CPP_FORMATS)
 #: System groups accepted by ``RunSpec.systems`` (``all`` = every group).
 GROUPS = ("hf-greedy", "prompt-lookup", "early-exit", "assisted", *LLAMA_CPP_GROUPS, "fbs-bare", "fbs-full",
           "fbs-tau", "fbs-hole", "fbs-protect", "fbs-plan", "ffn-skipllm", "flexidepth", "fbs-lossless",
-          "draft-verify", "kangaroo")
+          "draft-verify", "kangaroo", *GROUP_A)
 #: Names that stand for several groups.
-ALIASES = {"llama-cpp": LLAMA_CPP_GROUPS}
+ALIASES = {"llama-cpp": LLAMA_CPP_GROUPS, "group-a": tuple(GROUP_A)}
 #: The lossless speculative groups (fbs.engine.speculative), run on the FBS model.
 LOSSLESS_GROUPS = ("fbs-lossless", "draft-verify", "kangaroo")
 
@@ -104,6 +105,8 @@ class RunSpec:
     kangaroo: str | None = None
     """Kangaroo adapter directory (``fbs train kangaroo``); None = the row says how to make one."""
     lossless_taus: tuple[float, ...] = ()
+    group_a_paths: dict | None = None
+    """Group A's trained drafts by draft name (specdec, medusa, eagle); medusa / eagle default to the shipped ones."""
     """More ``fbs-lossless`` rows, one per draft tau (``fbs-lossless-tau<t>``), besides the checkpoint's tau."""
     kv_caches: tuple[str, ...] = ("full",)
     """KV cache policies of the FBS systems (full, streaming, h2o, snapkv; :mod:`fbs.engine.kvpolicy`): each
@@ -200,6 +203,9 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
     if wanted:
         systems += lossless_systems(fbs_model, spec.draft_tokens, spec.draft_layers, spec.kangaroo, wanted,
                                     spec.lossless_taus)
+    group_a = [g for g in GROUP_A if spec.wants(g)]
+    if group_a:
+        systems += group_a_systems(fbs_model, group_a, spec.group_a_paths, spec.draft_tokens)
     return _decode_variants(systems, spec)
 
 
@@ -337,7 +343,7 @@ def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> None:
     changed the backbone (the shipped Stage-1 LoRA): their probe also gets token / exact match (%) against
     ``fbs-full-compute``'s outputs (``full_compute_token_match_pct`` / ``full_compute_exact_match_pct``)."""
     if res.family != "speculative" or res.outputs is None or not res.name.startswith(("fbs-lossless", "draft-verify",
-                                                                                    "kangaroo")):
+                                                                                    "kangaroo", *GROUP_A)):
         return
     full = next((r for r in results if r.name == "fbs-full-compute" and r.outputs is not None), None)
     if full is not None:

@@ -285,6 +285,43 @@ def lossless_systems(fbs_model, draft_tokens: int | None = None, draft_layers: s
     return out
 
 
+#: Group A's draft sources on the engine's verifier, as bench systems: system name -> draft name (the engine's
+#: prompt lookup is ``draft-prompt-lookup``: ``prompt-lookup`` is HF's).
+GROUP_A = {"draft-prompt-lookup": "prompt-lookup", "lookahead": "lookahead", "specdec": "specdec",
+           "medusa": "medusa", "eagle": "eagle"}
+#: The commands that make each trained draft (a missing one's row names it).
+GROUP_A_TRAIN = {"specdec": "fbs train draft-model --out-dir runs/draft_model",
+                 "medusa": "fbs train medusa --out-dir runs/medusa", "eagle": "fbs train eagle --out-dir runs/eagle"}
+
+
+def group_a_systems(fbs_model, names, paths: dict[str, str | None] | None = None,
+                    draft_tokens: int | None = None) -> list:
+    """Group A on the engine's one verifier (:mod:`fbs.engine.drafts`), one system per name of :data:`GROUP_A`:
+    prompt lookup and lookahead (training-free), the distilled draft model (``paths["specdec"]``), Medusa heads and
+    the EAGLE layer (``paths[name]``, else the ones shipped for the model's base). A trained draft that is missing
+    gives a row naming the command that makes it."""
+    from fbs.baselines import shipped_draft
+
+    paths = paths or {}
+    gamma = {} if draft_tokens is None else {"draft_tokens": draft_tokens}
+    out = []
+    for system in names:
+        draft = GROUP_A[system]
+        path = paths.get(draft)
+        if path is None and draft in ("medusa", "eagle"):
+            found = shipped_draft(draft, fbs_model)
+            path = str(found) if found is not None else None
+        if draft in GROUP_A_TRAIN and path is None:
+            out.append(SpeculativeSystem(system, fbs_model, missing=(
+                f"no trained {draft} draft for this base model: train one with `{GROUP_A_TRAIN[draft]}` and pass "
+                f"--{draft} runs/{draft if draft != 'specdec' else 'draft_model'}")))
+            continue
+        options = {"path": path} if path is not None else None
+        out.append(SpeculativeSystem(system, fbs_model, {"lossless": True, "draft": draft, "draft_options": options,
+                                                         **gamma}, draft=path or draft))
+    return out
+
+
 # ------------------------------------------------------------------------------------------ adaptive-depth baselines
 
 

@@ -28,8 +28,14 @@ Sources by name (:func:`draft_names`, ``model.generate(..., draft=NAME)``, ``fbs
 * ``specdec`` — :class:`ModelDraft`: a separate causal LM with the same vocabulary and its own KV cache (Leviathan
   et al. 2023; ``draft_options={"model": hf_model}``, or ``{"path": DIR}`` of ``fbs train draft-model`` once
   :mod:`fbs.baselines` is imported);
-* ``medusa`` — :class:`HeadsDraft`: Medusa-1 heads on the verifier's last hidden state (``{"heads": module}``, or
-  ``{"path": DIR}`` of ``fbs train medusa`` once :mod:`fbs.baselines` is imported).
+* ``medusa`` — :class:`HeadsDraft`: Medusa-1 heads on the verifier's last hidden state, a candidate tree of their
+  top-k (``{"heads": module}``, or ``{"path": DIR}`` of ``fbs train medusa`` once :mod:`fbs.baselines` is
+  imported, which also finds heads shipped for the model's base);
+* ``eagle`` — :class:`EagleDraft`: EAGLE-2's one-layer feature extrapolator and dynamic draft tree
+  (``{"layer": module}``, or ``{"path": DIR}`` of ``fbs train eagle``).
+
+Tree drafts (:attr:`Draft.parents`) are verified in one pass with a tree attention mask; a verifier whose ops
+run native multi-token steps verifies the tree's chain of first children instead.
 
 Layers above the engine register more with :func:`register_draft` (the engine never imports them).
 """
@@ -49,17 +55,56 @@ import torch
 class Draft:
     """One row's proposal: ``tokens`` for positions P+1.., and ``q`` (len(tokens), V) the probabilities each token
     was drawn from when sampling (None: the tokens were chosen deterministically, a point mass: the verifier keeps
-    draft j with the target's probability of it and otherwise draws from the target with that token removed)."""
+    draft j with the target's probability of it and otherwise draws from the target with that token removed).
+
+    A token tree: ``parents[j]`` is the index in ``tokens`` of token j's parent, -1 for a child of the last
+    committed token (parents come before their children); token j then sits at position P + 1 + its depth.
+    Siblings are alternatives, tried in their order (put the likeliest first: a verifier that cannot run trees
+    keeps the chain of first children, :meth:`chain`). Trees are deterministic proposals (``q`` None)."""
 
     tokens: list[int]
     q: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    def __post_init__(self):
+        if self.parents is not None:
+            if len(self.parents) != len(self.tokens) or any(not -1 <= p < j for j, p in enumerate(self.parents)):
+                raise ValueError(f"a draft tree needs one parent per token, each -1 or an earlier token's index; "
+                                 f"got parents {self.parents} for {len(self.tokens)} tokens")
+            if self.q is not None:
+                raise ValueError("a draft tree is a deterministic proposal: pass q=None")
+
+    def depths(self) -> list[int]:
+        """Each token's depth (1: a child of the last committed token)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def depth(self) -> int:
+        """The longest path: the most drafts one round can accept."""
+        return max(self.depths(), default=0)
+
+    def chain(self) -> "Draft":
+        """The chain of first children (the whole draft when it is a chain)."""
+        if self.parents is None:
+            return self
+        toks, node = [], -1
+        for j, p in enumerate(self.parents):
+            if p == node:
+                toks.append(self.tokens[j])
+                node = j
+        return Draft(toks)
 
 
 @dataclasses.dataclass
 class Verified:
     """What the verifier computed in a round, for the draft sources that learn from it: ``seqs`` the round tokens
     per row at positions P.. (``lengths`` real ones, then pads), ``hidden`` the last layer's output (b, t, d) before
-    the final norm, ``logits`` the target's next-token logits (b, t, V)."""
+    the final norm, ``logits`` the target's next-token logits (b, t, V). After a tree round a row's entries are in
+    path order: the root, the kept nodes, then the others (so index j < kept is the round's j-th consumed token)."""
 
     seqs: list[list[int]]
     lengths: list[int]
@@ -206,9 +251,9 @@ class LookaheadDraft(BaseDraft):
     become n-grams of the pool, as do the n-grams of the committed output.
 
     What differs from the paper: one candidate (not G) is verified per pass, and the lookahead branch is the
-    verified chain itself rather than a separate 2-D window in the same pass; verifying G candidates and a
-    lookahead window together needs a tree attention mask, which this verifier does not have yet. ``window`` is
-    W (at most ``draft_tokens``), ``ngram`` N, ``pool`` G.
+    verified chain itself rather than a separate 2-D window in the same pass (the verifier takes token trees, but
+    this draft does not propose G candidates as one yet). ``window`` is W (at most ``draft_tokens``), ``ngram`` N,
+    ``pool`` G.
     """
 
     name = "lookahead"
@@ -368,25 +413,101 @@ class ModelDraft(BaseDraft):
         return float(self.fed * self.macs_per_token)
 
 
+def last_layer_output(dec, x: torch.Tensor) -> torch.Tensor:
+    """The last layer's output (b, n, d) over prompts whose input of that layer is ``x`` (b, n, d), computed at full
+    depth in a scratch cache (the decoder's prefill returns only the next-token logits; drafts that read the
+    target's last hidden states get them this way, for one more layer of prefill work)."""
+    from ..model.chunk import ChunkState
+    from ..model.layer import layer_step
+    from .cache import CacheContext, KVCache
+
+    base, cfg = dec.m.base, dec.m.config
+    spec = base.spec
+    b, n = x.shape[0], x.shape[1]
+    ops = getattr(dec.ops, "hf", dec.ops)
+    cache = KVCache(dec.L, b, spec.num_kv_heads, spec.head_dim, n, x.device, x.dtype)
+    chunks = {c: ChunkState(b, cfg.chunk_cache_size, cfg.chunk_rank, x.device, x.dtype) for c in dec.chunks}
+    pos = torch.arange(n, device=x.device).expand(b, n)
+    cos, sin = ops.rope(x, pos)
+    ctx = CacheContext(cache, chunks, list(range(b)), [list(range(n))] * b, cos, sin, dec.policy, dec.emb_v,
+                       dec.keys_v, base.scaling)
+    return layer_step(dec.m, ops, dec.L - 1, x, ctx).x
+
+
 # --------------------------------------------------------------------------- draft heads (Medusa)
+#: Medusa's default sparse candidate tree: each path lists, per depth d, the rank among head d-1's top-k of the
+#: token at that depth (a prefix-closed set: every path's parent is in it). 11 nodes, depth 4.
+MEDUSA_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+               (0, 0, 0, 0))
+
+
+def parse_tree(tree) -> tuple[tuple[int, ...], ...] | None:
+    """A candidate tree as rank paths: None or "tree" (:data:`MEDUSA_TREE`), "chain" (None: the top-1 chain), a
+    sequence of paths, or the text form "0;1;0,0;0,1" (paths separated by ';', ranks by ','). The paths are
+    sorted by depth then rank (parents first) and must be prefix-closed."""
+    if tree is None or tree == "tree":
+        return MEDUSA_TREE
+    if tree == "chain":
+        return None
+    if isinstance(tree, (int, float)):
+        tree = str(tree)
+    if isinstance(tree, str):
+        try:
+            tree = [tuple(int(x) for x in part.split(",")) for part in tree.split(";") if part.strip()]
+        except ValueError as e:
+            raise ValueError(f"a candidate tree is 'chain', 'tree' or rank paths like '0;1;0,0;0,1', got {tree!r}") \
+                from e
+    paths = sorted({tuple(int(x) for x in p) for p in tree}, key=lambda p: (len(p), p))
+    have = set(paths)
+    bad = [p for p in paths if not p or min(p) < 0 or (len(p) > 1 and p[:-1] not in have)]
+    if bad or not paths:
+        raise ValueError(f"a candidate tree's paths must be non-empty, of ranks >= 0, and contain every path's "
+                         f"parent; bad: {bad or 'no paths'}")
+    return tuple(paths)
+
+
+def tree_from_ranks(paths, top: torch.Tensor, depth: int) -> Draft:
+    """The draft tree of ``paths`` (rank paths, parents first) up to ``depth``: the token at depth d of a path
+    with last rank k is ``top[d - 1, k]`` (``top`` (D, R) each depth's candidates, best first)."""
+    index: dict[tuple, int] = {}
+    tokens, parents = [], []
+    for p in paths:
+        if len(p) > depth or p[-1] >= top.shape[1]:
+            continue
+        index[p] = len(tokens)
+        tokens.append(int(top[len(p) - 1, p[-1]]))
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+    return Draft(tokens, parents=parents)
+
+
 class HeadsDraft(BaseDraft):
-    """Medusa-1 (Cai et al. 2024) chain drafts: K heads on the verifier's last hidden state before the last
-    committed token (at P-1, the state whose LM head chose the token at P) each predict one further token (head k,
-    from 0, the token at P+1+k); the draft is the chain of the heads' top-1 (sampling: each head's warped distribution, drawn from). The first round of a row has no
-    hidden state yet (prefill returns logits only) and drafts nothing.
+    """Medusa-1 (Cai et al. 2024) drafts: K heads on the verifier's last hidden state before the last committed
+    token (at P-1, the state whose LM head chose the token at P) each predict one further token (head k, from 0,
+    the token at P+1+k). The prompt's last hidden state comes from the last layer run once more over the prompt
+    (:func:`last_layer_output`), so the first round drafts too.
+
+    ``tree``: the candidate tree from the heads' top-k (:func:`parse_tree`; default :data:`MEDUSA_TREE`), verified
+    in one pass with a tree attention mask; ``"chain"``: the heads' top-1 chain (sampling: each head's warped
+    distribution, drawn from). Trees are deterministic proposals, so sampling keeps the target's distribution with
+    the verifier's exact rule for them (:func:`fbs.engine.speculative.accept_tree`); ``typical=True`` uses Medusa's
+    typical acceptance instead (faster, not the target's distribution).
 
     ``heads``: a module with ``num_heads`` mapping final-normed hidden states (b, d) and the model's LM head to
-    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`). Medusa's tree of the heads' top-k candidates needs a tree
-    attention mask, which this verifier does not have yet: one chain per pass."""
+    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`)."""
 
     name = "medusa"
 
-    def __init__(self, session, heads=None):
+    def __init__(self, session, heads=None, tree=None, typical: bool = False, posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
         super().__init__(session)
         if heads is None:
             raise ValueError("draft 'medusa' needs heads: draft_options={'heads': module} or, with fbs.baselines "
                              "imported, {'path': DIR} of `fbs train medusa`")
         self.heads = heads.eval()
+        self.tree = parse_tree(tree)
+        self.max_nodes = len(self.tree) if self.tree is not None else 0
+        self.acceptance = "typical" if typical else "exact"
+        self.posterior = (float(posterior_threshold), float(posterior_alpha))
         self.hidden: dict[int, torch.Tensor] = {}
         self.calls = 0
         head = self.dec.m.base.lm_head
@@ -402,15 +523,26 @@ class HeadsDraft(BaseDraft):
         logits = self.heads(h, self.dec.m.base.lm_head).float()  # (K, b, V)
         self.calls += len(live)
         o = self.dec.opts
+        ranks = 1 + max((max(p) for p in self.tree), default=0) if self.tree is not None else 1
         for i, r in enumerate(live):
             k = min(budget[r], logits.shape[0])
             lg = logits[:k, i]
-            if o.do_sample:
+            if self.tree is not None:
+                out[r] = tree_from_ranks(self.tree, lg.topk(min(ranks, lg.shape[-1]), -1).indices, k)
+            elif o.do_sample:
                 q = self.dec.warp(lg).softmax(-1)
                 out[r] = Draft(torch.multinomial(q, 1, generator=self.dec.gen)[:, 0].tolist(), q)
             else:
                 out[r] = Draft(lg.argmax(-1).tolist())
         return out
+
+    def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
+        """The prompt's last hidden state (the last layer run once more over the prompt), so that the first
+        round drafts too."""
+        if l == self.dec.L - 1:
+            h = last_layer_output(self.dec, x)
+            for i, r in enumerate(rows):
+                self.hidden[r] = h[i, -1:]
 
     def commit(self, rows, positions, kept, verified) -> None:
         for i, (r, c) in enumerate(zip(rows, kept)):
@@ -423,7 +555,157 @@ class HeadsDraft(BaseDraft):
         return float(self.calls * self.macs_per_call)
 
 
+# --------------------------------------------------------------------------- EAGLE-2
+class EagleDraft(BaseDraft):
+    """EAGLE-2 (Li et al. 2024): a one-layer draft over the target's features extrapolates them, and a dynamic
+    draft tree grows where the draft is confident.
+
+    The layer (:class:`fbs.baselines.eagle.EagleLayer`) keeps its own K/V per row, of entries made from true
+    target features only: entry i reads the target's feature f_i and the token at i + 1, and its output predicts
+    f_{i+1}. The prompt's features come from the target's last layer run once more over the prompt's input of
+    that layer (:meth:`prefill_tap`: one extra layer of prefill); each round's consumed tokens add theirs from the
+    verifier's pass (:meth:`commit`). Nothing speculative is stored, so nothing is rolled back.
+
+    A round's tree: the root is the last entry, whose output gives the candidates of depth 1 (top ``topk``,
+    scored by their draft log-probability); at each further depth the ``topk`` best-scored nodes of the deepest
+    level are expanded (their predicted features are fed back with their tokens, attending to the row's entries
+    and their ancestors), each adding its ``topk`` children scored by the path's summed log-probability; finally
+    the ``nodes`` best-scored nodes (with their ancestors) form the tree, ordered by depth then score.
+    ``depth`` defaults to ``draft_tokens``. Tree candidates are deterministic: sampling keeps the target's
+    distribution with the verifier's exact rule."""
+
+    name = "eagle"
+
+    def __init__(self, session, layer=None, depth: int | None = None, topk: int = 4, nodes: int = 16):
+        super().__init__(session)
+        if layer is None:
+            raise ValueError("draft 'eagle' needs a trained layer: draft_options={'layer': module} or, with "
+                             "fbs.baselines imported, {'path': DIR} of `fbs train eagle`")
+        limit = self.dec.opts.draft_tokens
+        self.depth = int(depth) if depth is not None else limit
+        if not 1 <= self.depth <= limit or int(topk) < 1 or int(nodes) < 1:
+            raise ValueError(f"eagle needs 1 <= depth <= draft_tokens ({limit}), topk >= 1 and nodes >= 1, got depth "
+                             f"{self.depth}, topk {topk}, nodes {nodes}; raise draft_tokens for a deeper tree")
+        self.layer = layer.eval()
+        self.topk, self.max_nodes = int(topk), int(nodes)
+        base = self.dec.m.base
+        self.base = base
+        self.k: dict[int, torch.Tensor] = {}   # row -> (Hkv, n, hd) keys of the entries at positions 0..n-1
+        self.v: dict[int, torch.Tensor] = {}
+        self.root: dict[int, torch.Tensor] = {}     # row -> (d,) the last entry's output (predicts f_P)
+        self.pending: dict[int, torch.Tensor] = {}  # row -> the prompt's features, waiting for the next token
+        self.layer_rows = self.head_rows = 0
+        self.layer_macs = _linear_params(layer)
+        self.head_macs = base.lm_head.weight.numel()
+
+    # ---- entries from true features --------------------------------------------
+    def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
+        """The prompt's input of the last layer: run that layer once more for the prompt's features."""
+        if l == self.dec.L - 1:
+            feats = last_layer_output(self.dec, x)
+            for i, r in enumerate(rows):
+                self.pending[r] = feats[i]
+
+    def _extend(self, r: int, feats: torch.Tensor, tokens: list[int], start: int) -> None:
+        """Entries at positions start.. from true features (c, d) and the tokens after them."""
+        f = feats[None].to(self.base.embedding_weight.dtype)
+        e = self.base.embed(torch.tensor([tokens], device=f.device))
+        cos, sin = self.base.rope(f, torch.arange(start, start + len(tokens), device=f.device)[None])
+        past = (self.k[r][None], self.v[r][None]) if r in self.k else None
+        h, k, v = self.layer(f, e, cos, sin, past)
+        self.k[r] = k[0] if past is None else torch.cat([self.k[r], k[0]], 1)
+        self.v[r] = v[0] if past is None else torch.cat([self.v[r], v[0]], 1)
+        self.root[r] = h[0, -1]
+        self.layer_rows += len(tokens)
+
+    def _catch_up(self, r: int) -> None:
+        """The prompt's entries, once the token after the prompt is known."""
+        if r in self.pending:
+            feats = self.pending.pop(r)
+            ctx = self.context(r)
+            self._extend(r, feats, ctx[1:feats.shape[0] + 1], 0)
+
+    @torch.no_grad()
+    def commit(self, rows, positions, kept, verified) -> None:
+        for i, (r, p, c) in enumerate(zip(rows, positions, kept)):
+            self._catch_up(r)
+            ctx = self.context(r)
+            self._extend(r, verified.hidden[i, :c], ctx[p + 1:p + c + 1], p)
+
+    # ---- the dynamic tree --------------------------------------------------------
+    def _logp(self, h: torch.Tensor) -> torch.Tensor:
+        self.head_rows += h.shape[0]
+        return self.base.lm_head(self.base.norm(h)).float().log_softmax(-1)
+
+    @torch.no_grad()
+    def propose(self, rows, budget):
+        out = {}
+        for r in rows:
+            self._catch_up(r)
+            depth = min(budget[r], self.depth)
+            if depth > 0 and r in self.root:
+                out[r] = self._tree(r, depth)
+        return out
+
+    def _tree(self, r: int, depth: int) -> Draft:
+        P = len(self.context(r)) - 1
+        K = self.topk
+        lp = self._logp(self.root[r][None])[0]
+        top = lp.topk(K)
+        # node: [token, parent, depth, score, predicted feature or None]
+        nodes = [[int(t), -1, 1, float(s), None] for s, t in zip(top.values, top.indices)]
+        level = list(range(len(nodes)))
+        tk, tv, done = [], [], []  # keys / values of expanded nodes, their node indices
+        for d in range(1, depth):
+            sel = sorted(level, key=lambda j: -nodes[j][3])[:K]
+            feats = torch.stack([self.root[r] if nodes[j][1] < 0 else nodes[nodes[j][1]][4] for j in sel])[None]
+            e = self.base.embed(torch.tensor([[nodes[j][0] for j in sel]], device=feats.device))
+            pos = torch.full((1, len(sel)), P + d - 1, device=feats.device)
+            cos, sin = self.base.rope(feats, pos)
+            n = self.k[r].shape[1]
+            past = (torch.cat([self.k[r]] + tk, 1)[None], torch.cat([self.v[r]] + tv, 1)[None])
+            mask = torch.zeros(len(sel), n + len(done) + len(sel), dtype=torch.bool, device=feats.device)
+            mask[:, :n] = True
+            for i, j in enumerate(sel):
+                mask[i, n + len(done) + i] = True
+                a = nodes[j][1]
+                while a >= 0:
+                    mask[i, n + done.index(a)] = True
+                    a = nodes[a][1]
+            h, k, v = self.layer(feats, e, cos, sin, past, mask[None, None])
+            self.layer_rows += len(sel)
+            tk.append(k[0])
+            tv.append(v[0])
+            done.extend(sel)
+            lps = self._logp(h[0])
+            level = []
+            for i, j in enumerate(sel):
+                nodes[j][4] = h[0, i]
+                top = lps[i].topk(K)
+                for s, t in zip(top.values, top.indices):
+                    level.append(len(nodes))
+                    nodes.append([int(t), j, d + 1, nodes[j][3] + float(s), None])
+        keep: set[int] = set()
+        for j in sorted(range(len(nodes)), key=lambda j: -nodes[j][3]):
+            chain = []
+            a = j
+            while a >= 0 and a not in keep:
+                chain.append(a)
+                a = nodes[a][1]
+            if len(keep) + len(chain) <= self.max_nodes:
+                keep.update(chain)
+            if len(keep) >= self.max_nodes:
+                break
+        order = sorted(keep, key=lambda j: (nodes[j][2], -nodes[j][3]))
+        index = {j: i for i, j in enumerate(order)}
+        return Draft([nodes[j][0] for j in order], parents=[index.get(nodes[j][1], -1) for j in order])
+
+    def draft_macs(self) -> float:
+        return float(self.layer_rows * self.layer_macs + self.head_rows * self.head_macs)
+
+
 register_draft("prompt-lookup", PromptLookupDraft)
 register_draft("lookahead", LookaheadDraft)
 register_draft("specdec", ModelDraft)
 register_draft("medusa", HeadsDraft)
+register_draft("eagle", EagleDraft)

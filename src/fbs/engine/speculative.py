@@ -50,6 +50,7 @@ from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
 from .drafts import BaseDraft, Draft, DraftSource, Verified, make_draft, register_draft
 from .flops import LayerCost, step_bytes
 from .fused import full_depth
+from ..model.chunk import ChunkOut, ChunkState
 
 #: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
 #: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
@@ -130,6 +131,70 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
     return a, int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
 
 
+def accept_tree(probs, tokens: list[int], children: list[list[int]], generator: torch.Generator | None = None,
+                greedy: bool = False) -> tuple[list[int], int]:
+    """Verification of a deterministic token tree for one row (SpecInfer's multi-candidate rule; Miao et al. 2024).
+
+    Node 0 is the last committed token, node i > 0 proposes ``tokens[i]``; ``children[i]`` are node i's children
+    in the order they are tried; ``probs(i)`` the target's (warped) next-token probabilities after node i. From the
+    root, each child c is kept with the current distribution's probability of its token, else that token is
+    removed from the distribution (renormalised) and the next child is tried; when none is kept, the next token is
+    drawn from what is left. Each candidate is a point mass, so this is speculative sampling with the residual
+    max(p - q, 0) after every rejection: every committed token follows the target's distribution. ``greedy``:
+    keep the child equal to the argmax, then the argmax (no randomness). Returns (kept nodes, the next token)."""
+    node, path = 0, []
+    while True:
+        p = probs(node)
+        if greedy:
+            best = int(p.argmax())
+            nxt = next((c for c in children[node] if tokens[c] == best), None)
+            if nxt is None:
+                return path, best
+            path.append(nxt)
+            node = nxt
+            continue
+        moved = False
+        for c in children[node]:
+            tok = tokens[c]
+            pt = float(p[tok])
+            if pt > 0 and float(torch.rand((), generator=generator, device=p.device)) < pt:
+                path.append(c)
+                node, moved = c, True
+                break
+            if pt > 0:
+                p = p.clone()
+                p[tok] = 0.0
+                p = p / p.sum()
+        if not moved:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+
+
+def accept_typical(probs, tokens: list[int], children: list[list[int]], threshold: float, alpha: float,
+                   generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Medusa's typical acceptance (Cai et al. 2024) over a token tree: a node is acceptable when the target's
+    probability of its token after its parent exceeds min(``threshold``, ``alpha`` * exp(-entropy)); the longest
+    path of acceptable nodes from the root is kept (the first in tree order on ties) and the next token is drawn
+    from the target's distribution after its last node. Faster than :func:`accept_tree` at high temperature, but
+    the output no longer follows the target's distribution exactly."""
+    best: list[int] = []
+    stack: list[tuple[int, list[int]]] = [(0, [])]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        kids = children[node]
+        if not kids:
+            continue
+        p = probs(node)
+        ent = float(-(p * p.clamp_min(1e-30).log()).sum())
+        cut = min(threshold, alpha * float(torch.exp(torch.tensor(-ent))))
+        for c in reversed(kids):  # popped in tree order
+            if float(p[tokens[c]]) > cut:
+                stack.append((c, path + [c]))
+    last = best[-1] if best else 0
+    return best, int(torch.multinomial(probs(last), 1, generator=generator))
+
+
 # --------------------------------------------------------------------------- results
 @dataclasses.dataclass
 class SpecStats:
@@ -147,6 +212,7 @@ class SpecStats:
     draft_skip_ratio: float  # share of the draft passes' (token, layer) pairs not executed
     gamma: list[int]         # per row: the draft length at the end (adapted)
     threshold: list[float]   # per row: the draft-stop threshold at the end (adapted with draft_stop)
+    nodes: float = 0.0       # drafted tokens verified: ``proposed`` counts a token tree's depth, this all its nodes
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -183,12 +249,83 @@ class _ChunkLog:
                 idx = torch.tensor([i], device=self.dev)
                 self.states.setdefault((l, r), []).extend(st.select(idx) for st in seq)
 
-    def keep(self, chunks, kept: dict[int, int]) -> None:
-        """Row r keeps its state after round token ``kept[r] - 1``; the log starts over."""
+    def keep(self, chunks, last: dict[int, int]) -> None:
+        """Row r keeps its state after round token ``last[r]`` (its last consumed one); the log starts over."""
         for (l, r), seq in self.states.items():
-            if r in kept:
-                chunks[l].assign(torch.tensor([r], device=self.dev), seq[kept[r] - 1])
+            if r in last:
+                chunks[l].assign(torch.tensor([r], device=self.dev), seq[last[r]])
         self.states = {}
+
+
+# --------------------------------------------------------------------------- a token tree in one pass
+def _depths(parents: list[int]) -> list[int]:
+    """Node depths of a tree given as parent indices (the root, node 0, has parent -1 and depth 0)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def _ancestors(parents: list[int]) -> torch.Tensor:
+    """(t, t) bool: [i, j] when node j is node i or one of its ancestors (the tree attention mask)."""
+    t = len(parents)
+    m = torch.eye(t, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i] |= m[p]
+    return m
+
+
+class _TreeContext(CacheContext):
+    """The verifier's cache context for a token tree: node j of row i attends to the row's cached entries and to
+    the round's nodes ``mask[i, j]`` marks (its ancestors and itself), and CH's chunk head steps each node from its
+    parent's state (the round's nodes are in topological order). The K/V of every node are written; the verifier
+    compacts the kept path afterwards (:meth:`_Speculation._compact`). PyTorch attention only (the verifier falls
+    back to chains when its ops run native multi-token steps)."""
+
+    def __init__(self, ctx: CacheContext, mask: torch.Tensor, parents: list[list[int]]):
+        self.__dict__.update(ctx.__dict__)
+        self.native_many = self.native_chunk = False
+        self.tree, self.parents = mask, parents
+
+    def attend(self, l: int, q, k, v, hole=None) -> torch.Tensor:
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        if self.cache.evictor is not None:
+            raise ValueError("tree verification rolls entries back, which a KV cache policy cannot (kv_cache='full')")
+        t = q.shape[2]
+        self.cache.write(l, self.rows, k, v, self.positions)
+        kk, vv, _ = self.cache.view(l, self.rows)
+        n = kk.shape[2]
+        mask = torch.zeros(len(self.rows), t, n, dtype=torch.bool, device=q.device)
+        for i, r in enumerate(self.rows):
+            end = self.cache.lengths[l][r]
+            mask[i, :, :end - t] = True
+            mask[i, :, end - t:end] = self.tree[i]
+        return sdpa(q, kk, vv, attn_mask=mask[:, None], scale=self.scaling, enable_gqa=k.shape[1] != q.shape[1])
+
+    def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:
+        root = self.chunks[l].select(self.rows_t)
+        states: list[ChunkState] = []
+        steps = []
+        for j in range(xn.shape[1]):
+            pars = [p[j] for p in self.parents]
+            st = root.clone() if all(p < 0 for p in pars) else _gather_states(root, states, pars)
+            steps.append(head.step(xn[:, j:j + 1], st))
+            states.append(st)
+            if self.trail is not None:
+                self.trail.setdefault(l, []).append(st)
+        c, logits, bound = zip(*steps)
+        return ChunkOut(torch.cat(c, 1), torch.cat(logits, 1), torch.stack(bound, 1), None, None)
+
+
+def _gather_states(root: ChunkState, states: list[ChunkState], parents: list[int]) -> ChunkState:
+    """Row i's state is ``states[parents[i]]``'s row i (``root``'s for parent -1), copied."""
+    src = [root if p < 0 else states[p] for p in parents]
+    out = ChunkState.__new__(ChunkState)
+    for name in ("closed", "n_closed", "open_sum", "open_count"):
+        setattr(out, name, torch.stack([getattr(st, name)[i] for i, st in enumerate(src)]).clone())
+    return out
 
 
 # --------------------------------------------------------------------------- drafters
@@ -354,6 +491,14 @@ class _Speculation:
         self.adapter_calls = self.adapter_keys = self.head_rows = 0
         self.draft_head_rows = 0                                # draft tokens scored by the target's LM head
         self.drafter: DraftSource = self._drafter(o)
+        # token trees run on the PyTorch ops; ops that verify in native multi-token steps get the trees' chains
+        self.trees = not getattr(self.verify_ops, "native_packed", False) and self.drafter.start == 0
+        self.typical = getattr(self.drafter, "acceptance", "exact") == "typical" and o.do_sample
+        self.tree_nodes = max(int(getattr(self.drafter, "max_nodes", 0) or 0), o.draft_tokens)
+        if self.trees and self.tree_nodes > o.draft_tokens:  # room in the cache for a whole tree past the context
+            need = max(len(p) for p in dec.prompts) + o.max_new_tokens + self.tree_nodes + 1
+            if need > dec.cache.capacity:
+                dec.cache = dec.new_cache(need)
         self.gamma = [o.draft_tokens] * B
         self.threshold = [o.draft_stop] * B
         self.match = [0.0] * B
@@ -362,6 +507,7 @@ class _Speculation:
         self.share = [1.0] * B                                  # EMA of the draft's executed share of layers
         self.passes, self.proposed, self.accepted, self.draft_steps = [1] * B, [0] * B, [0] * B, [0] * B
         self.rejections = [0] * B
+        self.nodes = [0] * B                                    # draft tokens verified (tree nodes included)
         self.idle = [0] * B                                     # rounds a row spent at gamma 0
         self.final = TraceRecorder(B, o.max_new_tokens, dec.L)  # what the verifier computed, per kept token
 
@@ -382,40 +528,112 @@ class _Speculation:
         P = [len(dec.prompts[r]) + n[r] - 1 for r in rows]
         budget = {r: min(self._gamma_now(r), o.max_new_tokens - n[r] - 1) for r in rows}
         proposals = self.drafter.propose(rows, budget)
-        drafts, q = {}, {}
+        props = {}
         for r in rows:
             d = proposals.get(r) or Draft([])
-            if len(d.tokens) > budget[r]:
-                raise ValueError(f"draft {self.drafter.name!r} proposed {len(d.tokens)} tokens for a budget of "
-                                 f"{budget[r]}")
-            drafts[r], q[r] = list(d.tokens), d.q
+            if d.parents is not None and not self.trees:
+                d = d.chain()  # this verifier runs chains only: the tree's chain of first children
+            if d.depth() > budget[r] or (d.parents is not None and len(d.tokens) > self.tree_nodes):
+                raise ValueError(f"draft {self.drafter.name!r} proposed {len(d.tokens)} tokens of depth {d.depth()} "
+                                 f"for a budget of {budget[r]} (at most {self.tree_nodes} tree nodes)")
+            props[r] = d
+        drafts = {r: list(props[r].tokens) for r in rows}
+        tree = self.trees and (any(props[r].parents is not None for r in rows) or self.typical)
         self.drafter.rollback(rows, P)
         seqs = [[dec.out[r][-1]] + drafts[r] for r in rows]
         t = max(len(s) for s in seqs)
-        padded = [s + [s[-1]] * (t - len(s)) for s in seqs]  # pads follow the real tokens; cropped below
+        if tree:  # node 0 the last committed token; pads are children of it (cropped below)
+            parents = [[-1] + [p + 1 for p in (props[r].parents if props[r].parents is not None else
+                                               range(-1, len(drafts[r]) - 1))] + [0] * (t - len(seqs[i]))
+                       for i, r in enumerate(rows)]
+            padded = [s + [s[0]] * (t - len(s)) for s in seqs]
+            depths = [_depths(par) for par in parents]
+            positions = [[p + d for d in dep] for p, dep in zip(P, depths)]
+            mask = torch.stack([_ancestors(par) for par in parents]).to(dec.dev)
+        else:
+            padded = [s + [s[-1]] * (t - len(s)) for s in seqs]  # pads follow the real tokens; cropped below
+            positions = [[p + j for j in range(t)] for p in P]
         x = self.drafter.verify_input(rows, padded)
-        x, ks, bounds = self.layers(self.verify_ops, rows, x, [[p + j for j in range(t)] for p in P],
-                                    self.drafter.start, dec.L)
+        x, ks, bounds = self.layers(self.verify_ops, rows, x, positions, self.drafter.start, dec.L,
+                                    tree=(mask, parents) if tree else None)
         raw = self.verify_ops.head(x).float()                   # (b, t, V)
         self.head_rows += raw.shape[0] * t
         committed = {}
-        kept = []
+        kept, last = [], {}
         for i, r in enumerate(rows):
-            tokens, a = self._accept(raw[i], drafts[r], q[r], n[r])
+            if tree:
+                tokens, a, order = self._accept_tree(raw[i], padded[i], parents[i], depths[i], len(seqs[i]), n[r])
+                perm = torch.tensor(order, device=x.device)
+                for v in (x, raw, ks, bounds):  # path order from here on
+                    if v is not None:
+                        v[i] = v[i].index_select(0, perm.to(v.device))
+                padded[i] = [padded[i][j] for j in order]
+            else:
+                tokens, a = self._accept(raw[i], drafts[r], props[r].q, n[r])
+                order = list(range(t))
             committed[r] = self._commit(r, tokens, raw[i], n[r])
             c = len(committed[r])
             kept.append(c)
+            last[r] = order[c - 1]
+            if tree:
+                self._compact(r, t, P[i], order[:c])
             self._record(r, n[r], P[i], c, ks[i] if ks is not None else None, bounds[i] if bounds is not None else None)
             self.verify_rounds.append((P[i], t, [-1] * t if ks is None else ks[i].tolist()))
-            self._adapt(r, min(a, c - 1), len(drafts[r]), P[i])
+            self.nodes[r] += len(drafts[r])
+            self._adapt(r, min(a, c - 1), props[r].depth(), P[i])
         dec.cache.crop(rows, [p + c for p, c in zip(P, kept)])
-        self.log.keep(dec.chunks, dict(zip(rows, kept)))
-        self.drafter.commit(rows, P, kept, Verified(padded, [len(s) for s in seqs], x, raw))
+        self.log.keep(dec.chunks, last)
+        lengths = [len(s) for s in seqs]
+        self.drafter.commit(rows, P, kept, Verified(padded, lengths, x, raw))
         for r in rows:
             if self.draft_log[r]:
                 self.draft_rounds.append((len(dec.prompts[r]) + n[r] - 1, self.draft_log[r]))
             self.draft_log[r] = []
         return committed
+
+    def _accept_tree(self, raw: torch.Tensor, tokens: list[int], parents: list[int], depths: list[int], real: int,
+                     n: int) -> tuple[list[int], int, list[int]]:
+        """A tree round's tokens for one row from the verifier's logits (t, V) at its nodes: the kept path's
+        tokens plus one (:func:`accept_tree`, or :func:`accept_typical` when the draft asks for it), the number of
+        kept drafts, and the node order with the consumed path first (root, kept nodes, then the rest)."""
+        dec, o = self.dec, self.dec.opts
+        logits = raw.clone()
+        if dec.eos and o.min_new_tokens > 0:  # the token after node j is generated token n + depth_j
+            low = [j for j, d in enumerate(depths) if n + d < o.min_new_tokens]
+            if low:
+                logits[torch.tensor(low)[:, None], torch.tensor(list(dec.eos))[None]] = float("-inf")
+        children: list[list[int]] = [[] for _ in tokens]
+        for j in range(1, real):  # the real nodes only; pads have no place in the tree
+            children[parents[j]].append(j)
+        memo: dict[int, torch.Tensor] = {}
+
+        def probs(j: int) -> torch.Tensor:
+            if j not in memo:
+                memo[j] = logits[j] if not o.do_sample else dec.warp(logits[j]).softmax(-1)
+            return memo[j]
+
+        if o.do_sample and self.typical:
+            path, nxt = accept_typical(probs, tokens, children, *self.drafter.posterior, generator=dec.gen)
+        else:
+            path, nxt = accept_tree(probs, tokens, children, dec.gen, greedy=not o.do_sample)
+        order = [0] + path
+        order += [j for j in range(len(tokens)) if j not in set(order)]
+        return [tokens[j] for j in path] + [nxt], len(path), order
+
+    def _compact(self, r: int, t: int, p: int, nodes: list[int]) -> None:
+        """After a tree round, row r's cache holds the round's t nodes last at every verified layer: move the
+        consumed ones (``nodes``, in path order) to the round's first slots at positions p, p+1, ...; the rest are
+        cropped with the round."""
+        cache = self.dec.cache
+        c = len(nodes)
+        for l in range(self.drafter.start, self.dec.L):
+            base = cache.lengths[l][r] - t
+            if nodes != list(range(c)):
+                idx = torch.tensor([base + j for j in nodes], device=cache.k[l].device)
+                cache.k[l][r, :, base:base + c] = cache.k[l][r].index_select(1, idx)
+                cache.v[l][r, :, base:base + c] = cache.v[l][r].index_select(1, idx)
+            cache.positions[l][r][base:] = [p + j for j in range(c)]
+            cache.lengths[l][r] = base + c
 
     def _gamma_now(self, r: int) -> int:
         """The row's draft length this round: its gamma, or a one-token probe every PROBE_EVERY rounds at gamma 0
@@ -560,14 +778,17 @@ class _Speculation:
         self.gamma[r] = best_gamma(alpha, cost, o.draft_tokens, min_gamma=0)
 
     # ---- the verifier's pass (and Kangaroo's shallow layers) ------------------
-    def layers(self, ops, rows, x, pos, start: int, stop: int):
+    def layers(self, ops, rows, x, pos, start: int, stop: int, tree=None):
         """Layers start..stop-1 at full depth over x (b, t, d) at positions ``pos``, writing the cache; returns the
-        output, PAW's k (b, t) at its first layer and CH's boundaries (b, t) at its first layer (None if not run)."""
+        output, PAW's k (b, t) at its first layer and CH's boundaries (b, t) at its first layer (None if not run).
+        ``tree``: (ancestor mask (b, t, t), parents per row) of a token tree (:class:`_TreeContext`)."""
         dec = self.dec
         cos, sin = ops.rope(x, torch.tensor(pos, device=dec.dev))
         ctx = dec.context(rows, pos, cos, sin)
         ctx.trail = {}
         ctx.native_many = True
+        if tree is not None:
+            ctx = _TreeContext(ctx, *tree)
         found = {}
 
         def on_layer(l, out):
@@ -622,6 +843,7 @@ class _Speculation:
         return SpecStats(
             drafter=self.drafter.name, rows=B, passes=sum(self.passes) / B, proposed=sum(self.proposed) / B,
             accepted=sum(self.accepted) / B, rejections=sum(self.rejections) / B, draft_steps=sum(self.draft_steps) / B,
+            nodes=sum(self.nodes) / B,
             draft_skip_ratio=1.0 - executed / (len(steps) * self.dec.L) if steps else 0.0,
             gamma=list(self.gamma), threshold=list(self.threshold))
 

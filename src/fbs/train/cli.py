@@ -10,6 +10,8 @@
 Draft&Verify's static skip set; :mod:`fbs.train.speculative`).
 
 ``fbs train draft-model`` / ``fbs train medusa``: a distilled draft model and Medusa heads (:mod:`fbs.train.draft_model`).
+
+``fbs train eagle``: EAGLE's draft layer over the frozen model's features (:mod:`fbs.train.eagle`).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def cmd_draft_search(args: argparse.Namespace) -> int:
 
 
 def _distil(args: argparse.Namespace, what: str) -> int:
-    """``fbs train draft-model`` / ``fbs train medusa``: the resumable distillation of :mod:`fbs.train.draft_model`."""
+    """``fbs train draft-model`` / ``medusa`` / ``eagle``: the resumable distillation of :mod:`fbs.train.draft_model`
+    (and :mod:`fbs.train.eagle`)."""
     import torch
 
     from ..cli_args import load_from_args
@@ -154,12 +157,16 @@ def _distil(args: argparse.Namespace, what: str) -> int:
     model = load_from_args(args).eval()
     train_ids, eval_ids = _blocks(args, model.tokenizer)
     recipe = DistilRecipe(steps=args.steps, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
-                          seed=args.seed, checkpoint_every=args.checkpoint_every,
-                          **({"layers": args.layers} if what == "draft-model" else {"heads": args.heads}))
+                          seed=args.seed, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
+                          **({"layers": args.layers} if what == "draft-model" else
+                             {"heads": args.heads} if what == "medusa" else {}))
     meta = {"data": args.data, "block_size": args.block_size, "train_blocks": len(train_ids),
             "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"),
             "command": "fbs train " + what}
-    fn = train_draft_model if what == "draft-model" else train_medusa_heads
+    if what == "eagle":
+        from .eagle import train_eagle as fn
+    else:
+        fn = train_draft_model if what == "draft-model" else train_medusa_heads
     try:
         summary = fn(model, train_ids, args.out_dir, recipe, eval_blocks=eval_ids, resume=not args.no_resume,
                      progress=not args.no_progress, meta=meta)
@@ -168,7 +175,7 @@ def _distil(args: argparse.Namespace, what: str) -> int:
               file=sys.stderr)
         return 130
     print(json.dumps({k: v for k, v in summary.items() if k != "curve"}, indent=1))
-    name = "specdec" if what == "draft-model" else "medusa"
+    name = {"draft-model": "specdec"}.get(what, what)
     print(f"{what} saved to {args.out_dir}; decode with: fbs generate --draft {name} --draft-path {args.out_dir} "
           "\"PROMPT\"")
     return 0
@@ -182,6 +189,10 @@ def cmd_medusa(args: argparse.Namespace) -> int:
     return _distil(args, "medusa")
 
 
+def cmd_eagle(args: argparse.Namespace) -> int:
+    return _distil(args, "eagle")
+
+
 def _distil_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     _draft_arguments(p)
     p.add_argument("--steps", type=int, default=steps)
@@ -189,6 +200,8 @@ def _distil_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps, then cosine decay")
     p.add_argument("--batch-size", type=int, default=4, help="blocks per step")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between resumable checkpoints")
+    p.add_argument("--max-minutes", type=float, help="wall-time bound (resumed runs count their earlier time): stop "
+                                                     "after the step that crosses it and save the result as is")
     p.add_argument("--out-dir", required=True, help="where the result goes (checkpoints under OUT/checkpoints)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints in out_dir")
 
@@ -275,3 +288,7 @@ def register(subparsers: Any) -> None:
     _distil_arguments(h, 1000)
     h.add_argument("--heads", type=int, default=4, help="K: head k predicts the token k + 2 ahead")
     h.set_defaults(func=cmd_medusa)
+    e = sub.add_parser("eagle", help="EAGLE's draft layer over the frozen model's features (fbs.baselines.eagle), "
+                                     "feature regression + KL; resumes from out_dir")
+    _distil_arguments(e, 1000)
+    e.set_defaults(func=cmd_eagle)

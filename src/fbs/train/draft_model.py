@@ -48,6 +48,7 @@ class DistilRecipe:
     checkpoint_every: int = 100
     layers: int = 5          # draft model: the student's layers
     heads: int = 4           # Medusa: K
+    max_minutes: float | None = None  # wall-time bound: stop after the step that crosses it and keep the result
 
 
 def _lr_factor(step: int, recipe: DistilRecipe) -> float:
@@ -87,7 +88,12 @@ def _distil(named: dict[str, torch.nn.Parameter], loss_of: Callable[[torch.Tenso
     end = recipe.steps if stop_at is None else min(stop_at, recipe.steps)
     bar = _bar(end - step, what, "step", progress)
     t0 = time.perf_counter()
+    limit = None if recipe.max_minutes is None else 60.0 * recipe.max_minutes
+    timed_out = False
     while step < end:
+        if limit is not None and wall + time.perf_counter() - t0 >= limit:
+            timed_out = True
+            break
         rng = capture_rng()
         for g in opt.param_groups:
             g["lr"] = recipe.lr * _lr_factor(step, recipe)
@@ -100,12 +106,18 @@ def _distil(named: dict[str, torch.nn.Parameter], loss_of: Callable[[torch.Tenso
         step += 1
         bar.update(1)
         bar.set_postfix(kl=f"{curve[-1]:.3f}", refresh=False)
-        if step % recipe.checkpoint_every == 0 or step == end:
+        crossing = limit is not None and wall + time.perf_counter() - t0 >= limit
+        if step % recipe.checkpoint_every == 0 or step == end or crossing:
             save_checkpoint(root, step, dict(named), opt, {"curve": curve, "wall_s": wall + time.perf_counter() - t0,
                                                            "recipe": dataclasses.asdict(recipe)}, rng)
     bar.close()
     return {"steps_done": step, "curve": curve, "wall_s": wall + time.perf_counter() - t0,
-            "tokens": step * recipe.batch_size * train_blocks.shape[1]}
+            "tokens": step * recipe.batch_size * train_blocks.shape[1], "stopped_for_time": timed_out}
+
+
+def _finished(run: dict, recipe: DistilRecipe) -> bool:
+    """The run is over: every step done, or stopped by its wall-time bound (its result is then saved as is)."""
+    return run["steps_done"] >= recipe.steps or run["stopped_for_time"]
 
 
 @torch.no_grad()
@@ -156,7 +168,7 @@ def train_draft_model(target, train_blocks: torch.Tensor, out_dir: str | Path, r
                "student_params": sum(p.numel() for p in student.parameters()), **run,
                "loss_first": run["curve"][0] if run["curve"] else None,
                "loss_last": run["curve"][-1] if run["curve"] else None}
-    if run["steps_done"] < recipe.steps:
+    if not _finished(run, recipe):
         return summary
     summary["eval_before"] = before
     summary["eval_after"] = evaluate_draft(logits, target, eval_blocks) if eval_blocks is not None else None
@@ -203,7 +215,7 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
                "head_params": sum(p.numel() for p in heads.parameters()), **run,
                "loss_first": run["curve"][0] if run["curve"] else None,
                "loss_last": run["curve"][-1] if run["curve"] else None}
-    if run["steps_done"] < recipe.steps:
+    if not _finished(run, recipe):
         return summary
     summary["eval_before"] = before
     summary["eval_after"] = evaluate_draft(head0, target, eval_blocks, shift=1) if eval_blocks is not None else None
