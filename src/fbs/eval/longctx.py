@@ -507,7 +507,8 @@ def record(cfg: LongCtxConfig, done: dict, command: str | None = None) -> dict:
                 "TTFT: median prefill time of the needle and QA prompts; decode tok/s: the teacher-forced decode "
                 "steps of the PPL items. Timings under load are not comparable across machines or sittings.",
                 "peak_rss_mb: VmHWM of the process that ran only this system at this length, reset after the model "
-                "was loaded (weights included).",
+                "was loaded (weights included); it also holds the engine's inference copy of the weights, built at "
+                "the first request (the same at every length). kv_cache_mb: the largest request's allocated cache.",
                 "Every policy attends over the whole prompt at prefill and then keeps its budget "
                 "(docs/kv-cache.md), so TTFT does not fall under a policy here.",
             ],
