@@ -167,6 +167,9 @@ def test_long_context_command_end_to_end(tmp_path, capsys, monkeypatch):
         capsys.readouterr()
         assert main(argv) == 0 and capsys.readouterr().out.count("done before") == 16
         assert json.loads(out.read_text())["rows"] == rec["rows"]
+        assert main([*common, "--lengths", "160", "--work-dir", str(tmp_path / "empty"), "--collect-only"]) == 0
+        assert json.loads(out.read_text())["missing"] == [f"{s}@160" for s in lc.DEFAULT_SYSTEMS]
+        assert "Not run yet" in out.with_suffix(".md").read_text()
         assert main([*common, "--systems", "snapkv", "--lengths", "160", "--work-dir", str(tmp_path / "work2")]) == 0
         row = json.loads(out.read_text())["rows"][0]
         assert row["system"] == "snapkv" and row["peak_rss_mb"] >= row["rss_after_load_mb"] > 0

@@ -434,14 +434,16 @@ def child_main(spec_path: str) -> int:
     return 0
 
 
-def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print, documents=None, qa=None) -> dict:
+def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print, documents=None, qa=None,
+        collect_only: bool = False) -> dict:
     """Every (system, length) not finished yet in ``work``, each in its own process unless ``in_process``; returns
-    {"items": {length: items}, "parts": [...]}."""
+    {"items": {length: items}, "parts": [...], "missing": [...]}. ``collect_only``: run nothing, collect the finished
+    parts (the others are listed as missing)."""
     from ..model.bases import load_tokenizer
 
     work.mkdir(parents=True, exist_ok=True)
     tok = None
-    all_items, parts = {}, []
+    all_items, parts, missing = {}, [], []
     for length in cfg.lengths:
         items_path = work / f"items@{length}.json"
         key = items_key(cfg)
@@ -463,6 +465,9 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
                     parts.append(part)
                     progress(f"{system} @ {length}: done before")
                     continue
+            if collect_only:
+                missing.append(f"{system}@{length}")
+                continue
             t0 = time.perf_counter()
             if in_process:
                 part = run_part(cfg, system, length, items)
@@ -487,7 +492,7 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
             progress(f"{system} @ {length}: PPL {s.get('ppl', float('nan')):.3f} | needle "
                      f"{s.get('needle_acc', float('nan')):.2f} | QA {s.get('qa_acc', float('nan')):.2f} | peak RSS "
                      f"{part['memory']['peak_rss_mb']} MB | {time.perf_counter() - t0:.0f} s")
-    return {"items": all_items, "parts": parts}
+    return {"items": all_items, "parts": parts, "missing": missing}
 
 
 def record(cfg: LongCtxConfig, done: dict, command: str | None = None) -> dict:
@@ -500,6 +505,7 @@ def record(cfg: LongCtxConfig, done: dict, command: str | None = None) -> dict:
             "command": command, "config": dataclasses.asdict(cfg), "rows": rows,
             "per_item": {f"{p['system']}@{p['length']}": p["rows"] for p in done["parts"]},
             "items_digest": {str(k): items_digest(v) for k, v in done["items"].items()},
+            "missing": done.get("missing", []),
             "notes": [
                 "PPL: the M - 1 tokens predicted by decode steps after a prompt of L - M tokens (M = ppl_tokens); "
                 "each system scores the same tokens.",
@@ -536,6 +542,8 @@ def markdown(rec: dict) -> str:
                       f(100 * r["skip_ratio"] if "skip_ratio" in r else None, ".1f"), f(r.get("kv_cache_mb"), ".1f"),
                       f(r.get("peak_rss_mb"), ".0f")]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    if rec.get("missing"):
+        lines += ["", f"Not run yet (`--collect-only`): {', '.join(rec['missing'])}."]
     lines += ["", *[f"- {n}" for n in rec["notes"]], ""]
     return "\n".join(lines)
 
@@ -572,6 +580,8 @@ def add_parser(sub) -> None:
                                                                 "with _items.jsonl)")
     p.add_argument("--in-process", action="store_true",
                    help="run every system in this process (faster for tiny models; peak RSS then mixes systems)")
+    p.add_argument("--collect-only", action="store_true",
+                   help="run nothing: the record of the parts finished in --work-dir (the others listed as missing)")
     p.set_defaults(func=cmd_long_context)
 
 
@@ -582,7 +592,7 @@ def cmd_long_context(args) -> int:
         systems=tuple(s for s in args.systems.split(",") if s), ppl_docs=args.ppl_docs, ppl_tokens=args.ppl_tokens,
         depths=tuple(float(x) for x in args.depths.split(",") if x), needles_per_depth=args.needles_per_depth,
         qa_items=args.qa_items, docs=args.docs, weights=args.weights, threads=args.threads, seed=args.seed)
-    done = run(cfg, args.work_dir, in_process=args.in_process)
+    done = run(cfg, args.work_dir, in_process=args.in_process, collect_only=args.collect_only)
     rec = record(cfg, done, " ".join(["fbs", *sys.argv[1:]]) if sys.argv and "fbs" in sys.argv[0] else None)
     rec["in_process"] = args.in_process
     _write_json(args.out, rec)
