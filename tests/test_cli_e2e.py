@@ -1,8 +1,9 @@
 """The ``fbs`` command line end to end through ``fbs.cli.main`` on a tiny model saved to disk (an HF directory
 with a one-character-per-id tokenizer and chat template, and an FBS checkpoint over it): ``info``, ``generate``,
 ``serve``, ``bench``, ``bench serve``, ``data build / label / stats / chat``, ``probe``, ``eval make-tasks``,
-``eval pareto``, ``eval segatron``, ``train stage1 / stage2 / stage2-report / stage2-accept / flexidepth / segatron /
-kangaroo / draft-search / draft-model / medusa / eagle``; ``info`` / ``generate`` on the real SmolLM2 (slow). The other commands (``eval run / compare /
+``eval pareto``, ``eval segatron``, ``eval long-context``, ``train stage1 / stage2 / stage2-report / stage2-accept /
+flexidepth / segatron / kangaroo / draft-search / draft-model / medusa / eagle``; ``info`` / ``generate`` on the real
+SmolLM2 (slow). The other commands (``eval run / compare /
 table / merge / sweep / group-b / chat / mechanism / ch / ch-table / safety / list``, ``analyze``,
 ``bench recompute``, ``train ablations``) run end to end in their own modules' tests.
 
@@ -830,6 +831,24 @@ def test_train_segatron_resumes_and_eval_segatron_scores_it(saved, zh_corpus, ca
             assert row["ppl"] == pytest.approx(math.exp(nll.item()), rel=1e-5), row["label"]
             assert row["ci_low"] <= row["ppl"] <= row["ci_high"]
     assert [r["label"] for r in doc["ppl"]["rows"]] == ["segatron", "base"] and "| segatron |" in text
+
+
+def test_eval_long_context_scores_the_saved_model(saved, capsys, tmp_path):
+    """``eval long-context`` on the saved model, two systems in this process (the full command, resuming and the
+    per-system processes: tests/test_longctx.py): rows for both, the full cache allocated to the request, the
+    policy's to its budget, and the FBS system skipping."""
+    words = ("river", "stone", "light", "green", "north")
+    docs = tmp_path / "doc.txt"
+    docs.write_text(" ".join(words[i * 7 % 5] + ("." if i % 9 == 0 else "") for i in range(80)))
+    out = tmp_path / "lc.json"
+    code, text, _ = run_cli(capsys, ["eval", "long-context", *saved.args, "--systems", "base,fbs+streaming",
+                                     "--lengths", "180", "--kv-budget", "40", "--ppl-tokens", "16", "--depths", "0.5",
+                                     "--qa-items", "0", "--docs", str(docs), "--work-dir", str(tmp_path / "w"),
+                                     "--out", str(out), "--in-process"])
+    assert code == 0 and "| fbs+streaming |" in text
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["base"]["kv_capacity_slots"] == 180 and rows["fbs+streaming"]["kv_capacity_slots"] == 41
+    assert rows["base"]["skip_ratio"] == 0 and rows["fbs+streaming"]["skip_ratio"] > 0
 
 
 def test_eval_tolerance_profile_and_plot(saved, capsys, tmp_path):

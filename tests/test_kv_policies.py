@@ -230,6 +230,19 @@ def test_streaming_decodes_past_the_models_context():
         m.generate([prompt(130)], max_new_tokens=2, kv_cache="streaming", kv_budget=16)
 
 
+@pytest.mark.parametrize("kv", ["h2o", "snapkv"])
+def test_policies_without_a_window_keep_the_models_context(kv):
+    """H2O and SnapKV keep true positions, so a request past the model's positions gets the clear error (naming
+    the window policy); a prompt longer than the context is refused under every policy (it is attended in full)."""
+    m = fbs_tiny()
+    with pytest.raises(ValueError, match="exceeds the model's context of 128.*kv_cache='streaming'"):
+        m.generate([prompt(100)], max_new_tokens=40, kv_cache=kv, kv_budget=BUDGETS[kv])
+    for policy in ("full", "streaming", kv):
+        budget = None if policy == "full" else BUDGETS[policy]
+        with pytest.raises(ValueError, match="prompt of 130 tokens .* shorten the prompt"):
+            m.generate([prompt(130)], max_new_tokens=1, kv_cache=policy, kv_budget=budget)
+
+
 # --------------------------------------------------------------------------- H2O
 def _ctx(cache, rows, positions, heads_q):
     t = len(positions[0])

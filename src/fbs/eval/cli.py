@@ -22,6 +22,7 @@
     fbs eval ch --corpus corpus --seq-len 512 --eval-seqs 0 --idiom-items 500 --out results/probe/ch.json
     fbs eval ch-table results/probe/probe.json results/probe/ch.json --base results/probe/probe.json
     fbs eval tolerance --model qwen2.5-coder-0.5b --out results/tolerance_qwen2.5-coder-0.5b.json
+    fbs eval long-context --lengths 2048,4096 --kv-budget 1024 --out results/longctx_smollm2.json
     fbs eval list
 
 Only this module prints; the handlers are plain functions returning an exit code.
@@ -791,6 +792,10 @@ def register(subparsers) -> None:
     from fbs.eval.segatron import add_parser as add_segatron_parser  # `fbs eval segatron`: Group D next to CH
 
     add_segatron_parser(sub)
+
+    from fbs.eval.longctx import add_parser as add_longctx_parser  # `fbs eval long-context`: appendix F
+
+    add_longctx_parser(sub)
 
     from fbs.eval.tolerance import add_parser as add_tolerance_parser  # `fbs eval tolerance`: skip tolerance profile
 
