@@ -12,13 +12,18 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void axpy(float a, 
   for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
 }
 
-// Y (M, n) += (X (M, k) A^T) Bt: the low-rank delta of a weight
+// Y (M, n) += (X (M, k) A^T) Bt: the low-rank delta of a weight, each factor row read once for all M rows (it
+// stays in L1 across them); a row's sums in the same order whatever M is
 void lowrank(const Packed& w, const float* X, int64_t M, float* Y) {
   const int64_t r = w.la.size(0);
   const float* A = w.la.data_ptr<float>();
   const float* Bt = w.lbt.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < r; ++i) axpy(fbs_norm::dot(X + m * w.k, A + i * w.k, w.k), Bt + i * w.n, Y + m * w.n, w.n);
+  thread_local std::vector<float> t;
+  t.resize(M * r);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t m = 0; m < M; ++m) t[m * r + i] = fbs_norm::dot(X + m * w.k, A + i * w.k, w.k);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t m = 0; m < M; ++m) axpy(t[m * r + i], Bt + i * w.n, Y + m * w.n, w.n);
 }
 }  // namespace
 
