@@ -11,7 +11,7 @@
 * The multi-row products: M rows in one call (one pass over each weight tile for up to 8 rows) equal M one-row
   calls bit for bit and the float64 product of the quantized activations, on every instruction-set path.
 * LoRA kept apart: a checkpoint whose merged adapters moved its weights off the base's blocks keeps the base's exact
-  blocks in q4 / q8 and applies the low-rank delta in fp32 apart; decoding equals a float64 oracle of (base blocks
+  blocks in q4 / q8 (where the base is such blocks) and applies the low-rank delta in fp32 apart; decoding equals a float64 oracle of (base blocks
   on quantized activations + the fp32 delta), and the shipped checkpoint's q4 logits stay close to its fp32 ones.
 """
 
@@ -346,6 +346,23 @@ def test_lora_apart_without_native_kernels_is_the_merged_weight():
     assert torch.equal(w.w, merged)
     with pytest.raises(ValueError, match="low-rank delta"):
         Weight(merged, "q4", lowrank=(a, b[:, :3]))
+
+
+def test_a_base_off_the_grid_quantizes_the_merged_weight():
+    """A delta is kept apart only where the base weight is exactly blocks of the format (else it would cost reads
+    and gain nothing): q8 of a q4-grid base, or an fp32 base, quantize the merged weight as without adapters."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 96, generator=g) * 0.3, torch.randn(40, 4, generator=g) * 0.05
+    for base, fmt in [(dequantize_blocks(*quantize_blocks(torch.randn(40, 96, generator=g) * 0.1, "q4_1")), "q8"),
+                      (torch.randn(40, 96, generator=g) * 0.1, "q4")]:
+        merged = base + b @ a
+        w = Weight(merged, fmt, packed=False, lowrank=(a, b))
+        plain = Weight(merged, fmt, packed=False)
+        assert w.lowrank is None and all(torch.equal(x, y) for x, y in zip(w.blocks, plain.blocks))
+        assert torch.equal(w.w, plain.w)
+    on_grid = Weight(dequantize_blocks(*quantize_blocks(torch.randn(40, 96, generator=g), "q8_0")) + b @ a, "q8",
+                     packed=False, lowrank=(a, b))
+    assert on_grid.lowrank is not None
 
 
 @pytest.mark.slow

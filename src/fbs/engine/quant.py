@@ -16,10 +16,13 @@ the LM head in q8 (as that GGUF does). Their products run natively with the acti
 are missing (no build, no AVX2, not a CPU) the blocks are dequantized to fp32 once and used as fp32 weights.
 
 A weight with a LoRA adapter merged into it (``lowrank``: the factors :func:`fbs.model.lora.merged_lowrank`
-keeps) is stored in a block format as the blocks of its base weight (weight - b @ a: a GGUF checkpoint's own
-blocks) plus the fp32 delta, applied apart: y = W_blocks x + b (a x). A merged weight would leave the base's grid,
-and rounding it back onto a grid costs far more than the quantization of the base did. Without the native kernels
-the delta is added to the dequantized fp32 weight once (the same product up to float rounding).
+keeps) whose base weight (weight - b @ a) is exactly blocks of the format (a GGUF checkpoint's own blocks, e.g. the
+Q4_1 layers of SmolLM2 in q4) is stored as those blocks plus the fp32 delta, applied apart: y = W_blocks x + b (a x).
+The merged weight has left the base's grid, and rounding it back onto a grid costs far more than the base's own
+quantization did. A base that is not such blocks (q8 of a Q4_1 checkpoint, any fp32 checkpoint) gains nothing
+from the delta apart, which costs reads of the fp32 factors every step: its merged weight is quantized as usual.
+Without the native kernels the delta is added to the dequantized fp32 weight once (the same product up to float
+rounding).
 
 ``fp32-onednn`` keeps fp32 weights in oneDNN's blocked layout (packed once at load) and runs every product
 through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``). On this 2-core CPU its batch-1 GEMV reads
@@ -60,7 +63,9 @@ class Weight:
     and :attr:`native` the :class:`fbs.native.PackedWeight` a native layer streams; the caller checks that the
     kernels exist here (:func:`fbs.native.int8_isa`, :func:`fbs.native.quant.isa`). ``kind`` overrides a block
     format's GGUF kind (the LM head of q4 is q8_0). ``lowrank`` (a (r, K), b (N, r)): w includes the delta b @ a
-    (a merged LoRA adapter); the block formats quantize w - b @ a and apply the delta apart, the others keep w."""
+    (a merged LoRA adapter); where the rows of w - b @ a that the delta moves are exactly blocks of the format (the
+    base weights of a GGUF checkpoint), a block format stores the blocks of w - b @ a and applies the delta apart;
+    otherwise, and in the other formats, w itself."""
 
     def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False, kind: str | None = None,
                  lowrank: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -80,9 +85,15 @@ class Weight:
                 if a.dim() != 2 or b.dim() != 2 or a.shape[1] != w.shape[1] or b.shape != (w.shape[0], a.shape[0]):
                     raise ValueError(f"a low-rank delta of a {tuple(w.shape)} weight needs a (r, {w.shape[1]}) and "
                                      f"b ({w.shape[0]}, r), got {tuple(a.shape)} and {tuple(b.shape)}")
-                self.lowrank = (a, b)
-                w = w.float().cpu() - b @ a  # the base weight (a GGUF's blocks come back exactly)
-            self.blocks = quantize_blocks(w, self.kind)
+                base = w.float().cpu() - b @ a  # the base up to the rounding of the merge (an ulp of w)
+                blocks = quantize_blocks(base, self.kind)
+                # the rows the delta moves must be such blocks (rows without a delta are quantized as they are)
+                moved = b.abs().amax(1) > 0
+                off = (dequantize_blocks(*blocks) - base)[moved].abs()
+                if moved.any() and float(off.max()) <= 4 * torch.finfo(torch.float32).eps * float(w.abs().max()):
+                    self.lowrank, self.blocks = (a, b), blocks
+            if self.blocks is None:
+                self.blocks = quantize_blocks(w, self.kind)
             if self.packed:
                 self.w = native_quant.pack(self.kind, *self.blocks)
                 self.native = native.packed_weight(native_quant.KINDS[self.kind], self.w, None, *w.shape)
