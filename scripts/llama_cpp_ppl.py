@@ -103,7 +103,8 @@ def main() -> None:
                          "run `bash scripts/build_llama_cpp.sh` or set FBS_LLAMA_CPP_DIR")
     torch.set_num_threads(args.threads)
     model = load_fbs(args.model, shipped=args.shipped).eval()
-    # merged LoRA adapters whose deltas the block formats (q4, q8) apply apart from the base weights' own blocks
+    # merged LoRA adapters (a block format keeps their deltas apart where the rows they move are its exact blocks:
+    # q4 over SmolLM2's Q4_1 layers)
     lora_apart = sum(merged_lowrank(m) is not None for m in model.base.layers.modules())
     tok = model.tokenizer
     if args.text:
