@@ -37,6 +37,7 @@ from fbs.bench.llama_cpp import (FORMATS, install_dir, model_path, parse_perplex
                                  read_token_dump, run_tool)
 from fbs.eval.ood import ood_blocks  # noqa: E402
 from fbs.model.loading import load_fbs  # noqa: E402
+from fbs.model.lora import merged_lowrank  # noqa: E402
 from fbs.provenance import provenance  # noqa: E402
 
 
@@ -102,6 +103,9 @@ def main() -> None:
                          "run `bash scripts/build_llama_cpp.sh` or set FBS_LLAMA_CPP_DIR")
     torch.set_num_threads(args.threads)
     model = load_fbs(args.model, shipped=args.shipped).eval()
+    # merged LoRA adapters (a block format keeps their deltas apart where the rows they move are its exact blocks:
+    # q4 over SmolLM2's Q4_1 layers)
+    lora_apart = sum(merged_lowrank(m) is not None for m in model.base.layers.modules())
     tok = model.tokenizer
     if args.text:
         text, source = Path(args.text).read_text(encoding="utf-8"), [args.text]
@@ -140,6 +144,7 @@ def main() -> None:
     if args.out:
         doc = {"command": "python scripts/llama_cpp_ppl.py " + " ".join(sys.argv[1:]), "ctx": args.ctx,
                "model": args.model, "shipped_checkpoint": args.shipped,
+               "lora_deltas_apart_in_block_formats": lora_apart,
                "text": {"source": source, "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()},
                "tokens": tokens, "ours": ours, "llama_cpp": llama, "llama_cpp_dir": str(root),
                "provenance": provenance()}

@@ -8,6 +8,11 @@
   oracle without the activation quantization must be far off (so that the test sees the quantization).
 * A multi-token native step over T positions of one sequence equals T one-token steps (outputs, cache entries
   and lengths), with forced skips under ``hole`` and ``project``.
+* The multi-row products: M rows in one call (one pass over each weight tile for up to 8 rows) equal M one-row
+  calls bit for bit and the float64 product of the quantized activations, on every instruction-set path.
+* LoRA kept apart: a checkpoint whose merged adapters moved its weights off the base's blocks keeps the base's exact
+  blocks in q4 / q8 (where the base is such blocks) and applies the low-rank delta in fp32 apart; decoding equals a float64 oracle of (base blocks
+  on quantized activations + the fp32 delta), and the shipped checkpoint's q4 logits stay close to its fp32 ones.
 """
 
 import copy
@@ -16,11 +21,14 @@ import pytest
 import torch
 from torch import nn
 
+import fbs.engine.fused
 from conftest import VOCAB, fbs_tiny, randomize, require_native, tiny_config, tiny_hf
 from fbs import FBSForCausalLM, native
 from fbs.engine.cache import CacheContext, KVCache
 from fbs.engine.fused import decode_ops
-from fbs.engine.quant import dequantize_blocks, quantize_blocks
+from fbs.engine.quant import Weight, dequantize_blocks, quantize_blocks
+from fbs.model.lora import add_adapters, merge_adapters, merged_lowrank
+from fbs.native import quant as native_quant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -204,3 +212,180 @@ def test_speculative_verification_in_native_steps_equals_full_depth(fmt):
         assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
     fp32 = model.generate(prompts, force_compute=True, **{**kw, "weights": "fp32"})
     assert max((a - b).abs().max() for a, b in zip(fp32.scores, ref.scores)) > 1e-3  # the format is visible
+
+
+# --------------------------------------------------------------------------- multi-row products
+@pytest.fixture(params=["avx512-vnni", "avx2"])
+def quant_isa(request, monkeypatch):
+    require_native("avx512_vnni" if request.param == "avx512-vnni" else "avx2")
+    if request.param == "avx2":
+        monkeypatch.setenv("FBS_NATIVE_ISA", "avx2")
+    assert native_quant.isa() == request.param
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_multi_row_products_equal_single_rows_and_the_float64_product(quant_isa, kind, m):
+    """n = 50 output channels (not a multiple of the 16-channel tile), k = 200 inputs (not a multiple of the
+    32-block: zero-padded): M rows in one call equal M one-row calls exactly (each row's sums do not depend on the
+    rows it shares a weight pass with) and the float64 product of the quantized activations."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 50, 200
+    blocks = quantize_blocks(torch.randn(n, k, generator=g) * 0.1, kind)
+    packed = native_quant.pack(kind, *blocks)
+    x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3
+    y = native_quant.linear(x, packed, kind, n)
+    rows = torch.cat([native_quant.linear(x[i:i + 1], packed, kind, n) for i in range(m)])
+    assert torch.equal(y, rows)
+    ref = native_quant.reference(x, dequantize_blocks(*blocks))
+    assert (y.double() - ref).abs().max() <= 5e-6 * ref.abs().max()
+
+
+# --------------------------------------------------------------------------- LoRA kept apart
+def _lora_model(fmt: str, family: str = "llama", seed: int = 3):
+    """A tiny model whose base weights are blocks of ``fmt`` (the LM head q8_0), with rank-4 adapters of a visible
+    size merged into them (as loading a checkpoint with adapters does); returns (model, hf, base weights)."""
+    hf = tiny_hf(family, 6, seed=seed)
+    with torch.no_grad():
+        for mod in hf.modules():
+            if isinstance(mod, nn.Linear) and mod is not hf.lm_head:
+                mod.weight.copy_(dequantize_blocks(*quantize_blocks(mod.weight, KINDS[fmt])))
+        hf.lm_head.weight.copy_(dequantize_blocks(*quantize_blocks(hf.lm_head.weight, "q8_0")))
+    base = {name: mod.weight.detach().clone() for name, mod in hf.named_modules() if isinstance(mod, nn.Linear)}
+    model = FBSForCausalLM.from_base(hf, config=tiny_config()).eval()
+    add_adapters(model.base.layers, rank=4, alpha=8.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "lora_a" in name else 0.05))
+    assert merge_adapters(model.base.layers) == 7 * 6
+    return model, hf, base
+
+
+class _LoRAOracle(nn.Module):
+    """y = base (quantized x) + b (a x): the block format with the delta apart, in float64."""
+
+    def __init__(self, base: torch.Tensor, bias, lowrank, switch: dict):
+        super().__init__()
+        self.base, self.bias, self.switch = base.double(), bias, switch
+        self.a, self.b = (t.double() for t in lowrank)
+
+    def forward(self, x):
+        xq = _act_quantized(x) if self.switch["layers"] else x
+        return nn.functional.linear(xq, self.base, self.bias) + (x @ self.a.T) @ self.b.T
+
+
+@torch.no_grad()
+def _lora_oracle_greedy(hf, base: dict, prompt: list[int], n: int):
+    ref = copy.deepcopy(hf).double()
+    switch = {"layers": False}
+    for name, mod in list(ref.named_modules()):
+        for child, sub in list(mod.named_children()):
+            full = f"{name}.{child}" if name else child
+            if isinstance(sub, nn.Linear):
+                lowrank = merged_lowrank(dict(hf.named_modules())[full])
+                setattr(mod, child, _LoRAOracle(base[full], sub.bias, lowrank, switch) if lowrank is not None
+                        else _QuantizedInput(sub, None if sub is ref.lm_head else switch))
+    out = ref(torch.tensor([prompt]), use_cache=True)
+    switch["layers"] = True
+    logits, tokens, cache = [out.logits[0, -1].float()], [], out.past_key_values
+    for _ in range(n - 1):
+        tokens.append(int(logits[-1].argmax()))
+        out = ref(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+        logits.append(out.logits[0, -1].float())
+    tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_lora_apart_keeps_the_base_blocks_and_decodes_like_its_oracle(fmt):
+    require_native("avx2")
+    model, hf, base = _lora_model(fmt)
+    ops = decode_ops(model, fmt)
+    assert ops.native_packed and sum(n is not None for n in ops.native_layers) >= 3
+    layer = hf.model.layers[2]
+    # the stored blocks are the base weights' own, exactly; the weight computed with is the merged one
+    assert torch.equal(dequantize_blocks(*ops.layers[2].q.blocks), base["model.layers.2.self_attn.q_proj"])
+    kvg = dequantize_blocks(*ops.layers[2].kvg.blocks)
+    assert torch.equal(kvg[:32], base["model.layers.2.self_attn.k_proj"])
+    assert torch.equal(kvg[32:64], base["model.layers.2.self_attn.v_proj"])
+    gu = ops.layers[2].gu.dequantized()
+    merged = torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight])
+    assert (gu - merged).abs().max() < 1e-6 and not torch.equal(dequantize_blocks(*ops.layers[2].gu.blocks), merged)
+    prompt = torch.randint(0, VOCAB - 1, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = model.generate([prompt], max_new_tokens=6, weights=fmt, force_compute=True, ignore_eos=True,
+                         output_scores=True)
+    tokens, logits = _lora_oracle_greedy(hf, base, prompt, 6)
+    span = float(logits.max() - logits.min())
+    err = float((out.scores[0] - logits).abs().max())
+    assert out.new_tokens[0] == tokens
+    assert err < 2e-3 * span
+    # the delta matters: the base blocks alone decode visibly differently
+    with torch.no_grad():
+        for mod in hf.modules():
+            if merged_lowrank(mod) is not None:
+                a, b = merged_lowrank(mod)
+                mod.weight.sub_(b @ a)
+                delattr(mod, "fbs_merged_lowrank")
+    plain = model.generate([prompt], max_new_tokens=6, weights=fmt, force_compute=True, ignore_eos=True,
+                           output_scores=True)
+    assert float((plain.scores[0] - logits).abs().max()) > 10 * err
+
+
+def test_lora_apart_without_native_kernels_is_the_merged_weight():
+    """The PyTorch fallback (no packed kernels) adds the delta to the dequantized base blocks once: with the base on
+    the format's grid that is the merged weight bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    base = dequantize_blocks(*quantize_blocks(torch.randn(40, 96, generator=g) * 0.1, "q4_1"))
+    a, b = torch.randn(4, 96, generator=g) * 0.3, torch.randn(40, 4, generator=g) * 0.05
+    merged = base + b @ a
+    w = Weight(merged, "q4", packed=False, lowrank=(a, b))
+    assert torch.equal(dequantize_blocks(*w.blocks), base)
+    assert torch.equal(w.w, merged)
+    with pytest.raises(ValueError, match="low-rank delta"):
+        Weight(merged, "q4", lowrank=(a, b[:, :3]))
+
+
+def test_a_base_off_the_grid_quantizes_the_merged_weight():
+    """A delta is kept apart only where the base weight is exactly blocks of the format (else it would cost reads
+    and gain nothing): q8 of a q4-grid base, or an fp32 base, quantize the merged weight as without adapters."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4, 96, generator=g) * 0.3, torch.randn(40, 4, generator=g) * 0.05
+    for base, fmt in [(dequantize_blocks(*quantize_blocks(torch.randn(40, 96, generator=g) * 0.1, "q4_1")), "q8"),
+                      (torch.randn(40, 96, generator=g) * 0.1, "q4")]:
+        merged = base + b @ a
+        w = Weight(merged, fmt, packed=False, lowrank=(a, b))
+        plain = Weight(merged, fmt, packed=False)
+        assert w.lowrank is None and all(torch.equal(x, y) for x, y in zip(w.blocks, plain.blocks))
+        assert torch.equal(w.w, plain.w)
+    on_grid = Weight(dequantize_blocks(*quantize_blocks(torch.randn(40, 96, generator=g), "q8_0")) + b @ a, "q8",
+                     packed=False, lowrank=(a, b))
+    assert on_grid.lowrank is not None
+
+
+@pytest.mark.slow
+def test_shipped_checkpoint_q4_is_close_to_fp32():
+    """The shipped FBS checkpoint (LoRA adapters merged at load) in q4 with the delta apart: its next-token logits on
+    a short prompt stay close to fp32's, closer than q4 of the merged weights (rounded onto a grid) gets."""
+    require_native("avx2")
+    from fbs.model.loading import load_fbs
+
+    model = load_fbs("smollm2-135m").eval()
+    assert any(merged_lowrank(m) is not None for m in model.base.layers.modules())
+    prompt = [[1, 504, 3458, 282, 4649, 314, 1345, 30, 378, 3458, 282, 5206, 314]]
+    kw = dict(max_new_tokens=4, force_compute=True, ignore_eos=True, output_scores=True)
+    fp32 = model.generate(prompt, weights="fp32", **kw)
+    q4 = model.generate(prompt, weights="q4", **kw)
+    for mod in model.base.layers.modules():  # forget the factors: q4 then rounds the merged weights
+        if merged_lowrank(mod) is not None:
+            delattr(mod, "fbs_merged_lowrank")
+    fbs.engine.fused._FUSED.pop(model)  # the q4 copies are rebuilt without them
+    rounded = model.generate(prompt, weights="q4", **kw)
+    ref = fp32.scores[0]
+    span = float(ref.max() - ref.min())
+    err = float((q4.scores[0] - ref).abs().max())
+    assert q4.new_tokens == fp32.new_tokens
+    assert err < 0.05 * span
+    assert err < float((rounded.scores[0] - ref).abs().max())

@@ -364,3 +364,41 @@ def test_a_stale_build_lock_does_not_block_loading():
     run = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
     lock.unlink(missing_ok=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_attention_of_consecutive_positions_equals_sdpa(isa, hd, threads):
+    """Queries that read the same cached K/V (the heads of one KV head, and T positions of one sequence, as a
+    multi-token step has them: same cache row, consecutive slots, each seeing its own prefix) next to a row of its
+    own, over a cache long enough to be split into key ranges across threads (AVX-512: the grouped kernel, its
+    ranges merged; AVX2: one task per query): equal to index writes + SDPA with each query's causal prefix mask."""
+    g = torch.Generator().manual_seed(hd + threads)
+    B, H, Hkv, C = 3, 6, 2, 700
+    kc, vc = torch.randn(B, Hkv, C, hd, generator=g), torch.randn(B, Hkv, C, hd, generator=g)
+    idx = torch.tensor([1, 1, 1, 1, 0])          # four positions of cache row 1, one of row 0
+    slots = torch.tensor([600, 601, 602, 603, 5])
+    b = idx.numel()
+    q = torch.randn(b, 1, H, hd, generator=g).transpose(1, 2) * 3
+    k = torch.randn(b, 1, Hkv, hd, generator=g).transpose(1, 2) * 2  # new keys that weigh
+    v = torch.randn(b, Hkv, 1, hd, generator=g) * 4
+    kr, vr = kc.clone(), vc.clone()
+    kr[idx, :, slots], vr[idx, :, slots] = k[:, :, 0], v[:, :, 0]
+    valid = (torch.arange(C).unsqueeze(0) <= slots.unsqueeze(1))[:, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kr[idx].double(), vr[idx].double(),
+                                                           attn_mask=valid, scale=0.2, enable_gqa=True)
+    ref = ref.transpose(1, 2).reshape(b, 1, H * hd)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.2)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    tol = 2e-6 * ref.abs().max()
+    assert (got.double() - ref).abs().max() < tol
+    # the causal mask is visible: the first position would differ if it saw its successors' keys
+    late = torch.nn.functional.scaled_dot_product_attention(q[:1].double(), kr[1:2].double(), vr[1:2].double(),
+                                                            attn_mask=valid[3:4], scale=0.2, enable_gqa=True)
+    assert (late.transpose(1, 2).reshape(1, 1, -1) - ref[:1]).abs().max() > 50 * tol
+

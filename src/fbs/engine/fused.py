@@ -42,6 +42,7 @@ from .cache import CacheContext
 from .kvpolicy import attend_scored
 from ..model.layer import HFOps, layer_step
 from ..model.gate import relative_update
+from ..model.lora import merged_lowrank
 from ..native import quant as native_quant
 from .quant import BLOCK_FORMATS, FORMATS, Weight, matmul
 
@@ -285,6 +286,24 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
+def _stacked_lowrank(mods: list, weights: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The merged LoRA deltas (:func:`fbs.model.lora.merged_lowrank`) of linears whose weights are stacked by rows
+    into one matrix (``mods[i]`` None: rows without a delta), as one delta b @ a of the stacked matrix: a the
+    factors a_i one under another, b block-diagonal; None when no part has one."""
+    found = [None if m is None else merged_lowrank(m) for m in mods]
+    if all(f is None for f in found):
+        return None
+    a = torch.cat([f[0] for f in found if f is not None]).float()
+    b = torch.zeros(sum(w.shape[0] for w in weights), a.shape[0])
+    row = col = 0
+    for f, w in zip(found, weights):
+        if f is not None:
+            b[row:row + w.shape[0], col:col + f[0].shape[0]] = f[1]
+            col += f[0].shape[0]
+        row += w.shape[0]
+    return a, b
+
+
 class _Layer(NamedTuple):
     ln1: torch.Tensor
     kvg: Weight
@@ -413,14 +432,19 @@ class FusedOps(LayerByLayer):
                 bias.append(torch.zeros(a.shape[0], dtype=a.dtype, device=a.device))
         kvg_b = torch.cat([b.detach() for b in bias]) if bias is not None else None
         norm = lambda m: None if m is None else m.weight.detach()  # noqa: E731
+        kv_parts = [attn.k_proj, attn.v_proj] + ([None] * (a is not None))
         return _Layer(
-            ln1=layer.input_layernorm.weight.detach(), kvg=self._weight(torch.cat([r.detach() for r in rows])),
-            kvg_b=kvg_b, q=self._weight(attn.q_proj.weight),
+            ln1=layer.input_layernorm.weight.detach(),
+            kvg=self._weight(torch.cat([r.detach() for r in rows]), lowrank=_stacked_lowrank(kv_parts, rows)),
+            kvg_b=kvg_b, q=self._weight(attn.q_proj.weight, lowrank=merged_lowrank(attn.q_proj)),
             q_b=None if attn.q_proj.bias is None else attn.q_proj.bias.detach(),
             q_norm=norm(getattr(attn, "q_norm", None)), k_norm=norm(getattr(attn, "k_norm", None)),
-            o=self._weight(attn.o_proj.weight), ln2=layer.post_attention_layernorm.weight.detach(),
-            gu=self._weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
-            down=self._weight(mlp.down_proj.weight), gate=gate,
+            o=self._weight(attn.o_proj.weight, lowrank=merged_lowrank(attn.o_proj)),
+            ln2=layer.post_attention_layernorm.weight.detach(),
+            gu=self._weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+                            lowrank=_stacked_lowrank([mlp.gate_proj, mlp.up_proj],
+                                                     [mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=self._weight(mlp.down_proj.weight, lowrank=merged_lowrank(mlp.down_proj)), gate=gate,
         )
 
     def _native_layers(self) -> list | None:
@@ -526,9 +550,9 @@ class FusedOps(LayerByLayer):
             ctx.book(l, None)
         return out[0].view(b, t, d)
 
-    def _weight(self, w: torch.Tensor, head: bool = False) -> Weight:
+    def _weight(self, w: torch.Tensor, head: bool = False, lowrank=None) -> Weight:
         kind = BLOCK_FORMATS[self.fmt][1] if head and self.fmt in BLOCK_FORMATS else None
-        return Weight(w, self.fmt, packed=self.native_packed, kind=kind)
+        return Weight(w, self.fmt, packed=self.native_packed, kind=kind, lowrank=lowrank)
 
     def _gate(self, l: int, fg) -> _Gate:
         detach = lambda t: None if t is None else t.detach()  # noqa: E731

@@ -15,6 +15,15 @@ the LM head in q8 (as that GGUF does). Their products run natively with the acti
 32-value block and integer dot products (:mod:`fbs.native.quant`: AVX-512 VNNI, else AVX2); where those kernels
 are missing (no build, no AVX2, not a CPU) the blocks are dequantized to fp32 once and used as fp32 weights.
 
+A weight with a LoRA adapter merged into it (``lowrank``: the factors :func:`fbs.model.lora.merged_lowrank`
+keeps) whose base weight (weight - b @ a) is exactly blocks of the format (a GGUF checkpoint's own blocks, e.g. the
+Q4_1 layers of SmolLM2 in q4) is stored as those blocks plus the fp32 delta, applied apart: y = W_blocks x + b (a x).
+The merged weight has left the base's grid, and rounding it back onto a grid costs far more than the base's own
+quantization did. A base that is not such blocks (q8 of a Q4_1 checkpoint, any fp32 checkpoint) gains nothing
+from the delta apart, which costs reads of the fp32 factors every step: its merged weight is quantized as usual.
+Without the native kernels the delta is added to the dequantized fp32 weight once (the same product up to float
+rounding).
+
 ``fp32-onednn`` keeps fp32 weights in oneDNN's blocked layout (packed once at load) and runs every product
 through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``). On this 2-core CPU its batch-1 GEMV reads
 weights faster than ``F.linear`` (``scripts/gemv_floor.py`` measures both). It is fp32 arithmetic with a different
@@ -37,10 +46,13 @@ BLOCK_FORMATS = {"q8": ("q8_0", "q8_0"), "q4": ("q4_1", "q8_0")}
 
 
 class BlockMeta(NamedTuple):
-    """What :func:`matmul` needs besides a block format's packed bytes (it takes the place of int8's scales)."""
+    """What :func:`matmul` needs besides a block format's packed bytes (it takes the place of int8's scales): the
+    GGUF kind, the output width and the low-rank delta applied apart (a (r, K), b (N, r); None when none)."""
 
     kind: str
     n: int
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
 
 
 class Weight:
@@ -50,25 +62,47 @@ class Weight:
     formats): ``w`` in the native kernels' 1-D layout (:func:`fbs.native.int8_pack`, :func:`fbs.native.quant.pack`)
     and :attr:`native` the :class:`fbs.native.PackedWeight` a native layer streams; the caller checks that the
     kernels exist here (:func:`fbs.native.int8_isa`, :func:`fbs.native.quant.isa`). ``kind`` overrides a block
-    format's GGUF kind (the LM head of q4 is q8_0)."""
+    format's GGUF kind (the LM head of q4 is q8_0). ``lowrank`` (a (r, K), b (N, r)): w includes the delta b @ a
+    (a merged LoRA adapter); where the rows of w - b @ a that the delta moves are exactly blocks of the format (the
+    base weights of a GGUF checkpoint), a block format stores the blocks of w - b @ a and applies the delta apart;
+    otherwise, and in the other formats, w itself."""
 
-    def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False, kind: str | None = None):
+    def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False, kind: str | None = None,
+                 lowrank: tuple[torch.Tensor, torch.Tensor] | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"weight format must be one of {FORMATS}, got {fmt!r}")
         self.fmt, self.out_features, self.in_features = fmt, w.shape[0], w.shape[1]
         self.packed = packed and (fmt == "int8" or fmt in BLOCK_FORMATS)
         self.native = None
         self.blocks = None
+        self.lowrank = None
         w = w.detach()
+        device = w.device
         if fmt in BLOCK_FORMATS:
             self.kind = kind or BLOCK_FORMATS[fmt][0]
-            self.blocks = quantize_blocks(w, self.kind)
+            if lowrank is not None:
+                a, b = (t.detach().float().cpu().contiguous() for t in lowrank)
+                if a.dim() != 2 or b.dim() != 2 or a.shape[1] != w.shape[1] or b.shape != (w.shape[0], a.shape[0]):
+                    raise ValueError(f"a low-rank delta of a {tuple(w.shape)} weight needs a (r, {w.shape[1]}) and "
+                                     f"b ({w.shape[0]}, r), got {tuple(a.shape)} and {tuple(b.shape)}")
+                base = w.float().cpu() - b @ a  # the base up to the rounding of the merge (an ulp of w)
+                blocks = quantize_blocks(base, self.kind)
+                # the rows the delta moves must be such blocks (rows without a delta are quantized as they are)
+                moved = b.abs().amax(1) > 0
+                off = (dequantize_blocks(*blocks) - base)[moved].abs()
+                if moved.any() and float(off.max()) <= 4 * torch.finfo(torch.float32).eps * float(w.abs().max()):
+                    self.lowrank, self.blocks = (a, b), blocks
+            if self.blocks is None:
+                self.blocks = quantize_blocks(w, self.kind)
             if self.packed:
                 self.w = native_quant.pack(self.kind, *self.blocks)
-                self.s = BlockMeta(self.kind, self.out_features)
                 self.native = native.packed_weight(native_quant.KINDS[self.kind], self.w, None, *w.shape)
+                if self.lowrank is not None:
+                    a, b = self.lowrank
+                    self.native.set_lowrank(a, b.t().contiguous())
+                self.s = BlockMeta(self.kind, self.out_features, *(self.lowrank or (None, None)))
             else:
-                self.w, self.s = dequantize_blocks(*self.blocks).to(w.device), None
+                self.w, self.s = self.dequantized().to(device), None
             return
         if fmt == "fp32":
             self.w, self.s = w.float().contiguous(), None
@@ -89,8 +123,13 @@ class Weight:
         return self.w, self.s
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight the format computes with, as a dense (N, K) tensor (a block format's delta included)."""
         if self.blocks is not None:
-            return dequantize_blocks(*self.blocks).to(dtype)
+            w = dequantize_blocks(*self.blocks)
+            if self.lowrank is not None:
+                a, b = self.lowrank
+                w = w + b @ a
+            return w.to(dtype)
         w = self.w.to_dense() if self.w.is_mkldnn else self.w
         if self.packed:
             w = native.int8_unpack(w, self.out_features, self.in_features)
@@ -160,8 +199,11 @@ def dequantize(w: torch.Tensor, s: torch.Tensor | None, dtype=torch.float32) -> 
 def matmul(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) @ W^T in W's format, result in x's dtype. bf16 and (unpacked) int8 compute with bf16 activations,
     packed int8 (1-D ``w``, :class:`Weight` ``packed=True``) with fp32 ones in the native kernel."""
-    if isinstance(s, BlockMeta):  # a packed block format: the native quantized product
-        return native_quant.linear(x, w, s.kind, s.n).to(x.dtype)
+    if isinstance(s, BlockMeta):  # a packed block format: the native quantized product (+ its delta, apart)
+        y = native_quant.linear(x, w, s.kind, s.n)
+        if s.a is not None:
+            y = y + (x.float() @ s.a.t()) @ s.b.t()
+        return y.to(x.dtype)
     if w.is_mkldnn:  # fp32-onednn: packed fp32, oneDNN's linear
         return torch.ops.mkldnn._linear_pointwise(x.float(), w, None, "none", [], "").to(x.dtype)
     if w.dtype == torch.int8:

@@ -7,6 +7,10 @@ adapter changes nothing. The HF submodules keep their names (``q_proj`` ...), so
 
 This is the core's part, which loading a checkpoint needs (wrap, load, merge: :mod:`fbs.model.loading`);
 training adds adapters with :func:`add_adapters` and saves them with :mod:`fbs.train.adapters`.
+
+:func:`merge_adapters` leaves each merged linear's factors on it (:func:`merged_lowrank`), so that a block
+weight format can quantize the base weight (a GGUF's own blocks) and apply the low-rank delta apart
+(:mod:`fbs.engine.quant`) instead of rounding the merged weight off the base's grid.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from .errors import CheckpointError, read_tensors
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTERS_NAME = "adapters.safetensors"
+#: the attribute a merged linear keeps its adapter's factors in: (a (r, in), b (out, r)), delta = b @ a
+MERGED_ATTR = "fbs_merged_lowrank"
 
 
 class LoRALinear(nn.Module):
@@ -48,8 +54,13 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scaling  # (..., out)
 
+    def delta_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) with the adapter's delta = b @ a, the scaling folded into b (the merge's own arithmetic)."""
+        return self.lora_a, self.scaling * self.lora_b
+
     def merged_weight(self) -> torch.Tensor:
-        return self.base.weight + self.scaling * self.lora_b @ self.lora_a
+        a, b = self.delta_factors()
+        return self.base.weight + b @ a
 
 
 def add_adapters(layers: nn.ModuleList, rank: int = 8, alpha: float = 16.0,
@@ -93,13 +104,22 @@ def load_adapters(model: nn.Module, path: str | os.PathLike, rank: int, alpha: f
 
 @torch.no_grad()
 def merge_adapters(layers: nn.ModuleList) -> int:
-    """Fold every adapter into its base weight and unwrap it (for export); returns how many were merged."""
+    """Fold every adapter into its base weight and unwrap it (for export); returns how many were merged. Each
+    unwrapped linear keeps the factors of its delta (:func:`merged_lowrank`)."""
     n = 0
     for layer in layers:
         for name, mod in list(layer.named_modules()):
             if isinstance(mod, LoRALinear):
+                a, b = mod.delta_factors()
                 mod.base.weight.copy_(mod.merged_weight())
+                setattr(mod.base, MERGED_ATTR, (a.detach().clone(), b.detach().clone()))
                 parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                 setattr(parent, name.rsplit(".", 1)[-1], mod.base)
                 n += 1
     return n
+
+
+def merged_lowrank(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The factors (a (r, in), b (out, r)) of the adapter :func:`merge_adapters` folded into ``linear``'s weight
+    (weight = base + b @ a, computed as the merge did), or None when it merged none."""
+    return getattr(linear, MERGED_ATTR, None)

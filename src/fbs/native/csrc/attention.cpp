@@ -31,10 +31,97 @@ void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t 
     }
 }
 
+namespace {
+#ifdef FBS_X86
+// attend() for hd a multiple of 64 with AVX-512: queries grouped by the K/V they read (attention.h).
+void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m,
+                    int64_t H, const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale,
+                    float* O) {
+  const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
+  // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h)
+  std::vector<int64_t> cache_rows;
+  for (int64_t j = 0; j < m; ++j)
+    if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
+  const int64_t G = int64_t(cache_rows.size()) * Hkv;
+  std::vector<int64_t> start(G + 1, 0), qj, qh, last(G, -1);
+  for (int64_t u = 0; u < G; ++u) {
+    const int64_t r = cache_rows[u / Hkv], g = u % Hkv;
+    for (int64_t j = 0; j < m; ++j) {
+      if (I[j] != r) continue;
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        qj.push_back(j);
+        qh.push_back(h);
+      }
+      last[u] = std::max(last[u], L[j]);
+    }
+    start[u + 1] = int64_t(qj.size());
+  }
+  const int64_t nq = int64_t(qj.size()), ps = hd + 2;
+  // the queries, scaled
+  std::vector<float> qsc(nq * hd);
+  std::vector<int64_t> qlast(nq);
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* src = Q + qj[i] * qs0 + qh[i] * qs1;
+    for (int64_t d = 0; d < hd; ++d) qsc[i * hd + d] = src[d] * scale;
+    qlast[i] = L[qj[i]];
+  }
+  // key ranges per group: enough tasks for every thread, none shorter than 128 keys
+  int64_t longest = 0;
+  for (int64_t u = 0; u < G; ++u) longest = std::max(longest, last[u] + 1);
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, std::min((2 * threads + G - 1) / G, (longest + 127) / 128));
+  const int64_t span = (longest + splits - 1) / splits;
+  std::vector<float> part(splits * nq * ps);
+  at::parallel_for(0, G * splits, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s;
+    std::vector<const float*> qp;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t u = t / splits, sp = t % splits, n = start[u + 1] - start[u];
+      const int64_t k0 = sp * span, k1 = std::min(last[u] + 1, k0 + span);
+      float* pt = part.data() + (sp * nq + start[u]) * ps;
+      if (k1 <= k0) {  // no key of this range is seen by the group
+        for (int64_t i = 0; i < n; ++i) {
+          pt[i * ps] = -INFINITY;
+          std::fill_n(pt + i * ps + 1, hd + 1, 0.f);
+        }
+        continue;
+      }
+      s.resize(n * (k1 - k0));
+      qp.resize(n);
+      for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
+      const int64_t kv = cache_rows[u / Hkv] * rs + (u % Hkv) * hs;
+      group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s.data(), pt);
+    }
+  });
+  // merge the ranges: o = sum_s acc_s e^(m_s - M) / sum_s z_s e^(m_s - M), M = max_s m_s
+  for (int64_t i = 0; i < nq; ++i) {
+    float M = -INFINITY;
+    for (int64_t sp = 0; sp < splits; ++sp) M = std::max(M, part[(sp * nq + i) * ps]);
+    float* o = O + qj[i] * H * hd + qh[i] * hd;
+    std::fill_n(o, hd, 0.f);
+    float z = 0.f;
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      const float* pt = part.data() + (sp * nq + i) * ps;
+      if (pt[1] == 0.f) continue;
+      const float w = splits == 1 ? 1.f : std::exp(pt[0] - M);
+      z += w * pt[1];
+      for (int64_t d = 0; d < hd; ++d) o[d] += w * pt[2 + d];
+    }
+    const float iz = 1.f / z;
+    for (int64_t d = 0; d < hd; ++d) o[d] *= iz;
+  }
+}
+#endif
+}  // namespace
+
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
             const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O) {
   auto head = head_scalar;
 #ifdef FBS_X86
+  if (isa == fbs::kIsaAvx512 && hd % 64 == 0 && hd <= kMaxHd) {
+    attend_grouped(Q, qs0, qs1, I, L, m, H, KC, VC, Hkv, C, hd, scale, O);
+    return;
+  }
   if (isa == fbs::kIsaAvx512 && hd % 16 == 0 && hd <= kMaxHd)
     head = head_avx512;
   else if (isa >= fbs::kIsaAvx2 && hd % 8 == 0 && hd <= kMaxHd)

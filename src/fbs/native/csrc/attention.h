@@ -2,7 +2,11 @@
 //   kc[idx[i], g, slot[i]] = k[i, g, 0];  vc likewise
 //   out[i, 0, h*hd:(h+1)*hd] = softmax(scale * q[i, h] . kc[idx[i], g(h), 0..slot[i]]) @ vc[idx[i], g(h), 0..slot[i]]
 // with g(h) = h / (H / Hkv). fp32; every tensor's last dimension unit-strided, caches contiguous (B, Hkv, C, hd).
-// One task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
+// With AVX-512 and hd a multiple of 64, the queries that read the same cached K/V (the heads of one KV head, and
+// the positions of one sequence in a multi-token step) are one group: each cached key and value is loaded once
+// for all of them. A group's keys may be split into ranges (so that both threads have work when there are few
+// groups), each range giving partial softmax sums that are merged exactly (max-shifted) at the end.
+// Otherwise one task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
 #pragma once
 
 #include "common.h"
@@ -30,6 +34,13 @@ void head_scalar(const float* q, const float* K, const float* V, int64_t n, int6
 void head_avx512(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
                  float* o);
 void head_avx2(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* o);
+// A group of nq queries (q[i], hd floats each, already multiplied by the softmax scale) over keys k0 .. k1 - 1 of
+// one cached K/V head (K, V (C, hd)), query i seeing keys up to last[i] only (hd a multiple of 64). Per query its
+// partial softmax: part[i] = (m, z, acc[hd]) with m the largest score seen, z = sum exp(s - m) and
+// acc = sum exp(s - m) v (m = -inf, z = 0, acc = 0 when it sees none of these keys). s: nq * (k1 - k0) floats of
+// scratch. (arch/x86/attention_avx512.cpp)
+void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const float* K, const float* V, int64_t k0,
+                  int64_t k1, int64_t hd, float* s, float* part);
 #endif
 
 // K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i]

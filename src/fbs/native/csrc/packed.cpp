@@ -2,9 +2,41 @@
 #include "packed.h"
 
 #include "int8.h"
+#include "norm.h"
 #include "quant.h"
 
 namespace fbs_packed {
+namespace {
+// y += a x over n floats
+__attribute__((target_clones("avx512f", "avx2", "default"))) void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += a * x[j];
+}
+
+// Y (M, n) += (X (M, k) A^T) Bt: the low-rank delta of a weight, each factor row read once for all M rows (it
+// stays in L1 across them); a row's sums in the same order whatever M is
+void lowrank(const Packed& w, const float* X, int64_t M, float* Y) {
+  const int64_t r = w.la.size(0);
+  const float* A = w.la.data_ptr<float>();
+  const float* Bt = w.lbt.data_ptr<float>();
+  thread_local std::vector<float> t;
+  t.resize(M * r);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t m = 0; m < M; ++m) t[m * r + i] = fbs_norm::dot(X + m * w.k, A + i * w.k, w.k);
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t m = 0; m < M; ++m) axpy(t[m * r + i], Bt + i * w.n, Y + m * w.n, w.n);
+}
+}  // namespace
+
+void Packed::set_lowrank(at::Tensor a, at::Tensor bt) {
+  TORCH_CHECK(a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat && a.is_contiguous() &&
+                  bt.is_contiguous() && a.device().is_cpu() && bt.device().is_cpu() && a.dim() == 2 &&
+                  bt.dim() == 2 && a.size(0) == bt.size(0) && a.size(1) == k && bt.size(1) == n,
+              "fbs packed weight: a low-rank delta needs contiguous fp32 CPU A (r, ", k, ") and scale * B^T (r, ", n,
+              "), got ", a.sizes(), " and ", bt.sizes());
+  la = a;
+  lbt = bt;
+}
+
 Packed make(int64_t kind, at::Tensor p, std::optional<at::Tensor> s, int64_t n, int64_t k) {
   using namespace fbs_quant;
   TORCH_CHECK(n > 0 && k > 0 && p.dim() == 1 && p.is_contiguous() && p.device().is_cpu(),
@@ -36,6 +68,7 @@ void Packed::mm(const float* X, int64_t M, float* Y, int64_t isa) const {
   if (kind == kInt8F32) {
     fbs_int8::mm(X, M, k, p.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()), n, Y,
                  isa);
+    if (la.defined()) lowrank(*this, X, M, Y);
     return;
   }
   using namespace fbs_quant;
@@ -53,5 +86,6 @@ void Packed::mm(const float* X, int64_t M, float* Y, int64_t isa) const {
   quantize(X, M, k, k, q.data(), d.data(), ds.data(), c.data());
   const Act a{q.data(), d.data(), ds.data(), c.data(), M, Kp};
   fbs_quant::mm(a, p.data_ptr<uint8_t>(), s.defined() ? s.data_ptr<float>() : nullptr, kind, n, Y, n, qisa);
+  if (la.defined()) lowrank(*this, X, M, Y);
 }
 }  // namespace fbs_packed

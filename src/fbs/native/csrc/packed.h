@@ -3,6 +3,8 @@
 //   the block-quantized kinds of quant.h (kI8Channel, kQ8Block, kQ4Block): activations quantized to int8 per
 //   32-value block inside each product, integer dot products (VNNI on AVX-512, maddubs on AVX2)
 // Layer::mm calls Packed::mm: the one place a layer's product picks its kernel.
+// A weight may carry a low-rank fp32 delta applied apart from its packed part, Y += (X A^T) Bt (set_lowrank): a
+// LoRA adapter kept off the quantized base weight, so that the base keeps its own blocks (a GGUF's exact ones).
 #pragma once
 
 #include "common.h"
@@ -13,9 +15,12 @@ constexpr int64_t kInt8F32 = -1;  // the block kinds are fbs_quant::kI8Channel .
 struct Packed {
   int64_t kind = kInt8F32, n = 0, k = 0;
   at::Tensor p, s;  // packed bytes; scales (kInt8F32: (n,) bf16; kI8Channel: fp32 padded to whole tiles; else none)
+  at::Tensor la, lbt;  // the low-rank delta (undefined when none): A (r, k) and Bt (r, n), fp32, the scale in Bt
   // Y (M, n) = X (M, k) @ W^T, X with row stride k, Y with row stride n; isa: the step's instruction-set code
   // (kIsaAvx512 or kIsaAvx2; the block kinds take VNNI where the CPU has it unless the step asks for AVX2)
   void mm(const float* X, int64_t M, float* Y, int64_t isa) const;
+  // Add the delta scale * B A (B (n, r), A (r, k)) apart: a (r, k) and bt = scale * B^T (r, n), fp32 contiguous.
+  void set_lowrank(at::Tensor a, at::Tensor bt);
 };
 
 // A Packed from its tensors, checked against (n, k): kind kInt8F32 needs k a multiple of 16.

@@ -29,3 +29,117 @@ __attribute__((target("avx512f,fma"))) void head_avx512(const float* q, const fl
 }
 }  // namespace fbs_attn
 #endif
+
+#ifdef FBS_X86
+#include "avx512.h"
+
+namespace fbs_attn {
+namespace {
+#define FBS_A512 __attribute__((target("avx512f,fma")))
+using fbs_x86::exp16;
+
+// 16 vectors -> one: lane t = the sum of v[t]'s lanes (a transposing reduction, 45 shuffles / adds for 16 sums)
+FBS_A512 inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// acc[i] += sum_j p[i][j] V[j] over keys 0 .. n - 1 (V rows of hd floats, columns c0 .. c0 + 63) for QC queries
+template <int QC>
+FBS_A512 void pv(const float* const* p, const float* V, int64_t n, int64_t hd, int64_t c0, float* const* acc) {
+  __m512 a[QC][4];
+  for (int i = 0; i < QC; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(acc[i] + c0 + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = V + j * hd + c0;
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    for (int i = 0; i < QC; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i][j]);
+      a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(w, v2, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(w, v3, a[i][3]);
+    }
+  }
+  for (int i = 0; i < QC; ++i)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[i] + c0 + 16 * c, a[i][c]);
+}
+}  // namespace
+
+FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const float* K, const float* V,
+                           int64_t k0, int64_t k1, int64_t hd, float* s, float* part) {
+  const int64_t kn = k1 - k0, nc = hd / 16, ps = hd + 2;
+  // scores s[i][j - k0] = q_i . K_j, 16 keys at a time; a block's last keys past k1 repeat key k1 - 1 (not stored)
+  for (int64_t jb = k0; jb < k1; jb += 16) {
+    const int64_t nb = std::min<int64_t>(16, k1 - jb);
+    const float* kr[16];
+    for (int t = 0; t < 16; ++t) kr[t] = K + std::min(jb + t, k1 - 1) * hd;
+    const __mmask16 mask = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
+    for (int64_t i = 0; i < nq; ++i) {
+      __m512 a[16];
+      for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nc; ++c) {
+        const __m512 qc = _mm512_loadu_ps(q[i] + 16 * c);
+        for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[t] + 16 * c), a[t]);
+      }
+      _mm512_mask_storeu_ps(s + i * kn + (jb - k0), mask, reduce16(a));
+    }
+  }
+  // per query: its softmax numerators over the keys it sees (zero past them), their max and sum
+  for (int64_t i = 0; i < nq; ++i) {
+    float* si = s + i * kn;
+    float* pi = part + i * ps;
+    const int64_t n = std::max<int64_t>(0, std::min(k1, last[i] + 1) - k0);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, si + j));
+    }
+    const float m = _mm512_reduce_max_ps(mv);
+    __m512 zv = _mm512_setzero_ps();
+    const __m512 mb = _mm512_set1_ps(m);
+    for (int64_t j = 0; j < kn; j += 16) {
+      const int64_t left = kn - j;
+      const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, n - j));
+      const __mmask16 mv16 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(mv16, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mv16, si + j), mb)));
+      zv = _mm512_add_ps(zv, e);
+      _mm512_mask_storeu_ps(si + j, mk, e);
+    }
+    pi[0] = n > 0 ? m : -INFINITY;
+    pi[1] = _mm512_reduce_add_ps(zv);
+    std::fill_n(pi + 2, hd, 0.f);
+  }
+  // acc_i = sum_j p_ij V_j: each value row loaded once per chunk of up to 6 queries and 64 columns
+  for (int64_t i0 = 0; i0 < nq; i0 += 6) {
+    const int64_t qc = std::min<int64_t>(6, nq - i0);
+    const float* pp[6];
+    float* aa[6];
+    for (int64_t i = 0; i < qc; ++i) {
+      pp[i] = s + (i0 + i) * kn;
+      aa[i] = part + (i0 + i) * ps + 2;
+    }
+    for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+      const float* Vk = V + k0 * hd;
+      switch (qc) {
+        case 1: pv<1>(pp, Vk, kn, hd, c0, aa); break;
+        case 2: pv<2>(pp, Vk, kn, hd, c0, aa); break;
+        case 3: pv<3>(pp, Vk, kn, hd, c0, aa); break;
+        case 4: pv<4>(pp, Vk, kn, hd, c0, aa); break;
+        case 5: pv<5>(pp, Vk, kn, hd, c0, aa); break;
+        default: pv<6>(pp, Vk, kn, hd, c0, aa); break;
+      }
+    }
+  }
+}
+}  // namespace fbs_attn
+#endif

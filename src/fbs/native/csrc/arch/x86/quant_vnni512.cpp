@@ -112,21 +112,20 @@ __attribute__((target("avx512f"))) void quantize_avx512(const float* x, int64_t 
 
 void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
                   int64_t n0) {
-  for (int64_t m = 0; m < a.M;) {  // rows in blocks of up to 8 per pass over the tile
-    const int64_t left = a.M - m;
-    if (left >= 8) {
-      tile<8>(a, p, S, kind, Y, ldy, N, n0, m);
-      m += 8;
-    } else if (left >= 4) {
-      tile<4>(a, p, S, kind, Y, ldy, N, n0, m);
-      m += 4;
-    } else if (left >= 2) {
-      tile<2>(a, p, S, kind, Y, ldy, N, n0, m);
-      m += 2;
-    } else {
-      tile<1>(a, p, S, kind, Y, ldy, N, n0, m);
-      m += 1;
+  // rows in passes of up to 8 over the tile, each pass as many rows as are left (one weight read per pass)
+  for (int64_t m = 0; m < a.M;) {
+    const int64_t rows = std::min<int64_t>(8, a.M - m);
+    switch (rows) {
+      case 8: tile<8>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      case 7: tile<7>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      case 6: tile<6>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      case 5: tile<5>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      case 4: tile<4>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      case 3: tile<3>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      case 2: tile<2>(a, p, S, kind, Y, ldy, N, n0, m); break;
+      default: tile<1>(a, p, S, kind, Y, ldy, N, n0, m); break;
     }
+    m += rows;
   }
 }
 }  // namespace fbs_quant
