@@ -39,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -476,12 +477,13 @@ def cmd_operating_point(args) -> int:
     prompts = load_prompts(args.safety_prompts, limit=args.safety_limit) if "safety" in families else None
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    started = {"runtime": runtime_info(args.seed), "provenance": provenance()}  # the code and machine at the start
     start = time.perf_counter()
     rec = run_operating_point(setup, base, tok, load_checkpoint, chat_items=items, ood_docs=docs,
                               safety_prompts=prompts, out_dir=out, base_cache=args.base_cache, families=families)
     rec["wall_s"] = time.perf_counter() - start
-    rec["runtime"] = runtime_info(args.seed)
-    rec["provenance"] = provenance()
+    rec.update(started)
+    rec["argv"] = list(sys.argv[1:])  # the command line of this process (its program name left out)
     path = out / "operating_point.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec, indent=1, ensure_ascii=False, default=str))
