@@ -35,10 +35,15 @@ def cmd_info(args) -> int:
     ]
     from .engine.quant import native_kernels
 
+    from .engine.defaults import default_weights
+
     kernels = native_kernels()
     rows += [(f"weights {fmt}", kernel or "PyTorch ops") for fmt, kernel in kernels.items() if fmt != "fp32-onednn"]
+    default = default_weights(kernels)
+    rows.append(("default weights", f"{default} (fbs generate / fbs serve without --weights)"))
     if args.json:
-        print(json.dumps({**counts, "config": cfg.to_dict(), "native_kernels": kernels}, indent=2))
+        print(json.dumps({**counts, "config": cfg.to_dict(), "native_kernels": kernels, "default_weights": default},
+                         indent=2))
     else:
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
