@@ -178,6 +178,12 @@ def test_operating_point_command_end_to_end(tmp_path, monkeypatch):
     assert main(argv) == 0 and len(loads) == 1
     rec2 = json.loads((out / "operating_point.json").read_text())
     assert {r["system"]: r for r in rec2["rows"]}["tau 0.5"]["tests"]["chat_eos"]["value"] == 0.0
+    # --report-only computes nothing: a tau without parts is listed as missing and left out of the selection
+    assert main(argv[:5] + ["full,0.5,0.0,0.3"] + argv[6:] + ["--report-only"]) == 0 and len(loads) == 1
+    rec3 = json.loads((out / "operating_point.json").read_text())
+    assert rec3["missing"] == {"tau 0.3": ["ood", "chat", "safety"]}
+    assert [r["system"] for r in rec3["rows"]] == ["full depth", "tau 0.5", "tau 0"]
+    assert "Not evaluated yet" in (out / "operating_point.md").read_text()
     # ... unless what decides a part changed: a longer chat decode redoes the chat parts only
     assert main(argv[:-2] + ["--chat-max-new-tokens", "9", "--out-dir", str(out)]) == 0 and len(loads) == 2
     with pytest.raises(SystemExit, match="unknown format"):

@@ -242,10 +242,11 @@ def values_of(parts: dict[str, dict]) -> dict[str, list[float]]:
 def run_operating_point(setup: Setup, base_model, tokenizer, load_checkpoint: Callable[[], object], *,
                         chat_items, ood_docs, safety_prompts, out_dir: str | Path,
                         base_cache: str | Path | None = None, families: Sequence[str] = FAMILIES,
-                        log: Callable[[str], None] = print) -> dict:
+                        log: Callable[[str], None] = print, compute: bool = True) -> dict:
     """Evaluate the base and every system of ``setup.taus`` on ``families``, part by part (reusing parts on
     disk), then apply :func:`select`. ``base_model`` is a fresh FBS of the base (run with ``force_compute``);
-    ``load_checkpoint()`` returns the checkpoint (called once, when a part needs it)."""
+    ``load_checkpoint()`` returns the checkpoint (called once, when a part needs it). ``compute=False`` only reads
+    the parts on disk: a system missing one is left out of the selection and listed under ``missing``."""
     from .chat import ChatSystem, eos_ids, run_chat_eval
     from .safety import decode_prompts
 
@@ -266,11 +267,15 @@ def run_operating_point(setup: Setup, base_model, tokenizer, load_checkpoint: Ca
     systems += [(system_name(t), t, False) for t in setup.taus]
     got: dict[str, dict[str, dict]] = {}
     demos: dict[str, str] = {}
+    missing: dict[str, list[str]] = {}
     for name, tau, is_base in systems:
         got[name] = {}
         for fam in families:
             key = setup.key(name, fam, tau)
             data = parts.get(name, fam, key)
+            if data is None and not compute:
+                missing.setdefault(name, []).append(fam)
+                continue
             if data is None:
                 t0 = time.perf_counter()
                 model = base_model if is_base else checkpoint()
@@ -304,7 +309,14 @@ def run_operating_point(setup: Setup, base_model, tokenizer, load_checkpoint: Ca
             if fam == "chat" and "demo" in data:
                 demos[name] = data["demo"]["answer"]
                 demos.setdefault("base (fp32)", data["demo"]["base_fp32"])
-    return assemble(setup, got, demos)
+    if "base" in missing:
+        raise ValueError(f"the base model has no {'/'.join(missing['base'])} part in {parts.root}: nothing to "
+                         "compare with (run without --report-only first)")
+    for name in missing:
+        del got[name]
+    rec = assemble(setup, got, demos)
+    rec["missing"] = missing
+    return rec
 
 
 def assemble(setup: Setup, got: dict[str, dict[str, dict]], demos: dict[str, str] | None = None) -> dict:
@@ -365,6 +377,9 @@ def markdown(rec: dict) -> str:
         cells.append("**yes**" if r["qualifies"] else "no: " + ", ".join(_LABELS[m] for m in r["drops"]))
         lines.append("| " + " | ".join(cells) + " |")
     sel = rec["selected"]
+    if rec.get("missing"):
+        lines += ["", "**Not evaluated yet** (left out of the selection): " + "; ".join(
+            f"{name} ({', '.join(fams)})" for name, fams in rec["missing"].items()) + "."]
     lines += ["", f"**Selected:** {sel or 'nothing'} ({rec['verdict']}): {rec['verdict_text']}.", "",
               f"Tests: paired bootstrap (1000 resamples, over examples) of every system against the base, "
               f"two-sided; Benjamini-Hochberg over all {rec['tests']} (system, metric) pairs; a drop is q < "
@@ -423,6 +438,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gate-from", type=int, default=128, help="prompt tokens of an OOD block that are never gated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the record from the parts already in --out-dir (systems missing a part are left out "
+                        "and listed); computes nothing")
     p.add_argument("--out-dir", default="results/operating_point",
                    help="operating_point.json + .md, and parts/ (reused by a rerun)")
     p.set_defaults(func=cmd_operating_point)
@@ -480,7 +498,8 @@ def cmd_operating_point(args) -> int:
     started = {"runtime": runtime_info(args.seed), "provenance": provenance()}  # the code and machine at the start
     start = time.perf_counter()
     rec = run_operating_point(setup, base, tok, load_checkpoint, chat_items=items, ood_docs=docs,
-                              safety_prompts=prompts, out_dir=out, base_cache=args.base_cache, families=families)
+                              safety_prompts=prompts, out_dir=out, base_cache=args.base_cache, families=families,
+                              compute=not args.report_only)
     rec["wall_s"] = time.perf_counter() - start
     rec.update(started)
     rec["argv"] = list(sys.argv[1:])  # the command line of this process (its program name left out)
