@@ -178,6 +178,16 @@ def test_operating_point_command_end_to_end(tmp_path, monkeypatch):
     assert main(argv) == 0 and len(loads) == 1
     rec2 = json.loads((out / "operating_point.json").read_text())
     assert {r["system"]: r for r in rec2["rows"]}["tau 0.5"]["tests"]["chat_eos"]["value"] == 0.0
+    # --write-tau: the selection becomes the checkpoint's default tau (1.0 when only full depth qualifies)
+    ck_dir = tmp_path / "ckpt"
+    _gated_only(_lively(fbs_tiny(seed=1))).save_pretrained(ck_dir)
+    assert main(argv + ["--write-tau", str(ck_dir)]) == 0 and len(loads) == 1
+    cfg = json.loads((ck_dir / "fbs_config.json").read_text())
+    assert rec2["verdict"] in ("skipping", "full-depth-only")
+    assert cfg["tau"] == (rec2["selected_tau"] if rec2["verdict"] == "skipping" else 1.0)
+    assert cfg["extra"]["tau_calibration"]["verdict"] == rec2["verdict"]
+    assert op.default_tau({"verdict": "none", "selected_tau": None}) is None
+    assert op.default_tau({"verdict": "full-depth-only", "selected_tau": None}) == 1.0
     # --report-only computes nothing: a tau without parts is listed as missing and left out of the selection
     assert main(argv[:5] + ["full,0.5,0.0,0.3"] + argv[6:] + ["--report-only"]) == 0 and len(loads) == 1
     rec3 = json.loads((out / "operating_point.json").read_text())

@@ -438,6 +438,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gate-from", type=int, default=128, help="prompt tokens of an OOD block that are never gated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--write-tau", metavar="CKPT",
+                   help="make the selection the default of this checkpoint: its config's tau becomes the selected tau, "
+                        "or 1.0 (skips nothing) when only full depth qualifies; refused when not even full depth does")
     p.add_argument("--report-only", action="store_true",
                    help="write the record from the parts already in --out-dir (systems missing a part are left out "
                         "and listed); computes nothing")
@@ -511,4 +514,23 @@ def cmd_operating_point(args) -> int:
     md.write_text("# Operating point by the paper's rule\n\n" + markdown(rec))
     print(markdown(rec))
     print(f"wrote {path} and {md} ({rec['wall_s']:.0f} s)")
+    if args.write_tau:
+        tau = default_tau(rec)
+        if tau is None:
+            print(f"not writing a tau into {args.write_tau}: {rec['verdict_text']} (fbs generate --fresh "
+                  "--force-compute runs the base model)", file=sys.stderr)
+            return 3
+        from .sweep import write_tau
+
+        write_tau(args.write_tau, tau, {"rule": "operating point", "record": str(path), "verdict": rec["verdict"],
+                                        "selected": rec["selected"], "git_commit": rec["provenance"]["git_commit"]})
+        print(f"wrote tau {tau:g} into {args.write_tau}")
     return 0
+
+
+def default_tau(rec: dict) -> float | None:
+    """The tau a checkpoint should default to under the record's verdict: the selected tau when it skips, 1.0
+    (nothing is skipped) when only full depth qualifies, None when not even full depth does."""
+    if rec["verdict"] == "skipping":
+        return float(rec["selected_tau"])
+    return 1.0 if rec["verdict"] == "full-depth-only" else None
