@@ -127,8 +127,8 @@ def select(rows: Sequence[dict], alpha: float = ALPHA) -> dict:
 
 VERDICTS = {
     "skipping": "the selected tau skips and shows no significant drop against the base on any metric",
-    "full-depth-only": "no tau that skips qualifies: every one shows a significant drop on some metric; full "
-                       "depth does not, so the default should skip nothing",
+    "full-depth-only": "no tau that skips qualifies: every one evaluated shows a significant drop on some metric; "
+                       "full depth does not, so the default should skip nothing",
     "none": "not even full depth qualifies: the checkpoint itself shows a significant drop against the base, so "
             "the honest default is the base model",
 }
@@ -337,11 +337,14 @@ def assemble(setup: Setup, got: dict[str, dict[str, dict]], demos: dict[str, str
                      "safety_skip_ratio": safety["skip_ratio"] if safety else None,
                      "tests": paired_tests(values_of(p), base_vals, setup.seed, skip)})
     result = select(rows)
+    text = VERDICTS[result["verdict"]]
+    if result["verdict"] == "full-depth-only" and not any(r["skip_ratio"] > 0 for r in rows):
+        text = "full depth qualifies; no tau that skips was evaluated (or none skipped anything)"
     base_metrics = {m: paired_tests(base_vals, base_vals, skip=METRICS)[m]["value"] for m in base_vals}
     return {"format": FORMAT, "setup": dataclasses.asdict(setup), "families": sorted({f for p in got.values()
                                                                                        for f in p}),
             "n": {fam: len(got["base"][fam]["ids"]) for fam in got["base"]}, "base": base_metrics,
-            **result, "verdict_text": VERDICTS[result["verdict"]], "demo": demos or {}}
+            **result, "verdict_text": text, "demo": demos or {}}
 
 
 # ---------------------------------------------------------------------------- report
