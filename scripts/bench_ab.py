@@ -31,12 +31,15 @@ def git_commit(tree: Path) -> str:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def run_once(tree: Path, bench_args: list[str], out_dir: Path) -> dict[str, float]:
-    """Median decode latency (ms) per (system, batch size) of one ``fbs bench`` run from ``tree``."""
+def run_once(tree: Path, bench_args: list[str], out_dir: Path, provenance: dict | None = None) -> dict[str, float]:
+    """Median decode latency (ms) per (system, batch size) of one ``fbs bench`` run from ``tree``; ``provenance``
+    (a dict) receives that run's record environment (``fbs.provenance`` fields of the tree's own code)."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     cmd = [sys.executable, "-m", "fbs.bench", *bench_args, "--out-dir", str(out_dir)]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     doc = json.loads((out_dir / "bench.json").read_text())
+    if provenance is not None:
+        provenance.update(doc.get("environment", {}))
     return {f"{r['system']}@B{r['batch_size']}": r["latency_ms"]["decode"]["median"]
             for r in doc["results"] if r["status"] == "ok"}
 
@@ -61,10 +64,11 @@ def main() -> None:
     bench_args = shlex.split(args.bench_args)
     trees = {"a": args.a.resolve(), "b": args.b.resolve()}
     runs: dict[str, dict[str, list[float]]] = {"a": {}, "b": {}}
+    prov: dict[str, dict] = {"a": {}, "b": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
-                res = run_once(trees[side], bench_args, Path(tmp, f"{side}{r}"))
+                res = run_once(trees[side], bench_args, Path(tmp, f"{side}{r}"), prov[side])
                 for key, ms in res.items():
                     runs[side].setdefault(key, []).append(ms)
                 print(f"round {r + 1}/{args.rounds} {side}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()),
@@ -75,8 +79,9 @@ def main() -> None:
         ratio, lo, hi = bootstrap_ratio(a, b)
         rows.append({"system": key, "a_median_ms": statistics.median(a), "b_median_ms": statistics.median(b),
                      "latency_ratio_b_over_a": ratio, "ci95": [lo, hi], "rounds": len(a), "a_runs_ms": a, "b_runs_ms": b})
-    doc = {"bench_args": args.bench_args, "a": {"tree": str(trees["a"]), "commit": git_commit(trees["a"])},
-           "b": {"tree": str(trees["b"]), "commit": git_commit(trees["b"])}, "rows": rows}
+    doc = {"bench_args": args.bench_args,
+           "a": {"tree": str(trees["a"]), "commit": git_commit(trees["a"]), "provenance": prov["a"]},
+           "b": {"tree": str(trees["b"]), "commit": git_commit(trees["b"]), "provenance": prov["b"]}, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"| system | A decode ms | B decode ms | B/A latency [95 % CI] | rounds |\n|---|---|---|---|---|")

@@ -18,6 +18,7 @@ import torch
 
 from fbs import FBSForCausalLM
 from fbs.bench.harness import build_prompts
+from fbs.provenance import provenance
 from fbs.bench.systems import forced_plan
 from fbs.model.bases import load_base
 
@@ -81,7 +82,7 @@ def main() -> None:
               f"{e.get('tflops_rel', 1.0):.2f} | {e.get('tflops_rel_exact', 1.0):.3f} |")
     with open(args.out, "w") as f:
         json.dump({"threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "new_tokens": n,
-                   "reps": args.reps, "rows": rows}, f, indent=1)
+                   "reps": args.reps, "rows": rows, "provenance": provenance()}, f, indent=1)
 
 
 if __name__ == "__main__":

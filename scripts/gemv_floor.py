@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from fbs import native
+from fbs.provenance import provenance
 
 
 def shapes(cfg) -> list[tuple[str, int, int]]:
@@ -126,7 +127,8 @@ def main() -> None:
         print(f"{fmt:15s}  {ms:7.2f} ms/step  {total / 2**20:7.1f} MB  {rows[-1]['gbs']:5.1f} GB/s")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": args.model, "threads": args.threads, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"model": args.model, "threads": args.threads, "rows": rows,
+                                                "provenance": provenance()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import json
 import random
 import statistics
 
+from fbs.provenance import provenance
+
 
 def bootstrap(values: list[float], seed: int = 0, n: int = 4000) -> tuple[float, float]:
     rng = random.Random(seed)
@@ -48,7 +50,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"record": args.record, "command": "python scripts/paired_ratios.py " + " ".join(
-                [args.record, "--ours", args.ours, "--peers", args.peers, "--out", args.out]), "pairs": out}, f,
+                [args.record, "--ours", args.ours, "--peers", args.peers, "--out", args.out]), "pairs": out,
+                       "provenance": provenance()}, f,
                 indent=1)
 
 

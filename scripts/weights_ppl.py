@@ -21,6 +21,7 @@ import torch
 from fbs.engine import start
 from fbs.eval.ood import ood_blocks
 from fbs.model.loading import load_fbs
+from fbs.provenance import provenance
 
 
 def block_nll(model, ids: list[int], weights: str, gate_from: int) -> float:
@@ -64,7 +65,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"command": "python scripts/weights_ppl.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None),
-                "blocks": [b.id for b in blocks], "rows": rows}, f, indent=1)
+                "blocks": [b.id for b in blocks], "rows": rows, "provenance": provenance()}, f, indent=1)
 
 
 if __name__ == "__main__":

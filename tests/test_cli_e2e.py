@@ -59,6 +59,8 @@ def chat_ids(text: str = PROMPT) -> list[int]:
 
 
 def api_text(model, ids, **opts) -> tuple[object, str]:
+    """The API's output with the CLI's default weight format (``auto``) unless the options name one."""
+    opts.setdefault("weights", "auto")
     res = model.generate([ids], **opts)
     return res, model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
 
@@ -84,6 +86,9 @@ def test_info_json_counts_and_config(saved, capsys):
     cfg = info["config"]
     assert cfg["base_fingerprint"] == m.config.base_fingerprint and cfg["tau"] == m.config.tau
     assert cfg["paw_layers"] == [1] and cfg["ch_layers"] == [3] and cfg["k_max"] == 6
+    from fbs.engine.defaults import default_weights
+
+    assert info["default_weights"] == default_weights(info["native_kernels"])
 
     code, out, _ = run_cli(capsys, ["info", *saved.args, "--tau", "0.25", "--kv-policy", "hole"])
     assert code == 0
@@ -422,7 +427,7 @@ def test_smollm2_info_and_generate_equal_the_api(capsys, monkeypatch):
     tok = model.tokenizer
     text = "Name three primary colours."
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
-    ref = model.generate([list(ids)], max_new_tokens=20, tokenizer=tok)
+    ref = model.generate([list(ids)], max_new_tokens=20, tokenizer=tok, weights="auto")
     want = tok.decode(ref.new_tokens[0], skip_special_tokens=True)
     code, out, _ = run_cli(capsys, ["generate", "--max-new-tokens", "20", "--json"], stdin=text,
                            monkeypatch=monkeypatch)

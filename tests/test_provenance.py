@@ -169,3 +169,67 @@ def test_training_checkpoint_and_metadata_record_provenance(tmp_path):
     assert_provenance(json.loads(states[-1].read_text())["provenance"])
     meta = json.loads((export(tr.model, cfg, tmp_path / "final") / META_NAME).read_text())
     assert_provenance(meta["provenance"])
+
+
+@needs_git
+def test_operating_point_record_records_provenance(tmp_path, monkeypatch):
+    from fbs.cli import main
+    from fbs.eval import operating_point as op
+    from conftest import fbs_tiny
+    from test_eval_chat import ChatByteTokenizer
+    from test_operating_point import _ood_docs
+
+    base = fbs_tiny(seed=1)
+    monkeypatch.setattr(op, "load_models", lambda args: (base, ChatByteTokenizer(), lambda: fbs_tiny(seed=1)))
+    monkeypatch.setattr(op, "load_ood_docs", lambda tokenizer, args: _ood_docs(n=2))
+    out = tmp_path / "op"
+    assert main(["eval", "operating-point", "--checkpoint", "CKPT", "--taus", "full", "--families", "ood",
+                 "--gate-from", "4", "--threads", "1", "--out-dir", str(out)]) == 0
+    rec = json.loads((out / "operating_point.json").read_text())
+    assert_provenance(rec["provenance"])
+    assert_provenance(rec["runtime"])
+
+
+#: Modules that write JSON without calling provenance() themselves, and why (a record writer must call provenance()
+#: or a function that includes it: fbs.eval.report.runtime_info, fbs.bench.harness.environment).
+NOT_RECORDS = {
+    "scripts/bench_ab.py": "A/B record: each side's provenance is copied from its own tree's `fbs bench` environment",
+    "scripts/ship_checkpoint.py": "the shipped checkpoint's config",
+    "src/fbs/baselines/flexidepth.py": "checkpoint config; the training record is fbs.train.flexidepth's",
+    "src/fbs/baselines/kangaroo.py": "adapter config; `fbs train kangaroo` passes provenance in its meta",
+    "src/fbs/baselines/medusa.py": "heads config; fbs.train.draft_model passes provenance in its meta",
+    "src/fbs/baselines/segatron.py": "checkpoint config and manifest; the training record is fbs.train.segatron's",
+    "src/fbs/baselines/specdec.py": "draft config; fbs.train.draft_model passes provenance in its info",
+    "src/fbs/data/chat.py": "data (chat conversations)",
+    "src/fbs/data/cli.py": "data (corpus statistics, labels)",
+    "src/fbs/data/corpus.py": "data (corpus splits and manifest)",
+    "src/fbs/eval/chat.py": "the base answers' cache (the chat record is written by fbs.eval.cli with runtime_info)",
+    "src/fbs/eval/lm_eval_backend.py": "task data for lm-eval",
+    "src/fbs/eval/ood.py": "the OOD block cache",
+    "src/fbs/eval/sweep.py": "a calibrated tau written into a checkpoint config",
+    "src/fbs/eval/tasks.py": "protocol subset ids",
+    "src/fbs/model/bases.py": "converted base model files",
+    "src/fbs/model/checkpoint.py": "checkpoint manifest",
+    "src/fbs/train/speculative.py": "skip set; fbs.train.cli passes provenance in its meta",
+}
+
+
+def test_every_record_writer_carries_provenance():
+    """Every module of the package and of scripts/ that writes JSON either puts provenance in it (calls
+    provenance(), runtime_info() or environment()) or is a known non-record writer; a new writer fails here."""
+    root = Path(__file__).resolve().parents[1]
+    writes = re.compile(r"json\.dump\(|\.write_text\(\s*json\.dumps|\.write\(\s*json\.dumps")
+    carries = re.compile(r"\b(provenance|runtime_info|environment)\(")
+    files = sorted((root / "src" / "fbs").rglob("*.py")) + sorted((root / "scripts").glob("*.py"))
+    missing, stale = [], []
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        text = path.read_text()
+        if not writes.search(text):
+            if rel in NOT_RECORDS:
+                stale.append(rel)
+            continue
+        if rel not in NOT_RECORDS and not carries.search(text):
+            missing.append(rel)
+    assert not missing, f"JSON writers without provenance: {missing}"
+    assert not stale, f"NOT_RECORDS lists modules that no longer write JSON: {stale}"

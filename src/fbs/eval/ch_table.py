@@ -289,7 +289,9 @@ def cmd_ch_table(args) -> int:
     print(markdown(table), end="")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
+        from fbs.provenance import provenance
+
+        Path(args.out).write_text(json.dumps({**table, "provenance": provenance()}, indent=2) + "\n")
     return 0
 
 

@@ -18,6 +18,7 @@
     fbs eval group-b --bench bench.json --sweeps results/*.json --runs results/*_mmlu.json --out results/group_b.json
     fbs eval chat --checkpoint CKPT --taus 0.3,0.5 --control CTRL --out results/chat.json
     fbs eval safety --checkpoint CKPT --out results/safety.json
+    fbs eval operating-point --checkpoint CKPT --weights q8 --out-dir results/operating_point
     fbs eval mechanism --checkpoint CKPT --items heldout.jsonl --out results/mechanism
     fbs eval ch --corpus corpus --seq-len 512 --eval-seqs 0 --idiom-items 500 --out results/probe/ch.json
     fbs eval ch-table results/probe/probe.json results/probe/ch.json --base results/probe/probe.json
@@ -800,6 +801,10 @@ def register(subparsers) -> None:
     from fbs.eval.tolerance import add_parser as add_tolerance_parser  # `fbs eval tolerance`: skip tolerance profile
 
     add_tolerance_parser(sub)
+
+    from fbs.eval.operating_point import add_parser as add_op_parser  # `fbs eval operating-point`: the paper's rule
+
+    add_op_parser(sub)
 
     sf = sub.add_parser("safety", help="appendix E.9 safety knobs on structured-output prompts: validity, Skip %%, "
                                        "latency with and without never-skip, structure protection, fallback rerun")

@@ -289,15 +289,23 @@ class FBSForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ decoding
     def generate(self, input_ids, **kwargs):
-        """KV-cached decoding with true layer skipping; see :func:`fbs.engine.generate`."""
+        """KV-cached decoding with true layer skipping; see :func:`fbs.engine.generate`. ``weights="auto"``: the
+        default format of :func:`fbs.engine.defaults.default_weights` (without ``weights``: fused fp32)."""
         from ..engine import generate
+        from ..engine.defaults import resolve_weights
 
+        if "weights" in kwargs:
+            kwargs["weights"] = resolve_weights(kwargs["weights"])
         return generate(self, input_ids, **kwargs)
 
     def stream(self, input_ids, **kwargs):
-        """Yield one :class:`fbs.engine.StepOutput` per generated token; see :func:`fbs.engine.stream`."""
+        """Yield one :class:`fbs.engine.StepOutput` per generated token; see :func:`fbs.engine.stream`
+        (``weights="auto"`` as in :meth:`generate`)."""
         from ..engine import stream
+        from ..engine.defaults import resolve_weights
 
+        if "weights" in kwargs:
+            kwargs["weights"] = resolve_weights(kwargs["weights"])
         return stream(self, input_ids, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints

@@ -248,7 +248,10 @@ def save_pool(path: str | Path, items: list[PoolItem], report: PoolReport) -> No
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(it.to_dict(), ensure_ascii=False) + "\n" for it in items), encoding="utf-8")
     tmp.replace(path)
-    path.with_name(path.stem + "_report.json").write_text(json.dumps(report.to_dict(), indent=1))
+    from ..provenance import provenance
+
+    path.with_name(path.stem + "_report.json").write_text(json.dumps({**report.to_dict(), "provenance": provenance()},
+                                                                     indent=1))
 
 
 def load_pool(path: str | Path) -> list[PoolItem]:

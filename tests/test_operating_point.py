@@ -1,0 +1,249 @@
+"""`fbs eval operating-point` and the default weight format: the paper's selection rule on hand-made metric tables
+(BH q-values computed by hand, a significant drop refuses a tau, an improvement does not, ties go to the more
+efficient system), the command end to end on a tiny random model (every number checked against the evaluation it
+reuses, parts reused by a rerun), and the default-format rule with the native kernels present and absent."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fbs.cli import main
+from fbs.data.chat import write_items
+from fbs.engine import defaults
+from fbs.eval import operating_point as op
+from fbs.eval.heldout import HeldoutDoc
+
+from conftest import fbs_tiny
+from test_eval_chat import ChatByteTokenizer, _gated_only, _items, _lively
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(system, tau, tflops, skip, **tests):
+    """tests: metric=(delta, p, higher_is_better)"""
+    return {"system": system, "tau": tau, "tflops_rel": tflops, "skip_ratio": skip,
+            "tests": {m: {"delta": d, "p_value": p, "higher_is_better": h} for m, (d, p, h) in tests.items()}}
+
+
+# ---------------------------------------------------------------------------- the rule on hand-made tables
+def test_bh_over_all_pairs_by_hand_and_a_drop_refuses_a_tau():
+    rows = [_row("full depth", None, 1.0, 0.0, chat_eos=(-0.01, 0.5, True), chat_loop=(0.03, 0.009, False)),
+            _row("tau 0.7", 0.7, 0.9, 0.1, chat_eos=(-0.04, 0.008, True), chat_loop=(-0.05, 0.001, False)),
+            _row("tau 0.3", 0.3, 0.8, 0.2, chat_eos=(-0.2, 0.0005, True), chat_loop=(0.01, 0.3, False))]
+    res = op.select(rows)
+    # m = 6, sorted p: 0.0005 0.001 0.008 0.009 0.3 0.5 -> p * 6 / rank: 0.003 0.003 0.016 0.0135 0.36 0.5,
+    # then the running minimum from the largest rank down: 0.003 0.003 0.0135 0.0135 0.36 0.5
+    q = {(r["system"], m): t["q_value"] for r in res["rows"] for m, t in r["tests"].items()}
+    want = {("tau 0.3", "chat_eos"): 0.003, ("tau 0.7", "chat_loop"): 0.003, ("tau 0.7", "chat_eos"): 0.0135,
+            ("full depth", "chat_loop"): 0.0135, ("tau 0.3", "chat_loop"): 0.36, ("full depth", "chat_eos"): 0.5}
+    assert q == pytest.approx(want)
+    by = {r["system"]: r for r in res["rows"]}
+    # tau 0.3 drops EOS (q 0.003, the worse direction): refused although it is the most efficient
+    assert by["tau 0.3"]["drops"] == ["chat_eos"] and not by["tau 0.3"]["qualifies"]
+    # tau 0.7: raw p 0.008 < 0.01 on EOS, but q 0.0135 is not; its loop change is a significant improvement
+    assert by["tau 0.7"]["qualifies"] and not by["tau 0.7"]["tests"]["chat_loop"]["drop"]
+    assert by["full depth"]["qualifies"]
+    assert (res["selected"], res["selected_tau"], res["verdict"], res["tests"]) == ("tau 0.7", 0.7, "skipping", 6)
+    assert rows[1]["tests"]["chat_eos"].get("q_value") is None  # the input table is not modified
+
+
+def test_ties_go_to_the_more_efficient_system():
+    ok = dict(chat_eos=(0.0, 1.0, True))
+    res = op.select([_row("full depth", None, 1.0, 0.0, **ok), _row("tau 0.9", 0.9, 0.95, 0.05, **ok),
+                     _row("tau 0.7", 0.7, 0.85, 0.15, **ok)])
+    assert res["selected"] == "tau 0.7"
+    # equal TFLOPs(rel): the higher skip share; equal in both: the higher tau
+    res = op.select([_row("tau 0.8", 0.8, 0.9, 0.1, **ok), _row("tau 0.6", 0.6, 0.9, 0.12, **ok)])
+    assert res["selected"] == "tau 0.6"
+    res = op.select([_row("tau 0.6", 0.6, 0.9, 0.1, **ok), _row("tau 0.8", 0.8, 0.9, 0.1, **ok)])
+    assert res["selected"] == "tau 0.8"
+
+
+def test_verdicts_full_depth_only_and_none():
+    drop = dict(safety_valid=(-0.2, 0.0001, True))
+    fine = dict(safety_valid=(0.0, 1.0, True))
+    res = op.select([_row("full depth", None, 1.0, 0.0, **fine), _row("tau 0.5", 0.5, 0.9, 0.1, **drop)])
+    assert (res["selected"], res["selected_tau"], res["verdict"]) == ("full depth", None, "full-depth-only")
+    res = op.select([_row("full depth", None, 1.0, 0.0, **drop), _row("tau 0.5", 0.5, 0.9, 0.1, **drop)])
+    assert (res["selected"], res["verdict"]) == (None, "none")
+    # lower-is-better metrics: a significant rise of PPL is a drop, a significant fall is not
+    res = op.select([_row("tau 0.5", 0.5, 0.9, 0.1, ood_ppl=(0.5, 0.0001, False))])
+    assert res["verdict"] == "none"
+    res = op.select([_row("tau 0.5", 0.5, 0.9, 0.1, ood_ppl=(-0.5, 0.0001, False))])
+    assert res["verdict"] == "skipping"
+
+
+def test_paired_tests_reuse_the_paired_bootstrap():
+    from fbs.eval.stats import paired_bootstrap, ppl_metric
+
+    a = {"ood_ppl": [1.0, 2.0, 3.0, 2.5], "chat_eos": [1, 1, 0, 1], "chat_rouge_l": [0.5, 0.4, 0.3, 0.2]}
+    b = {"ood_ppl": [1.1, 2.0, 2.0, 2.0], "chat_eos": [1, 1, 1, 1], "chat_rouge_l": [1.0, 1.0, 1.0, 1.0]}
+    got = op.paired_tests(a, b, seed=3, skip=("chat_rouge_l",))
+    want = paired_bootstrap(a["ood_ppl"], b["ood_ppl"], ppl_metric, higher_is_better=False, seed=3)
+    assert got["ood_ppl"]["value"] == pytest.approx(math.exp(8.5 / 4))
+    assert got["ood_ppl"]["p_value"] == want.p_value and got["ood_ppl"]["delta"] == pytest.approx(want.delta)
+    assert got["chat_eos"]["delta"] == pytest.approx(-0.25) and got["chat_eos"]["higher_is_better"] is True
+    assert "p_value" not in got["chat_rouge_l"] and got["chat_rouge_l"]["value"] == pytest.approx(0.35)
+    same = op.paired_tests(a, a)
+    assert all(t["delta"] == 0 and t["p_value"] == 1.0 for t in same.values())
+
+
+def test_parse_taus():
+    assert op.parse_taus("full,0.9, 0.5,full") == (None, 0.9, 0.5)
+    for bad, msg in (("0.9,x", "neither 'full' nor a number"), ("1.5", "outside"), (",", "empty")):
+        with pytest.raises(ValueError, match=msg):
+            op.parse_taus(bad)
+
+
+# ---------------------------------------------------------------------------- the command end to end
+def _ood_docs(n=4, length=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [HeldoutDoc(f"ood-{k}/{i}", k, torch.randint(1, 250, (length,), generator=g))
+            for i in range(n) for k in ("en", "zh")]
+
+
+def _safety_prompts(path):
+    rows = [{"id": f"json/{i}", "kind": "json", "instruction": f"Give a JSON object {i}.", "prefix": "{"}
+            for i in range(3)] + [{"id": "brackets/0", "kind": "brackets", "instruction": "Add.", "prefix": "("}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_operating_point_command_end_to_end(tmp_path, monkeypatch):
+    from fbs.eval.chat import eos_ids, generate_answers
+    from fbs.eval.safety import decode_prompts, load_prompts
+    from fbs.eval.sweep import score
+    from fbs.eval.textmetrics import rouge_l
+
+    base, tok = _lively(fbs_tiny(seed=1)), ChatByteTokenizer()
+    loads = []
+
+    def load_ckpt():
+        loads.append(1)
+        return _gated_only(_lively(fbs_tiny(seed=1)))
+
+    monkeypatch.setattr(op, "load_models", lambda args: (base, tok, load_ckpt))
+    docs = _ood_docs()
+    monkeypatch.setattr(op, "load_ood_docs", lambda tokenizer, args: docs)
+    write_items(tmp_path / "heldout.jsonl", _items())
+    _safety_prompts(tmp_path / "struct.jsonl")
+    out = tmp_path / "op"
+    argv = ["eval", "operating-point", "--checkpoint", "CKPT", "--taus", "full,0.5,0.0", "--weights", "int8",
+            "--chat-items", str(tmp_path / "heldout.jsonl"), "--chat-max-new-tokens", "8", "--chat-batch-size", "3",
+            "--base-cache", str(tmp_path / "cache.json"), "--safety-prompts", str(tmp_path / "struct.jsonl"),
+            "--safety-max-new-tokens", "6", "--gate-from", "4", "--out-dir", str(out)]
+    assert main(argv) == 0 and len(loads) == 1
+    rec = json.loads((out / "operating_point.json").read_text())
+    assert rec["n"] == {"ood": 8, "chat": 6, "safety": 4}
+    assert [r["system"] for r in rec["rows"]] == ["full depth", "tau 0.5", "tau 0"]
+    assert rec["provenance"]["git_commit"] is None or len(rec["provenance"]["git_commit"]) == 40
+    by = {r["system"]: r for r in rec["rows"]}
+    # full depth of a checkpoint whose PAW/CH are zero is the base: every metric equal, nothing to refuse
+    assert all(t["delta"] == 0 and t["p_value"] == 1.0 for t in by["full depth"]["tests"].values())
+    assert by["full depth"]["qualifies"] and by["full depth"]["skip_ratio"] == 0
+    # tau 0 skips every gated layer of every decoded token (4 of 6 layers)
+    assert by["tau 0"]["skip_ratio"] == pytest.approx(4 / 6) and by["tau 0"]["tflops_rel"] == pytest.approx(2 / 6)
+    # OOD PPL: exp(mean block NLL) of the sweep's decode-faithful scoring
+    want = score(base, docs, None, gate_from=4)
+    assert rec["base"]["ood_ppl"] == pytest.approx(math.exp(sum(want.nll) / len(want.nll)))
+    # the base row decodes with int8 weights; its ROUGE-L is against the base's fp32 answers
+    items = _items()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": it.prompt}], add_generation_prompt=True)
+               for it in items]
+    eos = eos_ids(base, tok)
+    fp32, _ = generate_answers(base, tok, items, prompts, None, eos, 8, 3)
+    int8, _ = generate_answers(base, tok, items, prompts, None, eos, 8, 3, weights="int8")
+    assert rec["base"]["chat_rouge_l"] == pytest.approx(sum(rouge_l(a.tokens, b.tokens) for a, b in zip(int8, fp32))
+                                                        / 6)
+    assert rec["base"]["chat_eos"] == pytest.approx(sum(a.eos for a in int8) / 6)
+    # structured validity of the checkpoint at tau 0.5, int8
+    sp = load_prompts(tmp_path / "struct.jsonl")
+    ck = _gated_only(_lively(fbs_tiny(seed=1)))
+    valid = [o.valid for o in decode_prompts(ck, tok, sp, {"tau": 0.5, "weights": "int8"}, eos, 6, False)]
+    assert by["tau 0.5"]["tests"]["safety_valid"]["value"] == pytest.approx(sum(valid) / 4)
+    # every tested pair has a BH q-value; the selection follows the rule on this table
+    again = op.select([{k: r[k] for k in ("system", "tau", "tflops_rel", "skip_ratio", "tests")} for r in rec["rows"]])
+    assert (again["selected"], again["verdict"]) == (rec["selected"], rec["verdict"])
+    md = (out / "operating_point.md").read_text()
+    assert "| tau 0.5 | 0.5 |" in md and "**Selected:**" in md and "make demo" in md
+    # a rerun reuses every part (the checkpoint is not even loaded) ...
+    part = out / "parts" / "tau_0p5__chat.json"
+    doc = json.loads(part.read_text())
+    doc["data"]["eos"] = [0.0] * 6
+    part.write_text(json.dumps(doc))
+    assert main(argv) == 0 and len(loads) == 1
+    rec2 = json.loads((out / "operating_point.json").read_text())
+    assert {r["system"]: r for r in rec2["rows"]}["tau 0.5"]["tests"]["chat_eos"]["value"] == 0.0
+    # --write-tau: the selection becomes the checkpoint's default tau (1.0 when only full depth qualifies)
+    ck_dir = tmp_path / "ckpt"
+    _gated_only(_lively(fbs_tiny(seed=1))).save_pretrained(ck_dir)
+    assert main(argv + ["--write-tau", str(ck_dir)]) == 0 and len(loads) == 1
+    cfg = json.loads((ck_dir / "fbs_config.json").read_text())
+    assert rec2["verdict"] in ("skipping", "full-depth-only")
+    assert cfg["tau"] == (rec2["selected_tau"] if rec2["verdict"] == "skipping" else 1.0)
+    assert cfg["extra"]["tau_calibration"]["verdict"] == rec2["verdict"]
+    assert op.default_tau({"verdict": "none", "selected_tau": None}) is None
+    assert op.default_tau({"verdict": "full-depth-only", "selected_tau": None}) == 1.0
+    # --report-only computes nothing: a tau without parts is listed as missing and left out of the selection
+    assert main(argv[:5] + ["full,0.5,0.0,0.3"] + argv[6:] + ["--report-only"]) == 0 and len(loads) == 1
+    rec3 = json.loads((out / "operating_point.json").read_text())
+    assert rec3["missing"] == {"tau 0.3": ["ood", "chat", "safety"]}
+    assert [r["system"] for r in rec3["rows"]] == ["full depth", "tau 0.5", "tau 0"]
+    assert "Not evaluated yet" in (out / "operating_point.md").read_text()
+    # ... unless what decides a part changed: a longer chat decode redoes the chat parts only
+    assert main(argv[:-2] + ["--chat-max-new-tokens", "9", "--out-dir", str(out)]) == 0 and len(loads) == 2
+    with pytest.raises(SystemExit, match="unknown format"):
+        main(argv[:7] + ["int3"] + argv[8:])
+    with pytest.raises(SystemExit, match="neither 'full' nor a number"):
+        main(argv[:5] + ["full,x"] + argv[6:])
+
+
+# ---------------------------------------------------------------------------- the default weight format
+def test_default_weights_rule_with_kernels_present_and_absent():
+    present = {"fp32": None, "bf16": None, "int8": "int8 (avx512)", "q8": "q8_0 (avx512-vnni)", "q4": "q4_1"}
+    assert defaults.default_weights(present) == "q8"
+    assert defaults.default_weights(present | {"q8": None}) == "int8"
+    assert defaults.default_weights({k: None for k in present}) == "fp32"
+    assert defaults.resolve_weights("fp32") == "fp32" and defaults.resolve_weights(None) is None
+    assert defaults.resolve_weights("auto") == defaults.default_weights()
+
+
+def test_qualifying_formats_agree_with_the_measured_record():
+    """Every format the rule may pick is within the tolerance of fp32 in the shipped checkpoint's PPL record; every
+    other measured quantized format is not."""
+    rec = json.loads((ROOT / "results" / "llama_cpp_ppl_shipped.json").read_text())["ours"]
+    rel = {f: rec[f]["ppl"] / rec["fp32"]["ppl"] - 1 for f in rec if f != "fp32"}
+    assert set(defaults.QUALIFYING) <= set(rel)
+    assert all(rel[f] <= defaults.PPL_TOLERANCE for f in defaults.QUALIFYING)
+    assert all(rel[f] > defaults.PPL_TOLERANCE for f in rel if f not in defaults.QUALIFYING)
+
+
+def test_generate_defaults_to_the_rule_and_fp32_without_kernels(tmp_path, capsys, monkeypatch):
+    """``fbs generate`` without --weights decodes with the rule's format: the API's output with that format; with no
+    native kernels on the machine that is fp32."""
+    import fbs.engine.quant
+    from test_serve import tiny_model
+
+    model = tiny_model(positions=128)
+    model.base.hf.save_pretrained(tmp_path / "base")
+    model.tokenizer.save_pretrained(tmp_path / "base")
+    model.save_pretrained(tmp_path / "ckpt")
+    argv = ["generate", "Where do rivers go?", "--model", str(tmp_path / "base"), "--checkpoint", str(tmp_path / "ckpt"),
+            "--max-new-tokens", "12", "--json", "--no-chat-template"]
+    ids = model.tokenizer("Where do rivers go?")["input_ids"]
+
+    def api(weights):
+        res = model.generate([ids], max_new_tokens=12, weights=weights)
+        return model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
+
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["weights"] == defaults.default_weights() and doc["text"] == api(defaults.default_weights())
+    monkeypatch.setattr(fbs.engine.quant, "native_kernels", lambda: dict.fromkeys(fbs.engine.quant.FORMATS))
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["weights"] == "fp32" and doc["text"] == api("fp32")
