@@ -205,8 +205,9 @@ def test_operating_point_command_end_to_end(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- the default weight format
 def test_default_weights_rule_with_kernels_present_and_absent():
     present = {"fp32": None, "bf16": None, "int8": "int8 (avx512)", "q8": "q8_0 (avx512-vnni)", "q4": "q4_1"}
-    assert defaults.default_weights(present) == "q8"
-    assert defaults.default_weights(present | {"q8": None}) == "int8"
+    assert defaults.default_weights(present) == "q4"
+    assert defaults.default_weights(present | {"q4": None}) == "q8"
+    assert defaults.default_weights(present | {"q4": None, "q8": None}) == "int8"
     assert defaults.default_weights({k: None for k in present}) == "fp32"
     assert defaults.resolve_weights("fp32") == "fp32" and defaults.resolve_weights(None) is None
     assert defaults.resolve_weights("auto") == defaults.default_weights()

@@ -15,7 +15,7 @@ from typing import Mapping
 #: relative held-out PPL increase over fp32 a default format may cost
 PPL_TOLERANCE = 0.005
 #: formats within the tolerance, fastest first; each needs its native kernels to be the default
-QUALIFYING = ("q8", "int8")
+QUALIFYING = ("q4", "q8", "int8")
 #: the value of ``--weights`` / ``weights=`` that asks for :func:`default_weights`
 AUTO = "auto"
 #: what runs when no qualifying format has its kernels on this machine
