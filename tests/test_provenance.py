@@ -197,6 +197,7 @@ NOT_RECORDS = {
     "scripts/ship_checkpoint.py": "the shipped checkpoint's config",
     "src/fbs/baselines/flexidepth.py": "checkpoint config; the training record is fbs.train.flexidepth's",
     "src/fbs/baselines/kangaroo.py": "adapter config; `fbs train kangaroo` passes provenance in its meta",
+    "src/fbs/baselines/eagle.py": "draft layer config; fbs.train.eagle passes provenance in its meta",
     "src/fbs/baselines/medusa.py": "heads config; fbs.train.draft_model passes provenance in its meta",
     "src/fbs/baselines/segatron.py": "checkpoint config and manifest; the training record is fbs.train.segatron's",
     "src/fbs/baselines/specdec.py": "draft config; fbs.train.draft_model passes provenance in its info",
