@@ -197,8 +197,6 @@ NOT_RECORDS = {
     "scripts/ship_checkpoint.py": "the shipped checkpoint's config",
     "src/fbs/baselines/flexidepth.py": "checkpoint config; the training record is fbs.train.flexidepth's",
     "src/fbs/baselines/kangaroo.py": "adapter config; `fbs train kangaroo` passes provenance in its meta",
-    "src/fbs/baselines/eagle.py": "draft layer config; fbs.train.eagle passes provenance in its meta",
-    "src/fbs/baselines/medusa.py": "heads config; fbs.train.draft_model passes provenance in its meta",
     "src/fbs/baselines/segatron.py": "checkpoint config and manifest; the training record is fbs.train.segatron's",
     "src/fbs/baselines/specdec.py": "draft config; fbs.train.draft_model passes provenance in its info",
     "src/fbs/data/chat.py": "data (chat conversations)",
@@ -210,7 +208,7 @@ NOT_RECORDS = {
     "src/fbs/eval/sweep.py": "a calibrated tau written into a checkpoint config",
     "src/fbs/eval/tasks.py": "protocol subset ids",
     "src/fbs/model/bases.py": "converted base model files",
-    "src/fbs/model/checkpoint.py": "checkpoint manifest",
+    "src/fbs/model/checkpoint.py": "checkpoint manifest, draft configs (their trainers record provenance in meta)",
     "src/fbs/train/speculative.py": "skip set; fbs.train.cli passes provenance in its meta",
 }
 

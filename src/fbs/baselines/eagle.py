@@ -20,9 +20,7 @@ useful; the paper's feature noise augmentation is left out.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -125,39 +123,22 @@ class EagleLayer(nn.Module):
              dtype: torch.dtype | None = None) -> Path:
         """Write the weights (safetensors, in ``dtype`` if given), the JSON of the shape, the base fingerprint and
         ``meta``, and the integrity record, atomically."""
-        from safetensors.torch import save_file
+        from ..model.checkpoint import save_module_dir
 
-        from ..model.checkpoint import write_manifest
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         info = {"shape": self.shape, "base_fingerprint": base_fingerprint, **(meta or {})}
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        with tempfile.TemporaryDirectory(dir=path, prefix=".tmp-") as tmp:
-            save_file(state, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
-            Path(tmp, CONFIG_NAME).write_text(json.dumps(info, indent=1))
-            for name in (WEIGHTS_NAME, CONFIG_NAME):
-                os.replace(os.path.join(tmp, name), path / name)
-        write_manifest(path)
-        return path
+        state = {k: v.to(dtype or v.dtype) for k, v in self.state_dict().items()}
+        return save_module_dir(path, state, info, WEIGHTS_NAME, CONFIG_NAME)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "EagleLayer":
         """The layer saved in ``path``; with ``model``, refuse one of other shapes or (unless ``check_base=False``)
         trained on another base model. Every refusal is a :class:`fbs.model.CheckpointError` naming the fix."""
-        from ..model.checkpoint import MANIFEST_NAME, manifest_of
-        from ..model.errors import CheckpointError, read_tensors
+        from ..model.checkpoint import read_module_dir
+        from ..model.errors import CheckpointError
 
-        path = Path(path)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise CheckpointError(f"{path} holds no EAGLE layer ({CONFIG_NAME}, {WEIGHTS_NAME}); {TRAIN_HINT}")
-        record = path / MANIFEST_NAME
-        if not record.is_file() or json.loads(record.read_text())["files"] != manifest_of(path)["files"]:
-            raise CheckpointError(f"the weights in {path} do not match their integrity record {MANIFEST_NAME}; copy "
-                                  f"the directory again or {TRAIN_HINT}")
-        info = json.loads((path / CONFIG_NAME).read_text())
+        info, tensors = read_module_dir(path, WEIGHTS_NAME, CONFIG_NAME, "EAGLE layer", TRAIN_HINT)
         layer = cls(**info["shape"])
-        layer.load_state_dict({k: v.float() for k, v in read_tensors(path / WEIGHTS_NAME, TRAIN_HINT).items()})
+        layer.load_state_dict({k: v.float() for k, v in tensors.items()})
         if model is not None:
             spec = model.base.spec
             have = (layer.norm_in.numel(), layer.num_heads, layer.num_kv_heads, layer.head_dim)

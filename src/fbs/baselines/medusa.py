@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -42,38 +41,20 @@ class MedusaHeads(nn.Module):
         return torch.stack([lm_head(h + torch.nn.functional.silu(b(h))) for b in self.blocks])
 
     def save(self, path: str | os.PathLike, base_fingerprint: str | None, meta: dict | None = None) -> Path:
-        from safetensors.torch import save_file
+        from ..model.checkpoint import save_module_dir
 
-        from ..model.checkpoint import write_manifest
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         info = {"hidden_size": self.blocks[0].in_features, "num_heads": self.num_heads,
                 "base_fingerprint": base_fingerprint, **(meta or {})}
-        with tempfile.TemporaryDirectory(dir=path, prefix=".tmp-") as tmp:
-            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
-                      os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
-            Path(tmp, CONFIG_NAME).write_text(json.dumps(info, indent=1))
-            for name in (WEIGHTS_NAME, CONFIG_NAME):
-                os.replace(os.path.join(tmp, name), path / name)
-        write_manifest(path)
-        return path
+        return save_module_dir(path, self.state_dict(), info, WEIGHTS_NAME, CONFIG_NAME)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "MedusaHeads":
-        from ..model.checkpoint import MANIFEST_NAME, manifest_of
-        from ..model.errors import CheckpointError, read_tensors
+        from ..model.checkpoint import read_module_dir
+        from ..model.errors import CheckpointError
 
-        path = Path(path)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise CheckpointError(f"{path} holds no Medusa heads ({CONFIG_NAME}, {WEIGHTS_NAME}); {TRAIN_HINT}")
-        record = path / MANIFEST_NAME
-        if not record.is_file() or json.loads(record.read_text())["files"] != manifest_of(path)["files"]:
-            raise CheckpointError(f"the weights in {path} do not match their integrity record {MANIFEST_NAME}; copy "
-                                  f"the directory again or {TRAIN_HINT}")
-        info = json.loads((path / CONFIG_NAME).read_text())
+        info, tensors = read_module_dir(path, WEIGHTS_NAME, CONFIG_NAME, "Medusa heads", TRAIN_HINT)
         heads = cls(info["hidden_size"], info["num_heads"])
-        heads.load_state_dict(read_tensors(path / WEIGHTS_NAME, TRAIN_HINT))
+        heads.load_state_dict(tensors)
         if model is not None:
             if info["hidden_size"] != model.base.spec.hidden_size:
                 raise CheckpointError(f"the heads in {path} are for hidden size {info['hidden_size']}, the model has "

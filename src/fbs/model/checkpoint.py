@@ -53,6 +53,40 @@ def write_manifest(path: str | os.PathLike) -> Path:
     return path / MANIFEST_NAME
 
 
+def save_module_dir(path: str | os.PathLike, state: dict[str, torch.Tensor], info: dict, weights_name: str,
+                    config_name: str) -> Path:
+    """Write a small trained module (a draft head or layer): its tensors as safetensors and ``info`` as JSON beside
+    them, both replaced atomically, then the integrity record (:func:`write_manifest`)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path, prefix=".tmp-") as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, os.path.join(tmp, weights_name),
+                  metadata={"format": "pt"})
+        Path(tmp, config_name).write_text(json.dumps(info, indent=1))
+        for name in (weights_name, config_name):
+            os.replace(os.path.join(tmp, name), path / name)
+    write_manifest(path)
+    return path
+
+
+def read_module_dir(path: str | os.PathLike, weights_name: str, config_name: str, what: str,
+                    hint: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(info, tensors) of a directory :func:`save_module_dir` wrote. A missing file or weights that the integrity
+    record does not vouch for raise :class:`CheckpointError` naming ``what`` the directory should hold and ``hint``."""
+    path = Path(path)
+    if not (path / config_name).is_file() or not (path / weights_name).is_file():
+        raise CheckpointError(f"{path} holds no {what} ({config_name}, {weights_name}); {hint}")
+    record = path / MANIFEST_NAME
+    if not record.is_file() or json.loads(record.read_text())["files"] != manifest_of(path)["files"]:
+        raise CheckpointError(f"the weights in {path} do not match their integrity record {MANIFEST_NAME}; copy "
+                              f"the directory again or {hint}")
+    return json.loads((path / config_name).read_text()), read_tensors(path / weights_name, hint)
+
+
 def changes_backbone(path: str | os.PathLike) -> bool:
     """The checkpoint at ``path`` changes backbone weights: LoRA adapters or trained backbone tensors."""
     path = Path(path)
