@@ -39,3 +39,19 @@ def load_from_args(args: argparse.Namespace) -> FBSForCausalLM:
     if getattr(args, "no_integrity_check", False):
         overrides["check_integrity"] = False
     return loading.load_fbs(args.model, args.checkpoint, shipped=not args.fresh, **overrides)
+
+
+def add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    """The linear BIOS probe's options (``fbs probe`` and ``fbs eval segatron``): the hidden-state layer, the corpus
+    splits and sizes it trains and is scored on, and its optimizer."""
+    p.add_argument("--layer", type=int, default=None, help="hidden_states index (default: num_hidden_layers // 2)")
+    p.add_argument("--train-split", default="validation")
+    p.add_argument("--eval-split", default="test")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--train-seqs", type=int, default=256, help="probe training sequences (0 = all)")
+    p.add_argument("--eval-seqs", type=int, default=64, help="evaluation sequences (0 = all)")
+    p.add_argument("--idiom-items", type=int, default=200, help="idiom-recognition items (0 to skip)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)

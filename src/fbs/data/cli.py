@@ -15,6 +15,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..cli_args import add_probe_arguments
+
 logger = logging.getLogger(__name__)
 
 
@@ -242,17 +244,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="probe a trained FBS checkpoint's hidden states instead of the frozen base's (e.g. a model "
                         "fine-tuned without CH: the paper's 'w/o CH' row; its base is --model)")
-    p.add_argument("--layer", type=int, default=None, help="hidden_states index (default: num_hidden_layers // 2)")
-    p.add_argument("--train-split", default="validation")
-    p.add_argument("--eval-split", default="test")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--train-seqs", type=int, default=256, help="probe training sequences (0 = all)")
-    p.add_argument("--eval-seqs", type=int, default=64, help="evaluation sequences (0 = all)")
-    p.add_argument("--idiom-items", type=int, default=200, help="idiom-recognition items (0 to skip)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_probe_arguments(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     p.set_defaults(func=cmd_probe)

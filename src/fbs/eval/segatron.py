@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fbs.cli_args import add_probe_arguments
 from fbs.data.probe import StopForward, eval_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -266,17 +267,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ch-checkpoint", default=None,
                    help="FBS checkpoint of the CH row of the PPL table (default: the weights shipped for --model)")
     p.add_argument("--corpus", required=True, type=Path, help="labelled corpus directory (`fbs data label`)")
-    p.add_argument("--layer", type=int, default=None, help="hidden_states index (default: num_hidden_layers // 2)")
-    p.add_argument("--train-split", default="validation")
-    p.add_argument("--eval-split", default="test")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--train-seqs", type=int, default=256, help="probe training sequences (0 = all)")
-    p.add_argument("--eval-seqs", type=int, default=64, help="evaluation sequences (0 = all)")
-    p.add_argument("--idiom-items", type=int, default=200, help="idiom-recognition items (0 to skip)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_probe_arguments(p)
     p.add_argument("--probe-out", type=Path, default=None, help="run the probe and write its record here")
     p.add_argument("--ppl-out", type=Path, default=None, help="score PPL and write the table here")
     p.add_argument("--ppl-models", default="segatron,base,ch", help="comma-separated: segatron, base, ch")
