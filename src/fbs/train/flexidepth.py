@@ -28,7 +28,7 @@ import yaml
 from . import checkpoint as ckpt
 from ..baselines.flexidepth import FlexiDepth, FlexiDepthConfig, FlexiDepthOutput, skip_loss
 from ..provenance import provenance
-from .common import read_yaml_config
+from .common import check_recipe_fields, read_yaml_config
 from .config import TrainConfigError, apply_overrides
 from .data import BlockData, BlockOrder, micro_batch
 from .losses import lm_loss
@@ -84,23 +84,13 @@ class FlexiDepthTrainConfig:
     """torch intra-op threads (0 = torch's default)."""
 
     def __post_init__(self) -> None:
-        try:  # YAML and --set read "1e-3" as a string
-            for name in ("lr", "weight_decay", "grad_clip", "warmup_frac", "min_lr_ratio", "alpha"):
-                setattr(self, name, float(getattr(self, name)))
-            for name in ("block_size", "eval_blocks", "max_steps", "batch_tokens", "micro_batch_size", "eval_every",
-                         "save_every", "keep_checkpoints", "log_every", "seed", "threads"):
-                setattr(self, name, int(getattr(self, name)))
-            self.betas = tuple(float(b) for b in self.betas)
+        check_recipe_fields(self, TrainConfigError, floats=("alpha",))
+        if self.alpha < 0:
+            raise TrainConfigError("alpha must be >= 0")
+        try:
             self.flexidepth_config()
         except (TypeError, ValueError) as e:
             raise TrainConfigError(str(e)) from e
-        if self.batch_tokens < self.block_size * self.micro_batch_size:
-            raise TrainConfigError(f"batch_tokens ({self.batch_tokens}) must hold one micro-batch "
-                                   f"({self.micro_batch_size} x {self.block_size} tokens)")
-        if min(self.max_steps, self.micro_batch_size, self.keep_checkpoints, self.log_every) < 1:
-            raise TrainConfigError("max_steps, micro_batch_size, keep_checkpoints and log_every must be >= 1")
-        if self.lr <= 0 or self.alpha < 0 or not 0 <= self.warmup_frac < 1:
-            raise TrainConfigError("lr must be > 0, alpha >= 0 and warmup_frac in [0, 1)")
 
     def flexidepth_config(self) -> FlexiDepthConfig:
         return FlexiDepthConfig(**self.flexidepth)
