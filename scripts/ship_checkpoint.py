@@ -1,6 +1,6 @@
 """Copy a Stage-1/Stage-2 export into the package as the shipped FBS weights, with a chosen default tau.
 
-    python scripts/ship_checkpoint.py runs/stage1_smollm2/final src/fbs/assets/fbs-smollm2-135m --tau 0.8
+    python scripts/ship_checkpoint.py runs/stage1_smollm2/final src/fbs/assets/fbs-smollm2-135m-stage1 --tau 0.8
 
 Copies the FBS weights, the config (tau replaced, validated through FBSConfig) and the backbone delta
 files (LoRA adapters / trained backbone tensors); training metadata is not shipped. Then loads the result
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path, help="export directory (runs/.../final)")
-    ap.add_argument("dst", type=Path, help="destination, e.g. src/fbs/assets/fbs-smollm2-135m")
+    ap.add_argument("dst", type=Path, help="destination, e.g. src/fbs/assets/fbs-smollm2-135m-stage1")
     ap.add_argument("--tau", type=float, required=True, help="default operating point of the shipped weights")
     ap.add_argument("--note", default="", help="provenance recorded in the config's extra.shipped.note")
     args = ap.parse_args(argv)

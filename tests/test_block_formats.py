@@ -367,12 +367,12 @@ def test_a_base_off_the_grid_quantizes_the_merged_weight():
 
 @pytest.mark.slow
 def test_shipped_checkpoint_q4_is_close_to_fp32():
-    """The shipped FBS checkpoint (LoRA adapters merged at load) in q4 with the delta apart: its next-token logits on
+    """The shipped Stage-1 FBS checkpoint (LoRA adapters merged at load) in q4 with the delta apart: its next-token logits on
     a short prompt stay close to fp32's, closer than q4 of the merged weights (rounded onto a grid) gets."""
     require_native("avx2")
     from fbs.model.loading import load_fbs
 
-    model = load_fbs("smollm2-135m").eval()
+    model = load_fbs("smollm2-135m", "stage1").eval()
     assert any(merged_lowrank(m) is not None for m in model.base.layers.modules())
     prompt = [[1, 504, 3458, 282, 4649, 314, 1345, 30, 378, 3458, 282, 5206, 314]]
     kw = dict(max_new_tokens=4, force_compute=True, ignore_eos=True, output_scores=True)

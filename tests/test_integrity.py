@@ -253,12 +253,15 @@ def test_training_checkpoint_damage(tmp_path):
         train_ckpt.load_checkpoint(path, dict(other.named_parameters()), other_opt)
 
 
-def test_shipped_checkpoint_matches_its_record():
-    path = loading.shipped_checkpoint("smollm2-135m")
-    loading.verify_checkpoint(path)  # raises on any difference
-    record = json.loads((path / MANIFEST_NAME).read_text())["files"]
-    assert sorted(record) == sorted(p.name for p in path.glob("*.safetensors"))
-    assert json.loads((path / CONFIG_NAME).read_text())["base_fingerprint"]
+def test_shipped_checkpoints_match_their_records():
+    variants = loading.shipped_variants("smollm2-135m")
+    assert "stage1" in variants
+    for path in [loading.shipped_checkpoint("smollm2-135m")] + [loading.shipped_checkpoint("smollm2-135m", v)
+                                                                for v in variants]:
+        loading.verify_checkpoint(path)  # raises on any difference
+        record = json.loads((path / MANIFEST_NAME).read_text())["files"]
+        assert sorted(record) == sorted(p.name for p in path.glob("*.safetensors"))
+        assert json.loads((path / CONFIG_NAME).read_text())["base_fingerprint"]
 
 
 def _fake_bundle(monkeypatch, tmp_path, parts: dict[str, bytes], sha256: str):

@@ -34,7 +34,7 @@ def test_fresh_modules_from_config_with_overrides():
     assert (m.config.tau, m.config.kv_policy, m.config.k_max) == (0.7, "hole", 4)
 
 
-def test_shipped_weights_are_found_by_name_or_loaded_instance():
+def test_shipped_weights_are_found_by_name_or_loaded_instance(tmp_path):
     path = loading.shipped_checkpoint("smollm2-135m")
     assert path is not None and (path / "fbs_config.json").is_file()
     hf = tiny_hf()
@@ -44,7 +44,29 @@ def test_shipped_weights_are_found_by_name_or_loaded_instance():
     assert loading.shipped_checkpoint("no-such-model") is None
     assert loading.choose_checkpoint("smollm2-135m") == path
     assert loading.choose_checkpoint("smollm2-135m", shipped=False) is None
-    assert loading.choose_checkpoint("smollm2-135m", "/my/ckpt") == Path("/my/ckpt")
+    assert loading.choose_checkpoint("smollm2-135m", tmp_path) == tmp_path
+
+
+def test_shipped_variants_by_name_and_a_missing_checkpoint_names_them(tmp_path, monkeypatch):
+    assets = tmp_path / "assets"
+    for name in ("fbs-m", "fbs-m-stage1", "fbs-m-other", "fbs-n-stage1"):
+        (assets / name).mkdir(parents=True)
+        (assets / name / "fbs_config.json").write_text("{}")
+    (assets / "fbs-m-broken").mkdir()  # no config: not a shipped checkpoint
+    monkeypatch.setattr(loading, "ASSETS", assets)
+    assert loading.shipped_variants("m") == ["other", "stage1"]
+    assert loading.shipped_checkpoint("m") == assets / "fbs-m"
+    assert loading.shipped_checkpoint("m", "stage1") == assets / "fbs-m-stage1"
+    assert loading.choose_checkpoint("m", "stage1") == assets / "fbs-m-stage1"
+    # a directory of that name wins over the shipped variant
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stage1").mkdir()
+    assert loading.choose_checkpoint("m", "stage1") == Path("stage1")
+    with pytest.raises(loading.CheckpointError, match=r"checkpoint nope does not exist: .* shipped for m: other, "
+                                                      r"stage1"):
+        loading.choose_checkpoint("m", "nope")
+    with pytest.raises(loading.CheckpointError, match=r"checkpoint /no/such/dir does not exist: pass the directory"):
+        loading.choose_checkpoint("m", "/no/such/dir")
 
 
 def _checkpoint_with_adapters(tmp_path):

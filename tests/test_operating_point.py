@@ -78,6 +78,24 @@ def test_verdicts_full_depth_only_and_none():
     assert res["verdict"] == "skipping"
 
 
+def test_a_tau_that_skips_almost_nothing_is_full_depth_in_effect():
+    ok = dict(chat_eos=(0.0, 1.0, True))
+    # tau 0.7 skips 0.002 % (what a weakly trained gate does at a high tau): cheaper than full depth by 0.00002
+    # TFLOPs(rel), but below the minimum share it is not a skipping operating point
+    rows = [_row("full depth", None, 1.0, 0.0, **ok), _row("tau 0.7", 0.7, 0.99998, 0.00002, **ok),
+            _row("tau 0.5", 0.5, 0.97, 0.03, safety_valid=(-0.2, 0.0001, True))]
+    res = op.select(rows)
+    assert (res["selected"], res["selected_tau"], res["verdict"]) == ("full depth", None, "full-depth-only")
+    assert [r["skips"] for r in res["rows"]] == [False, False, True]
+    assert op.default_tau(res) == 1.0
+    # without a full-depth row the near-zero tau stands in for it; the verdict still says skip nothing
+    res = op.select(rows[1:])
+    assert (res["selected"], res["verdict"]) == ("tau 0.7", "full-depth-only")
+    # exactly the minimum share counts as skipping
+    res = op.select([_row("full depth", None, 1.0, 0.0, **ok), _row("tau 0.6", 0.6, 0.995, op.MIN_SKIP, **ok)])
+    assert (res["selected"], res["verdict"]) == ("tau 0.6", "skipping")
+
+
 def test_paired_tests_reuse_the_paired_bootstrap():
     from fbs.eval.stats import paired_bootstrap, ppl_metric
 
@@ -221,6 +239,24 @@ def test_qualifying_formats_agree_with_the_measured_record():
     assert set(defaults.QUALIFYING) <= set(rel)
     assert all(rel[f] <= defaults.PPL_TOLERANCE for f in defaults.QUALIFYING)
     assert all(rel[f] > defaults.PPL_TOLERANCE for f in rel if f not in defaults.QUALIFYING)
+
+
+def test_the_shipped_default_sits_at_its_records_operating_point():
+    """The weights ``fbs generate`` loads by default carry the tau the operating-point rule selected for them, in the
+    record their config names; and they change no backbone weight (the frozen-backbone recipe)."""
+    from fbs.model import loading
+
+    path = loading.shipped_checkpoint("smollm2-135m")
+    cfg = json.loads((path / "fbs_config.json").read_text())
+    rec = json.loads((ROOT / "results" / "operating_point_frozen_kl" / "operating_point.json").read_text())
+    assert "results/operating_point_frozen_kl" in cfg["extra"]["shipped"]["note"]
+    assert cfg["tau"] == op.default_tau(rec) and rec["verdict"] == "full-depth-only"
+    # the record's table re-derives to the same verdict under today's rule
+    again = op.select([{k: r[k] for k in ("system", "tau", "tflops_rel", "skip_ratio", "tests")} for r in rec["rows"]])
+    assert (again["verdict"], again["selected_tau"]) == (rec["verdict"], rec["selected_tau"])
+    assert not loading.changes_backbone(path)
+    stage1 = loading.shipped_checkpoint("smollm2-135m", "stage1")
+    assert loading.changes_backbone(stage1)  # the Stage-1 recipe's model, kept as a variant
 
 
 def test_generate_defaults_to_the_rule_and_fp32_without_kernels(tmp_path, capsys, monkeypatch):

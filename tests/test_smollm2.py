@@ -40,12 +40,12 @@ def test_added_parameters_within_budget(smol):
 
 
 def test_shipped_weights_skip_and_decode_like_the_parallel_forward(smol):
-    """The trained FBS shipped in the package: loads by default, is not the base model, skips at its
-    operating point, and cached decoding with real skips equals the teacher-forced parallel forward."""
+    """The Stage-1 FBS shipped in the package (variant ``stage1``): is not the base model, skips at tau 0.3, and
+    cached decoding with real skips equals the teacher-forced parallel forward."""
     from fbs.model.loading import shipped_checkpoint
 
-    path = shipped_checkpoint("smollm2-135m")
-    assert path is not None, "src/fbs/assets/fbs-smollm2-135m is missing"
+    path = shipped_checkpoint("smollm2-135m", "stage1")
+    assert path is not None, "src/fbs/assets/fbs-smollm2-135m-stage1 is missing"
     hf, tok, _ = smol
     model = FBSForCausalLM.from_pretrained(path).eval()
     assert model.config.tau == 0.3 and model.config.base_fingerprint

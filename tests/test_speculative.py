@@ -307,9 +307,9 @@ def shipped_smollm2():
     from fbs import FBSForCausalLM
     from fbs.model.loading import shipped_checkpoint
 
-    path = shipped_checkpoint("smollm2-135m")
+    path = shipped_checkpoint("smollm2-135m", "stage1")
     if path is None:
-        pytest.fail("src/fbs/assets/fbs-smollm2-135m is missing")
+        pytest.fail("src/fbs/assets/fbs-smollm2-135m-stage1 is missing")
     try:
         return FBSForCausalLM.from_pretrained(path).eval()
     except ValueError as e:  # package missing: make test installs it, so this is a set-up bug

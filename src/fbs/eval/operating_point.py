@@ -25,7 +25,8 @@ difference is in the metric's worse direction (a significant improvement never d
 
 **Selection** (:func:`select`): among the systems with no significant drop on any metric, the most efficient
 (lowest TFLOPs(rel) of the chat decode traces, then the highest skip share; an exact tie goes to the higher tau).
-The verdict says which of three cases holds: a skipping tau qualifies; only full depth qualifies (the default
+A tau that skips less than :data:`MIN_SKIP` of its decisions is full depth in effect: it is not a skipping operating
+point (its saving does not pay for the gates), and it is selected only as full depth's stand-in. The verdict says which of three cases holds: a skipping tau qualifies; only full depth qualifies (the default
 should skip nothing); nothing qualifies, not even full depth (the checkpoint itself loses to the base).
 
 **Resumable.** Each (system, family) part is written to ``<out>/parts/`` as soon as it is done, keyed by
@@ -64,6 +65,9 @@ METRICS: dict[str, tuple[str, bool, str]] = {
 }
 FAMILIES = ("ood", "chat", "safety")
 FORMAT = 1
+#: the least share of gated layer-token decisions a tau must skip to count as a skipping operating point: below it
+#: the skipped work does not pay for the gates' and previews' own cost, so such a tau is full depth in effect
+MIN_SKIP = 0.005
 
 
 # ---------------------------------------------------------------------------- the rule
@@ -93,7 +97,7 @@ def worse(delta: float, higher_is_better: bool) -> bool:
     return delta < 0 if higher_is_better else delta > 0
 
 
-def select(rows: Sequence[dict], alpha: float = ALPHA) -> dict:
+def select(rows: Sequence[dict], alpha: float = ALPHA, min_skip: float = MIN_SKIP) -> dict:
     """The paper's rule on a metric table.
 
     ``rows``: one per checkpoint system, ``{"system", "tau" (None = full depth), "tflops_rel", "skip_ratio",
@@ -101,7 +105,8 @@ def select(rows: Sequence[dict], alpha: float = ALPHA) -> dict:
     tested). BH q-values are computed over every tested (system, metric) pair; each test gets ``q_value`` and
     ``drop`` (q < ``alpha`` and the delta in the worse direction) and each row ``qualifies``. Returns
     ``{"rows", "selected" (system name or None), "selected_tau", "verdict", "alpha", "tests"}`` where verdict is
-    ``skipping`` (a tau that skips qualifies), ``full-depth-only`` or ``none``."""
+    ``skipping`` (a tau that skips at least ``min_skip`` of its decisions qualifies), ``full-depth-only`` or
+    ``none``. A qualifying tau that skips less than ``min_skip`` counts as full depth (row field ``skips``)."""
     rows = [dict(r, tests={m: dict(t) for m, t in r["tests"].items()}) for r in rows]
     keys = [(i, m) for i, r in enumerate(rows) for m, t in r["tests"].items() if "p_value" in t]
     qs = bh_adjusted([rows[i]["tests"][m]["p_value"] for i, m in keys])
@@ -112,12 +117,18 @@ def select(rows: Sequence[dict], alpha: float = ALPHA) -> dict:
     for r in rows:
         r["drops"] = [m for m, t in r["tests"].items() if t.get("drop")]
         r["qualifies"] = not r["drops"]
+    for r in rows:
+        r["skips"] = r["tau"] is not None and r["skip_ratio"] >= min_skip
     ok = [r for r in rows if r["qualifies"]]
-    best = min(ok, key=lambda r: (r["tflops_rel"], -r["skip_ratio"], -(2.0 if r["tau"] is None else r["tau"])),
+    best = min((r for r in ok if r["skips"]), key=lambda r: (r["tflops_rel"], -r["skip_ratio"], -r["tau"]),
                default=None)
+    if best is None:  # no qualifying tau skips measurably: full depth, or a tau that is full depth in effect
+        best = next((r for r in ok if r["tau"] is None), None)
+        if best is None:
+            best = max((r for r in ok), key=lambda r: (-r["skip_ratio"], r["tau"]), default=None)
     if best is None:
         verdict = "none"
-    elif best["skip_ratio"] > 0:
+    elif best["skips"]:
         verdict = "skipping"
     else:
         verdict = "full-depth-only"
@@ -127,8 +138,9 @@ def select(rows: Sequence[dict], alpha: float = ALPHA) -> dict:
 
 VERDICTS = {
     "skipping": "the selected tau skips and shows no significant drop against the base on any metric",
-    "full-depth-only": "no tau that skips qualifies: every one evaluated shows a significant drop on some metric; "
-                       "full depth does not, so the default should skip nothing",
+    "full-depth-only": "no tau that skips qualifies: every one evaluated either shows a significant drop on some "
+                       "metric or skips less than the minimum share; full depth does not drop, so the default should "
+                       "skip nothing",
     "none": "not even full depth qualifies: the checkpoint itself shows a significant drop against the base, so "
             "the honest default is the base model",
 }
@@ -338,8 +350,9 @@ def assemble(setup: Setup, got: dict[str, dict[str, dict]], demos: dict[str, str
                      "tests": paired_tests(values_of(p), base_vals, setup.seed, skip)})
     result = select(rows)
     text = VERDICTS[result["verdict"]]
-    if result["verdict"] == "full-depth-only" and not any(r["skip_ratio"] > 0 for r in rows):
-        text = "full depth qualifies; no tau that skips was evaluated (or none skipped anything)"
+    if result["verdict"] == "full-depth-only" and not any(r["skips"] for r in result["rows"]):
+        text = (f"full depth qualifies; no tau evaluated skips at least {100 * MIN_SKIP:g} % of its decisions "
+                "(the least share that counts as skipping)")
     base_metrics = {m: paired_tests(base_vals, base_vals, skip=METRICS)[m]["value"] for m in base_vals}
     return {"format": FORMAT, "setup": dataclasses.asdict(setup), "families": sorted({f for p in got.values()
                                                                                        for f in p}),
@@ -377,7 +390,12 @@ def markdown(rec: dict) -> str:
             if "q_value" in t:
                 c += f" (q {t['q_value']:.3g}{', drop' if t['drop'] else ''})"
             cells.append(c)
-        cells.append("**yes**" if r["qualifies"] else "no: " + ", ".join(_LABELS[m] for m in r["drops"]))
+        if not r["qualifies"]:
+            cells.append("no: " + ", ".join(_LABELS[m] for m in r["drops"]))
+        elif r["tau"] is not None and not r.get("skips", True):
+            cells.append(f"**yes**, but skips < {100 * MIN_SKIP:g} %: full depth in effect")
+        else:
+            cells.append("**yes**")
         lines.append("| " + " | ".join(cells) + " |")
     sel = rec["selected"]
     if rec.get("missing"):

@@ -6,7 +6,8 @@ The CLI, the benchmark, evaluation, RL and training all build their model throug
 LoRA adapters (merged into the weights at load, :mod:`fbs.model.lora`) and trained backbone tensors.
 
 Public entry points:
-    shipped_checkpoint(base)                    the FBS weights shipped in the package for a bundled base, or None
+    shipped_checkpoint(base, variant=None)      the FBS weights shipped in the package for a bundled base, or None
+    shipped_variants(base)                      the names of the other shipped weights for that base
     choose_checkpoint(base, checkpoint, shipped)  the checkpoint load_fbs uses (None: fresh modules)
     load_fbs(base, checkpoint, shipped=..., config=..., **overrides)   -> FBSForCausalLM
     load_checkpoint(path, base, tokenizer, check_base=True, check_integrity=True, **overrides) -> FBSForCausalLM
@@ -32,7 +33,9 @@ from .bases import DEFAULT_BASE
 
 logger = logging.getLogger(__name__)
 
-#: Trained FBS weights shipped in the package, one directory ``fbs-<bundled base name>`` each.
+#: Trained FBS weights shipped in the package: ``fbs-<bundled base name>`` is the default of that base (the weights
+#: whose default operating point passes the paper's rule, ``fbs eval operating-point``); ``fbs-<base>-<variant>``
+#: are other shipped weights, chosen with ``--checkpoint <variant>`` (e.g. ``stage1``: the Stage-1 recipe's model).
 ASSETS = Path(__file__).parents[1] / "assets"
 
 
@@ -42,17 +45,38 @@ def _base_name(base) -> str | None:
     return None if base is None else str(base)
 
 
-def shipped_checkpoint(base) -> Path | None:
-    """The trained FBS weights shipped in the package for a bundled base model (name or loaded instance)."""
+def shipped_checkpoint(base, variant: str | None = None) -> Path | None:
+    """The trained FBS weights shipped in the package for a bundled base model (name or loaded instance): its
+    default, or the shipped ``variant`` (see :data:`ASSETS`)."""
     name = _base_name(base)
-    path = ASSETS / f"fbs-{name}"
+    path = ASSETS / (f"fbs-{name}" if variant is None else f"fbs-{name}-{variant}")
     return path if name and (path / CONFIG_NAME).is_file() else None
 
 
+def shipped_variants(base) -> list[str]:
+    """The variant names of the weights shipped for ``base`` besides its default."""
+    name = _base_name(base)
+    if not name:
+        return []
+    prefix = f"fbs-{name}-"
+    return sorted(p.name[len(prefix):] for p in ASSETS.glob(prefix + "*") if (p / CONFIG_NAME).is_file())
+
+
 def choose_checkpoint(base, checkpoint: str | os.PathLike | None = None, shipped: bool = True) -> Path | None:
-    """``checkpoint`` if given, else the shipped weights for ``base`` (unless ``shipped=False``), else None."""
+    """``checkpoint`` if given (a directory, or the name of a variant shipped for ``base`` when no such directory
+    exists), else the shipped default for ``base`` (unless ``shipped=False``), else None."""
     if checkpoint is not None:
-        return Path(checkpoint)
+        path = Path(checkpoint)
+        if path.exists():
+            return path
+        variant = shipped_checkpoint(base, str(checkpoint)) if os.sep not in str(checkpoint) else None
+        if variant is None:
+            names = shipped_variants(base)
+            raise CheckpointError(f"checkpoint {checkpoint} does not exist: pass the directory that save_pretrained "
+                                  "or a training export wrote" + (f", or one of the weights shipped for "
+                                                                  f"{_base_name(base)}: {', '.join(names)}" if names
+                                                                  else ""))
+        return variant
     return shipped_checkpoint(base) if shipped else None
 
 

@@ -6,7 +6,7 @@ later tokens. This flips single decisions of sampled-gate episodes and replays t
 full-depth model: mean |delta d_(t+k)| for k = 0..K. The profile over k, relative to k = 0, is the decay the
 quality reward-to-go should have::
 
-    python -m fbs.rl.horizon --checkpoint src/fbs/assets/fbs-smollm2-135m --pool runs/stage2_smollm2/pool.jsonl
+    python -m fbs.rl.horizon --checkpoint src/fbs/assets/fbs-smollm2-135m-stage1 --pool runs/stage2_smollm2/pool.jsonl
 """
 
 from __future__ import annotations
