@@ -90,8 +90,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-token-check", action="store_true", help="skip the comparison of the scored token ids")
+    ap.add_argument("--checkpoint", help="score this FBS checkpoint (a directory or a shipped variant, e.g. stage1: "
+                                         "its LoRA merged into the backbone) instead of the base; every layer runs")
     ap.add_argument("--shipped", action="store_true",
-                    help="score the shipped FBS checkpoint (its LoRA merged into the backbone) instead of the base; "
+                    help="score the shipped default FBS checkpoint instead of the base; "
                          "every layer runs either way")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -102,7 +104,7 @@ def main() -> None:
         raise SystemExit(f"llama.cpp's llama-perplexity or formats are missing in {root} ({', '.join(missing)}): "
                          "run `bash scripts/build_llama_cpp.sh` or set FBS_LLAMA_CPP_DIR")
     torch.set_num_threads(args.threads)
-    model = load_fbs(args.model, shipped=args.shipped).eval()
+    model = load_fbs(args.model, args.checkpoint, shipped=args.shipped).eval()
     # merged LoRA adapters (a block format keeps their deltas apart where the rows they move are its exact blocks:
     # q4 over SmolLM2's Q4_1 layers)
     lora_apart = sum(merged_lowrank(m) is not None for m in model.base.layers.modules())
@@ -143,7 +145,7 @@ def main() -> None:
               f"{r['chunks']} |")
     if args.out:
         doc = {"command": "python scripts/llama_cpp_ppl.py " + " ".join(sys.argv[1:]), "ctx": args.ctx,
-               "model": args.model, "shipped_checkpoint": args.shipped,
+               "model": args.model, "shipped_checkpoint": args.shipped, "checkpoint": args.checkpoint,
                "lora_deltas_apart_in_block_formats": lora_apart,
                "text": {"source": source, "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()},
                "tokens": tokens, "ours": ours, "llama_cpp": llama, "llama_cpp_dir": str(root),
