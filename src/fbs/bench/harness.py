@@ -74,8 +74,6 @@ class BenchConfig:
     """Seed of a prompt set's item order (not used by ``text``)."""
 
     def __post_init__(self) -> None:
-        from fbs.bench.prompt_sets import PROMPT_SETS
-
         for name in ("prompt_len", "new_tokens", "batch_size", "runs", "num_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +84,9 @@ class BenchConfig:
 
 
 # ----------------------------------------------------------------------------------------------- prompts
+
+#: Names of ``--prompt-set`` (:mod:`fbs.bench.prompt_sets`; ``text``: the paper's fixed-length windows).
+PROMPT_SETS = ("text", "chat", "code", "summarise")
 
 PROMPT_SOURCE = "pydoc_data.topics (Python Language Reference text shipped with CPython), topics in sorted order"
 

