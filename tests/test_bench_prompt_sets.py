@@ -192,3 +192,20 @@ def test_prompt_sets_refuse_larger_batches(tmp_path, capsys):
 
     code = main(["bench", "--prompt-set", "chat", "--batch-sizes", "1,4", "--out-dir", str(tmp_path)])
     assert code == 2 and "runs at batch size 1 only" in capsys.readouterr().err
+
+
+def test_recompute_redoes_the_speed_up_and_draft_split_from_the_saved_runs(code_run, tmp_path):
+    """``fbs bench recompute``: from the saved JSON alone, the full-depth speed-up and the draft split come out as
+    measured (and the exact-match column is kept: outputs are not saved)."""
+    from fbs.bench.runner import recompute_comparisons
+
+    _, doc = code_run
+    saved = json.loads(json.dumps(doc, default=str))
+    again = recompute_comparisons(saved)
+    for old, new in zip(doc["results"], again["results"]):
+        for key in ("full_depth", "draft"):
+            if old[key] is None:
+                assert new[key] is None
+                continue
+            for k, v in old[key].items():
+                assert new[key][k] == (pytest.approx(v) if isinstance(v, float) else v), (old["system"], key, k)

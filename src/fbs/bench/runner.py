@@ -324,7 +324,8 @@ def decode_vs_ref(res: SystemResult, ref: SystemResult | None) -> dict[str, Any]
 
 def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
     """A copy of a saved benchmark document whose comparisons between rows (``skip_saving``,
-    ``decode_vs_ref_paired``) are computed again from the saved runs, by this version's code: rows measured
+    ``decode_vs_ref_paired``, the speed-up in ``full_depth``, ``draft``) are computed again from the saved runs, by
+    this version's code: rows measured
     together (one batch size) are compared with each other, as :func:`run` does. Timings, probes and everything
     else stay as measured. Documents from before per-run times were kept get the median estimates only."""
     doc = json.loads(json.dumps(doc))
@@ -335,8 +336,17 @@ def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
         same = [results[i] for i in idx]
         ref = next((r for r in same if r.status == "ok"), None)
         for i, r in zip(idx, same):
-            doc["results"][i]["skip_saving"] = skip_saving(r, same)
-            doc["results"][i]["decode_vs_ref_paired"] = decode_vs_ref(r, ref)
+            rec = doc["results"][i]
+            rec["skip_saving"] = skip_saving(r, same)
+            rec["decode_vs_ref_paired"] = decode_vs_ref(r, ref)
+            if rec.get("full_depth"):  # the match stays as measured (outputs are not saved); the speed-up is redone
+                full = full_depth_row(r, same)
+                pr = paired_decode(full, r) if full is not None else None
+                rec["full_depth"].update(speedup_mean=pr and pr.ratio_mean, speedup_median=pr and pr.ratio_median,
+                                         speedup_ci_low=pr and pr.ci_low, speedup_ci_high=pr and pr.ci_high,
+                                         speedup_n=pr and pr.n)
+            if "draft" in rec:
+                rec["draft"] = draft_time(r)
     return doc
 
 
