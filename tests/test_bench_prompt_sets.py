@@ -209,3 +209,13 @@ def test_recompute_redoes_the_speed_up_and_draft_split_from_the_saved_runs(code_
                 continue
             for k, v in old[key].items():
                 assert new[key][k] == (pytest.approx(v) if isinstance(v, float) else v), (old["system"], key, k)
+
+
+def test_llama_cpp_rows_say_why_they_do_not_run_a_prompt_set():
+    from fbs.bench.llama_cpp import LlamaBenchSystem
+    from fbs.bench.runner import LLAMA_CPP_PROMPT_SET, for_prompt_set
+
+    llama = LlamaBenchSystem("Q4_0", "smollm2-135m")
+    assert for_prompt_set([llama], "text") == [llama]
+    row = for_prompt_set([llama], "code")[0]
+    assert row.name == llama.name and row.unavailable(1) == LLAMA_CPP_PROMPT_SET

@@ -478,6 +478,37 @@ def _report_line(res: SystemResult, progress: bool) -> None:
                    f"{res.decode_s.median:.2f} s (median of {res.budget['runs']})", file=sys.stderr)
 
 
+@dataclasses.dataclass
+class UnavailableSystem:
+    """A system that cannot run this benchmark: its row says why."""
+
+    name: str
+    family: str
+    params: dict[str, Any]
+    reason: str
+    ratio_kind: str | None = None
+
+    def unavailable(self, batch_size: int) -> str:
+        return self.reason
+
+    def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False):
+        raise RuntimeError(self.reason)
+
+
+#: Why llama.cpp's rows do not run a prompt set.
+LLAMA_CPP_PROMPT_SET = ("llama-bench times synthetic prompts of one length, not a prompt set's prompts: run the "
+                        "llama.cpp rows with --prompt-set text")
+
+
+def for_prompt_set(systems: list, prompt_set: str) -> list:
+    """The systems that can run ``prompt_set``: with a set other than ``text``, llama.cpp's rows (llama-bench makes
+    its own prompts) become rows that say why they did not run."""
+    if prompt_set == "text":
+        return systems
+    return [UnavailableSystem(s.name, s.family, s.params, LLAMA_CPP_PROMPT_SET)
+            if isinstance(s, LlamaBenchSystem) else s for s in systems]
+
+
 def check_prompt_set(bench: BenchConfig, spec: RunSpec) -> None:
     """A prompt set other than ``text`` has prompts of different lengths: batch size 1 only."""
     if bench.prompt_set != "text" and tuple(spec.batch_sizes) != (1,):
@@ -514,7 +545,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     peaks = measure_machine(spec.machine_mb, matmul_n=spec.matmul_n, device=device)
     cost = LayerCost.from_config(model.config)
     extra_bytes = 0.0 if fbs_model is None else 4.0 * sum(p.numel() for p in fbs_model.fbs_parameters())
-    systems = build_systems(model, tok, fbs_model, spec, draft, draft_tok)
+    systems = for_prompt_set(build_systems(model, tok, fbs_model, spec, draft, draft_tok), bench.prompt_set)
 
     records, digests, sets = [], {}, {}
     for B in spec.batch_sizes:
