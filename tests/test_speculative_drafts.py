@@ -288,3 +288,135 @@ def test_draft_options_a_source_does_not_take_are_a_clear_error():
         model.generate(_prompts(), draft="lookahead", draft_options={"ngramz": 3})
     with pytest.raises(ValueError, match="draft_options configure a draft source"):
         model.generate(_prompts(), draft_options={"ngram": 3})
+
+
+# --------------------------------------------------------------------------- lookahead: G candidates in one pass
+def _lookahead_rounds(model, prompt, n, **options):
+    """Decode ``n`` tokens with lookahead, logging per round (tokens generated before it, the proposal, the window
+    branch's tokens, the kept count and the window after the round)."""
+    from fbs.engine import start
+
+    dec = start(model, [list(prompt)], None, None, dict(ignore_eos=True, max_new_tokens=n, draft="lookahead",
+                                                        draft_options=options or None, adapt_draft=False))
+    it = run(dec)
+    next(it)  # the prompt's pass: the verifier and its draft source exist from here on
+    drafter = dec.spec.drafter
+    propose, commit = drafter.propose, drafter.commit
+    log = []
+
+    def logged_propose(rows, budget):
+        out = propose(rows, budget)
+        if 0 in out:
+            tokens, parents, first, window = drafter.round[0]
+            log.append({"n": len(dec.out[0]), "draft": out[0], "window_tokens": [tokens[j - 1] for j in window]})
+        return out
+
+    def logged_commit(rows, positions, kept, verified):
+        commit(rows, positions, kept, verified)
+        if log and log[-1]["n"] == positions[0] - len(dec.prompts[0]) + 1:
+            log[-1].update(P=positions[0], kept=kept[0], window=dict(drafter.window[0]))
+
+    drafter.propose, drafter.commit = logged_propose, logged_commit
+    for _ in it:
+        pass
+    return dec, log
+
+
+def test_lookahead_tree_keeps_the_longest_branch_the_target_agrees_with(one_thread):
+    """Verifying the tree of G candidates in one pass equals verifying each branch on its own: against the
+    full-depth output (what a branch verified alone keeps is its longest prefix equal to it), every round keeps the
+    longest such prefix over all of its branches plus the target's own token; the output is full depth's, and
+    some rounds verified several branches at once (more nodes than depth)."""
+    model = _model("llama")
+    prompt = _prompts()[0]
+    full = model.generate([prompt], force_compute=True, max_new_tokens=64, ignore_eos=True).new_tokens[0]
+    dec, log = _lookahead_rounds(model, prompt, 64, ngram=3)
+    assert dec.out[0] == full
+    trees = 0
+    for rnd in log:
+        d, n = rnd["draft"], rnd["n"]
+        parents = d.parents if d.parents is not None else list(range(-1, len(d.tokens) - 1))
+        depth = d.depths()
+        alone = 0  # the longest branch prefix the target agrees with, each node checked with its ancestors
+        for j in range(len(d.tokens)):
+            path, a = [], j
+            while a >= 0:
+                path.append(a)
+                a = parents[a]
+            if all(d.tokens[k] == full[n + depth[k] - 1] for k in path):
+                alone = max(alone, depth[j])
+        assert rnd["kept"] == alone + 1, rnd
+        trees += sum(p == -1 for p in parents) > 1
+    assert trees > 0 and dec.spec.nodes[0] > dec.spec.proposed[0]
+
+
+def test_lookahead_window_takes_the_targets_predictions_after_its_branch(one_thread):
+    """The Jacobi step through the tree: after each round the window's guess for every position past the kept ones
+    is the full-depth model's greedy prediction after the window branch's tokens, wherever the verifier put that
+    branch's nodes in its pass (a forward over the committed context plus the branch is the oracle)."""
+    from fbs.engine.drafts import _tree_order
+
+    model = _model("qwen2")
+    prompt = _prompts()[1]
+    checked = moved = 0
+    dec, log = _lookahead_rounds(model, prompt, 64, ngram=3)
+    out = dec.out[0]
+    for rnd in log:
+        P, c, toks, d_ = rnd["P"], rnd["kept"], rnd["window_tokens"], rnd["draft"]
+        ctx = (prompt + out)[:P + 1]
+        logits = model(torch.tensor([ctx + toks]), gate_mode="off").logits[0]
+        for d in range(c, len(toks) + 1):
+            assert rnd["window"][P + d + 1] == int(logits[P + d].argmax()), (rnd, d)
+            checked += 1
+        if d_.parents is not None:  # the kept path ran through a later branch: the pass moved the window's nodes
+            where = _tree_order(d_.tokens, d_.parents, out[rnd["n"]:rnd["n"] + c - 1])
+            moved += any(k != j for j, k in where.items())
+    assert checked > 0 and moved > 0
+
+
+def test_lookahead_trie_and_the_verifiers_node_order():
+    from fbs.engine.drafts import LookaheadDraft, _tree_order
+
+    tokens, parents, ids = LookaheadDraft._trie([[5, 6, 7], [5, 8], [9]])
+    assert (tokens, parents, ids) == ([5, 6, 7, 8, 9], [-1, 0, 1, 0, -1], [[1, 2, 3], [1, 4], [5]])
+    # kept 5 then 8: the verifier's order is the root, nodes 1 and 4, then 2, 3, 5
+    assert _tree_order(tokens, parents, [5, 8]) == {0: 0, 1: 1, 4: 2, 2: 3, 3: 4, 5: 5}
+    assert _tree_order(tokens, parents, []) == {j: j for j in range(6)}
+
+
+def test_lookahead_as_one_chain_and_under_native_chains(one_thread):
+    """``tree=False`` proposes one chain per pass (nodes == depth); int8 ops verify a tree's chain of first children
+    (branch 0: the newest candidate, then the window's guesses): both give full depth's tokens in their format."""
+    model = _model("llama")
+    kw = dict(max_new_tokens=48, ignore_eos=True)
+    full = model.generate(_prompts(), force_compute=True, **kw).new_tokens
+    chain = model.generate(_prompts(), draft="lookahead", draft_options={"tree": False}, **kw)
+    assert chain.new_tokens == full and chain.speculative.nodes == chain.speculative.proposed > 0
+    full8 = model.generate(_prompts(), force_compute=True, weights="int8", **kw).new_tokens
+    native = model.generate(_prompts(), draft="lookahead", weights="int8", **kw)
+    assert native.new_tokens == full8 and native.speculative.nodes == native.speculative.proposed > 0
+    with pytest.raises(ValueError, match="candidates <= pool"):
+        model.generate(_prompts(), draft="lookahead", draft_options={"pool": 2, "candidates": 3}, **kw)
+
+
+def test_the_verifier_times_its_draft_source(one_thread):
+    """``timings["draft_s"]``: the time in the draft source's propose / rollback / commit, part of decode; a draft
+    that sleeps 2 ms per proposal shows at least that much."""
+    import time
+
+    from fbs.engine.drafts import BaseDraft
+
+    class Slow(BaseDraft):
+        name = "slow"
+        calls = 0
+
+        def propose(self, rows, budget):
+            Slow.calls += 1
+            time.sleep(0.002)
+            return {r: Draft([3] * budget[r]) for r in rows}
+
+    model = _model("llama")
+    res = model.generate(_prompts(), draft=Slow, max_new_tokens=12, ignore_eos=True)
+    t = res.timings
+    assert Slow.calls > 0 and 0.002 * Slow.calls <= t["draft_s"] <= t["decode_s"]
+    assert "draft_s" not in model.generate(_prompts(), max_new_tokens=4, ignore_eos=True).timings

@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from fbs.bench.prompt_sets import PROMPT_SETS
 from fbs.engine.fused import WEIGHTS
 
 #: ``--compile`` values -> RunSpec.compile
@@ -31,14 +32,15 @@ def _strs(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from fbs.bench.harness import BenchConfig
-    from fbs.bench.runner import RunSpec, run, write_outputs
+    from fbs.bench.runner import RunSpec, check_prompt_set, run, write_outputs
 
     warmup, runs = (args.warmup, args.runs)
     if args.quick:
         warmup, runs = 1, 3
     try:
         bench = BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, warmup=warmup, runs=runs,
-                            num_prompts=args.num_prompts, threads=args.threads, interleave=args.interleave)
+                            num_prompts=args.num_prompts, threads=args.threads, interleave=args.interleave,
+                            prompt_set=args.prompt_set, prompt_seed=args.prompt_seed)
         spec = RunSpec(base=args.model, checkpoint=args.checkpoint, fresh=args.fresh, systems=args.systems,
                        taus=args.taus, plans=args.plans, early_exit_layer=args.early_exit_layer,
                        num_assistant_tokens=args.num_assistant_tokens, prompt_lookup_tokens=args.prompt_lookup_tokens,
@@ -51,6 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
                        group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
+        check_prompt_set(bench, spec)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -78,7 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="untrained FBS modules even if weights are shipped")
     p.add_argument("--systems", type=_strs, default=s.systems,
                    help=f"comma list from: all, {', '.join(GROUPS)}, or the aliases {aliases} (default: all)")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--prompt-set", choices=PROMPT_SETS, default=d.prompt_set,
+                   help="text: windows of exactly --prompt-len tokens of the Python reference text (the paper's "
+                        "protocol, default); chat: held-out Alpaca prompts; code: code edits of MBPP/HumanEval "
+                        "functions; summarise: a SciQ passage + 'Summarise the text above' (the last three under the "
+                        "chat template, of different lengths, batch size 1; docs/bench.md)")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len,
+                   help="prompt tokens (text); the most tokens a prompt may have (chat, code, summarise: longer items "
+                        "are skipped, never cut; summarise keeps passages of at least half of it)")
+    p.add_argument("--prompt-seed", type=int, default=d.prompt_seed,
+                   help="seed of the order in which a prompt set's items are chosen (not used by text)")
     p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="exactly this many (EOS ignored)")
     p.add_argument("--batch-sizes", type=_ints, default=s.batch_sizes, help="comma list, e.g. 1,4,8")
     p.add_argument("--warmup", type=int, default=d.warmup, help="discarded runs per system (paper: 20)")

@@ -9,8 +9,11 @@ Protocol, per system and batch size:
     4. peak resident memory over the measured runs (Linux VmHWM, reset before the runs; psutil sampling
        elsewhere) and, on CUDA, ``torch.cuda.max_memory_allocated``.
 
-Prompts are token ids prepared before timing (tokenization and I/O stay outside the timed region). Each
-system reports its own prefill/decode split (see ``systems.py``); total is the wall-clock around the call.
+Prompts are token ids prepared before timing (tokenization and I/O stay outside the timed region): an (n, T)
+matrix, or a list of prompts of different lengths (the prompt sets of :mod:`fbs.bench.prompt_sets`), which run at
+batch size 1. Measured run r of every system uses prompt batch r mod n, so every system sees the same prompts in
+the same order (``SystemResult.run_batches``). Each system reports its own prefill/decode split (see
+``systems.py``); total is the wall-clock around the call.
 
 Public entry points:
     BenchConfig                       the protocol's knobs (defaults = the paper's, except warm-up/runs on CPU)
@@ -64,6 +67,11 @@ class BenchConfig:
     interleave: bool = False
     """Interleave the systems' runs round by round (see ``measure_interleaved``) instead of one system after
     another (the paper's order)."""
+    prompt_set: str = "text"
+    """Which prompts (:mod:`fbs.bench.prompt_sets`): ``text`` = windows of exactly ``prompt_len`` tokens (the
+    paper's); ``chat``, ``code``, ``summarise`` = templated prompts of at most ``prompt_len`` tokens, batch 1."""
+    prompt_seed: int = 0
+    """Seed of a prompt set's item order (not used by ``text``)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "new_tokens", "batch_size", "runs", "num_prompts"):
@@ -71,9 +79,14 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.prompt_set not in PROMPT_SETS:
+            raise ValueError(f"unknown prompt set {self.prompt_set!r}; choose from {', '.join(PROMPT_SETS)}")
 
 
 # ----------------------------------------------------------------------------------------------- prompts
+
+#: Names of ``--prompt-set`` (:mod:`fbs.bench.prompt_sets`; ``text``: the paper's fixed-length windows).
+PROMPT_SETS = ("text", "chat", "code", "summarise")
 
 PROMPT_SOURCE = "pydoc_data.topics (Python Language Reference text shipped with CPython), topics in sorted order"
 
@@ -103,13 +116,33 @@ def build_prompts(tokenizer, num_prompts: int, prompt_len: int, text: str | None
     return torch.tensor(rows, dtype=torch.long)
 
 
-def prompts_digest(prompts: torch.Tensor) -> str:
-    """Short hash of the prompt token ids, recorded so that two result files can be checked for comparability."""
-    return hashlib.sha256(prompts.cpu().numpy().tobytes()).hexdigest()[:16]
+def prompts_digest(prompts: torch.Tensor | Sequence[torch.Tensor]) -> str:
+    """Short hash of the prompt token ids, recorded so that two result files can be checked for comparability.
+    Prompts of one length hash as their (n, T) matrix (as always); prompts of different lengths hash each
+    prompt's length followed by its ids."""
+    if isinstance(prompts, torch.Tensor):
+        return hashlib.sha256(prompts.cpu().numpy().tobytes()).hexdigest()[:16]
+    if len({int(p.shape[-1]) for p in prompts}) <= 1:
+        return prompts_digest(torch.stack([p.reshape(-1) for p in prompts]))
+    h = hashlib.sha256()
+    for p in prompts:
+        ids = p.reshape(-1).cpu().to(torch.int64)
+        h.update(np.int64(ids.numel()).tobytes())
+        h.update(ids.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
-def batches(prompts: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """Prompt batches of ``batch_size`` rows, wrapping around the prompt set."""
+def batches(prompts: torch.Tensor | Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """Prompt batches of ``batch_size`` rows, wrapping around the prompt set. ``prompts``: an (n, T) matrix, or a
+    list of (T_i,) prompts; prompts of different lengths run at batch size 1, one batch each."""
+    if not isinstance(prompts, torch.Tensor):
+        if len({int(p.shape[-1]) for p in prompts}) <= 1:
+            prompts = torch.stack([p.reshape(-1) for p in prompts])
+        elif batch_size != 1:
+            raise ValueError(f"prompts of different lengths run at batch size 1 only, got batch size {batch_size}; "
+                             "pass --batch-sizes 1 (or --prompt-set text for fixed-length prompts)")
+        else:
+            return [p.reshape(1, -1) for p in prompts]
     n = prompts.shape[0]
     count = max(n // batch_size, 1) if n >= batch_size else 1
     idx = [[(i * batch_size + j) % n for j in range(batch_size)] for i in range(count)]
@@ -132,6 +165,9 @@ class GenOutput:
     loading are not the generation's)."""
     peak_rss_mb: float | None = None
     """Peak RSS of the process that generated, when that is not this one (a subprocess)."""
+    draft_s: float | None = None
+    """Of ``decode_s``, the time a speculative system spent in its draft source (proposing, rolling back,
+    learning from the verified pass); None for systems that do not draft."""
 
 
 @dataclasses.dataclass
@@ -178,6 +214,8 @@ class SystemResult:
     outputs: torch.Tensor | None = None  # generated ids of the probe runs, (P, N); not serialized
     budget: dict[str, int] = dataclasses.field(default_factory=dict)  # warmup, runs, probe_prompts used
     interleaved: bool = False  # measured by measure_interleaved: runs[r] of the timings is round r
+    draft_s: Summary | None = None  # time in the draft source per measured run (GenOutput.draft_s); None: no draft
+    run_batches: list[int] = dataclasses.field(default_factory=list)  # prompt batch of each measured run, in order
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -293,7 +331,7 @@ def _average_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 class _Session:
     """One system's measurement in progress: its effective budget, prompt batches and timings so far."""
 
-    def __init__(self, system, prompts: torch.Tensor, cfg: BenchConfig) -> None:
+    def __init__(self, system, prompts: torch.Tensor | Sequence[torch.Tensor], cfg: BenchConfig) -> None:
         self.system = system
         self.res = SystemResult(name=system.name, family=system.family, batch_size=cfg.batch_size,
                                 params=system.params, ratio_kind=getattr(system, "ratio_kind", None))
@@ -307,6 +345,8 @@ class _Session:
         self.pre: list[float] = []
         self.dec: list[float] = []
         self.tot: list[float] = []
+        self.drf: list[float] = []
+        self.run_batches: list[int] = []
         self.before_mb: float | None = None
         self.peak_mb = 0.0
         self.peak_device_mb: float | None = None
@@ -345,6 +385,7 @@ class _Session:
             self.peak_device_mb = max(self.peak_device_mb or 0.0, torch.cuda.max_memory_allocated(device) / 2**20)
         if out.peak_rss_mb is None and self.before_mb is None:
             self.before_mb = mem.before_mb
+        self.run_batches.append(i % len(self.pbs))
         self._record(out, wall, mem.peak_mb)
 
     def timed_many(self) -> None:
@@ -358,6 +399,8 @@ class _Session:
         self.pre.append(out.prefill_s)
         self.dec.append(out.decode_s)
         self.tot.append(out.total_s if out.total_s is not None else wall)
+        if out.draft_s is not None:
+            self.drf.append(out.draft_s)
 
     def finish(self) -> SystemResult:
         res = self.res
@@ -365,12 +408,15 @@ class _Session:
             res.rss_before_mb, res.peak_rss_mb = self.before_mb, self.peak_mb
             res.peak_device_mb = self.peak_device_mb
             res.prefill_s, res.decode_s, res.total_s = Summary.of(self.pre), Summary.of(self.dec), Summary.of(self.tot)
+            if self.drf and len(self.drf) == len(self.dec):
+                res.draft_s = Summary.of(self.drf)
+            res.run_batches = list(self.run_batches)
             logger.info("%s B=%d: total %.1f ms (median of %d), decode %.1f ms", res.name, res.batch_size,
                         1e3 * res.total_s.median, len(self.tot), 1e3 * res.decode_s.median)
         return res
 
 
-def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
+def measure(system, prompts: torch.Tensor | Sequence[torch.Tensor], cfg: BenchConfig) -> SystemResult:
     """Run the protocol for one system at ``cfg.batch_size``: probe, warm-up, measured runs.
 
     Failures are recorded, not raised. Peak RSS is the maximum over the measured runs."""
@@ -387,7 +433,8 @@ def measure(system, prompts: torch.Tensor, cfg: BenchConfig) -> SystemResult:
     return s.finish()
 
 
-def measure_interleaved(systems, prompts: torch.Tensor, cfg: BenchConfig, on_round=None) -> list[SystemResult]:
+def measure_interleaved(systems, prompts: torch.Tensor | Sequence[torch.Tensor], cfg: BenchConfig,
+                        on_round=None) -> list[SystemResult]:
     """The protocol for several systems with their runs interleaved: every system is probed, then each warm-up
     round and each measured round runs every system once, in turn, so slow drift of the machine (a shared host,
     thermal state) hits all systems alike instead of the ones measured last. ``on_round(kind, i, n)`` is

@@ -32,8 +32,10 @@ TOP_KEYS: dict[str, str] = {
     "created": "UTC time the run finished, ISO 8601",
     "command": "the command line that produced the document",
     "model": "base model: name, fingerprint, layers, parameters",
-    "protocol": "prompt_len, new_tokens, warmup, runs, num_prompts, batch_sizes, greedy, eos_ignored, "
-                "prompt_source, prompts_sha256, timing notes",
+    "protocol": "prompt_len (the prompts' length; a cap for prompt sets other than text), new_tokens, warmup, runs, "
+                "num_prompts, batch_sizes, greedy, eos_ignored, prompt_set (its name) and prompt_seed, prompt_source, "
+                "prompts_sha256, timing notes; documents since prompt sets also prompt_set: {name, seed, cap, "
+                "source, ids, lengths, mean_length, prompts_sha256} (fbs.bench.prompt_sets)",
     "environment": "fbs.provenance.provenance() (git commit and dirty flag, cpu and its ISA flags, threads, "
                    "python/torch/transformers versions, native kernels' build key and use), load average at start "
                    "and end",
@@ -51,10 +53,13 @@ RESULT_KEYS: dict[str, str] = {
     "note": "why a system is unavailable or failed; empty otherwise",
     "params": "the system's knobs",
     "latency_ms": "{prefill, decode, total}: each {median, mean, std, min, max} in ms over the measured runs, and "
-                  "runs: every measured run's value in ms, in run order (round order when interleaved)",
+                  "runs: every measured run's value in ms, in run order (round order when interleaved; run r used "
+                  "prompt batch r mod num_prompts); speculative systems on the engine also draft: the part of decode "
+                  "spent in the draft source, same layout",
     "decode_tok_s": "batch x (N-1) / median decode time: tokens after the first, per second (llama.cpp rows: "
                     "llama-bench's tg rate after prompt_len tokens of context)",
-    "prefill_tok_s": "batch x prompt_len / median prefill time (prefill includes the first token's logits; llama.cpp "
+    "prefill_tok_s": "batch x prompt_len / median prefill time (prompt sets: median over runs of the run's prompt "
+                     "length / its prefill time; prefill includes the first token's logits; llama.cpp "
                      "rows: llama-bench's pp rate from an empty context)",
     "throughput_tok_s": "batch x N / median total time",
     "speedup": "baseline median total latency / this system's, same batch size (ratio measured in one run)",
@@ -85,13 +90,23 @@ RESULT_KEYS: dict[str, str] = {
     "probe": "raw statistics of the untimed probe run (passes, proposed, accepted, engine cross-checks, ...)",
     "budget": "{warmup, runs, probe_prompts} this system actually used: the protocol's, or the reduced budget "
               "of a slow system (--draft-runs: no warm-up, N runs, match rates over the first N prompts)",
+    "full_depth": "speculative systems on the engine: {reference (the fbs-full-compute row of the same weights "
+                  "format, compilation, batch policy and cache), token_match_pct, exact_match_pct (the greedy quality "
+                  "column: 100 means lossless), exact_by_prompt, speedup_mean, speedup_median, speedup_ci_low, "
+                  "speedup_ci_high, speedup_n (full-depth decode time / this system's per interleaved round, 95% "
+                  "bootstrap CI of the mean; null when not paired)}; null otherwise",
+    "draft": "speculative systems on the engine: {ms (median draft-source time per run), share_median (median over runs "
+             "of draft / decode time), rounds (verify rounds per prompt), draft_ms_per_round, verify_ms_per_round, "
+             "accepted_per_round, proposed_per_round}; null otherwise",
+    "per_prompt": "batch size 1: per prompt {prompt_len, runs, prefill_ms, decode_ms (medians over its runs), "
+                  "exact_vs_baseline, exact_vs_full_depth}; null otherwise",
     "llama_cpp": "llama.cpp rows: {source, version, build_flags, model_file, model_sha256, model_bytes, pp_avg_ts, "
                  "pp_stddev_ts, tg_avg_ts, tg_stddev_ts, samples} (build facts, and llama-bench's mean and std of the "
                  "per-run rates over the measured runs); null for other systems",
 }
 
 #: Result keys added after documents were first written: validate() accepts documents without them.
-LATER_RESULT_KEYS = frozenset({"prefill_tok_s", "llama_cpp"})
+LATER_RESULT_KEYS = frozenset({"prefill_tok_s", "llama_cpp", "full_depth", "draft", "per_prompt"})
 
 #: Keys of every record in ``long_context``.
 LONG_KEYS: dict[str, str] = {
@@ -130,7 +145,9 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
                   match: tuple[float, float] | None, roofline: dict[str, Any] | None,
                   skip_saving: dict[str, Any] | None = None,
                   decode_vs_ref_paired: dict[str, Any] | None = None,
-                  prompt_len: int | None = None) -> dict[str, Any]:
+                  prompt_len: int | None = None, run_prompt_lens: list[int] | None = None) -> dict[str, Any]:
+    """One system x batch size as a JSON-ready dict. ``run_prompt_lens``: each measured run's prompt length when the
+    prompts differ in length (prefill tok/s is then the median over runs of length / prefill time)."""
     ok = res.status == "ok"
     B = res.batch_size
     probe = dict(res.probe or {})
@@ -148,10 +165,10 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "note": res.note,
         "params": res.params,
         "latency_ms": {"prefill": _summary_ms(res.prefill_s), "decode": _summary_ms(res.decode_s),
-                       "total": _summary_ms(res.total_s)},
+                       "total": _summary_ms(res.total_s),
+                       **({"draft": _summary_ms(res.draft_s)} if res.draft_s is not None else {})},
         "decode_tok_s": B * (new_tokens - 1) / res.decode_s.median if ok and res.decode_s.median > 0 else None,
-        "prefill_tok_s": (B * prompt_len / res.prefill_s.median
-                          if ok and prompt_len and res.prefill_s.median > 0 else None),
+        "prefill_tok_s": _prefill_rate(res, B, prompt_len, run_prompt_lens) if ok else None,
         "throughput_tok_s": B * new_tokens / res.total_s.median if ok else None,
         "speedup": baseline_total_s / res.total_s.median if ok and baseline_total_s else None,
         "tflops_rel": probe.get("tflops_rel"),
@@ -171,7 +188,18 @@ def result_record(res: SystemResult, new_tokens: int, baseline_total_s: float | 
         "probe": probe,
         "budget": res.budget,
         "llama_cpp": llama,
+        "full_depth": None,  # set by the runner, which sees every row (fbs.bench.runner)
+        "draft": None,
+        "per_prompt": None,
     }
+
+
+def _prefill_rate(res: SystemResult, B: int, prompt_len: int | None, run_lens: list[int] | None) -> float | None:
+    if run_lens and len(run_lens) == len(res.prefill_s.runs) and all(t > 0 for t in res.prefill_s.runs):
+        rates = sorted(B * n / t for n, t in zip(run_lens, res.prefill_s.runs))
+        mid = len(rates) // 2
+        return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+    return B * prompt_len / res.prefill_s.median if prompt_len and res.prefill_s.median > 0 else None
 
 
 def long_context_record(res: SystemResult, requested: int, used: int, new_tokens: int) -> dict[str, Any]:
@@ -224,6 +252,7 @@ def results_from_doc(doc: dict[str, Any]) -> list[SystemResult]:
             ratio_kind=None if kind in (None, "none") else kind, status=r.get("status", "ok"),
             note=r.get("note", ""), prefill_s=summary_from_ms(lat.get("prefill")),
             decode_s=summary_from_ms(lat.get("decode")), total_s=summary_from_ms(lat.get("total")),
+            draft_s=summary_from_ms(lat.get("draft")),
             peak_rss_mb=r.get("peak_rss_mb"), rss_before_mb=r.get("rss_before_mb"),
             peak_device_mb=r.get("peak_device_mb"), probe=r.get("probe") or {}, budget=r.get("budget") or {},
             interleaved=interleaved))
@@ -266,7 +295,11 @@ def markdown(doc: dict[str, Any]) -> str:
     """Efficiency table shaped like the paper's main table (latency, TFLOPs(rel), method ratio) plus the
     prefill/decode split, consistency with the baseline (appendix E.8), memory and roofline fraction."""
     p = doc["protocol"]
-    head = (f"prompt {p['prompt_len']} -> {p['new_tokens']} new tokens, greedy, EOS ignored; median of "
+    ps = p.get("prompt_set")
+    prompts = (f"prompt {p['prompt_len']}" if not ps or ps["name"] == "text" else
+               f"prompt set {ps['name']} ({len(ps['lengths'])} prompts of {min(ps['lengths'])}-{max(ps['lengths'])} "
+               f"tokens, mean {ps['mean_length']:.0f}, cap {ps['cap']}, seed {ps['seed']})")
+    head = (f"{prompts} -> {p['new_tokens']} new tokens, greedy, EOS ignored; median of "
             f"{p['runs']} runs after {p['warmup']} warm-up"
             f"{' (systems interleaved round by round)' if p.get('interleave') else ''}; {doc['environment']['cpu']}, "
             f"{doc['environment']['torch_threads']} threads, torch {doc['environment']['torch']}")
@@ -313,6 +346,7 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{_f(sv['predicted'], '.1f', 100)} | {_f(sv['measured'], '.1f', 100)} | "
                          f"{_f(sv['captured'], '.0f', 100)} | {_paired_cell(sv)} | {_p(sv.get('paired_p_value'))} | "
                          f"{_f(sv.get('captured_paired'), '.0f', 100)} |")
+    lines += _speculative_table(doc)
     m = doc.get("machine") or {}
     if m:
         lines += ["", f"Machine: read {m['read_gbs']:.1f} GB/s, GEMV {m['gemv_gbs']:.1f} GB/s, fp32 matmul "
@@ -326,6 +360,34 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{_f(r['decode_tok_s'], '.1f')} | {_f(r['total_ms'], '.0f')} | "
                          f"{_f(r['peak_rss_mb'], '.0f')} | {r['note'] or r['status']} |")
     return "\n".join(lines) + "\n"
+
+
+def _speculative_table(doc: dict[str, Any]) -> list[str]:
+    """Speculative decoding on the engine's verifier (Group A, the lossless FBS drafts): the greedy quality column
+    (exact match against full depth in the same format), the paired decode speed-up over it, and why: acceptance,
+    tokens kept per round, verify rounds, and the share of decode time spent drafting."""
+    rows = [r for r in doc["results"] if r["status"] == "ok" and (r.get("full_depth") or r.get("draft"))]
+    if not rows:
+        return []
+    out = ["", "Speculative decoding on the engine's verifier, against full depth in the same format (`full_depth`): "
+               "exact match (greedy: 100 = lossless), decode speed-up (full-depth decode time / this one's, per "
+               "interleaved round, mean [95% bootstrap CI]), acceptance (drafted tokens kept / proposed), drafted "
+               "tokens kept and proposed per verify round, verify rounds per prompt, and the decode time spent in the "
+               "draft source (median share over runs; ms per round) against the rest (the verifier's pass and "
+               "bookkeeping, ms per round).", "",
+           "| System | B | Exact vs full (%) | Speed-up vs full [95% CI] | Acceptance (%) | Kept / round | "
+           "Proposed / round | Rounds | Draft share (%) | Draft ms / round | Verify ms / round |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fd, dr, pr = r.get("full_depth") or {}, r.get("draft") or {}, r.get("probe") or {}
+        speed = "–" if fd.get("speedup_mean") is None else \
+            f"{fd['speedup_mean']:.2f} [{fd['speedup_ci_low']:.2f}, {fd['speedup_ci_high']:.2f}]"
+        out.append(f"| {r['system']} | {r['batch_size']} | {_f(fd.get('exact_match_pct'), '.1f')} | {speed} | "
+                   f"{_f(pr.get('acceptance_rate'), '.1f', 100)} | {_f(dr.get('accepted_per_round'), '.2f')} | "
+                   f"{_f(dr.get('proposed_per_round'), '.2f')} | {_f(dr.get('rounds'), '.1f')} | "
+                   f"{_f(dr.get('share_median'), '.1f', 100)} | {_f(dr.get('draft_ms_per_round'), '.2f')} | "
+                   f"{_f(dr.get('verify_ms_per_round'), '.2f')} |")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- plot
@@ -377,7 +439,9 @@ def plot(doc: dict[str, Any], path: Path) -> bool:
     p = doc["protocol"]
     ax.set_xlabel("layer-skip ratio (%)  [speculative methods and llama.cpp skip no layers: at 0]")
     ax.set_ylabel(f"decode latency, {p['new_tokens'] - 1} tokens (ms)")
-    ax.set_title(f"{doc['model']['name']}: prompt {p['prompt_len']}, batch 1, {doc['environment']['cpu']}",
+    ps = p.get("prompt_set")
+    what = f"prompt {p['prompt_len']}" if not ps or ps["name"] == "text" else f"prompt set {ps['name']}"
+    ax.set_title(f"{doc['model']['name']}: {what}, batch 1, {doc['environment']['cpu']}",
                  fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from fbs.bench import report
 from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_prompts, environment, match_rates,
                                measure, measure_interleaved, paired_decode, prompts_digest)
+from fbs.bench.prompt_sets import SOURCES, build_prompt_set
 from fbs import native
 from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS
 from fbs.bench.llama_cpp import LlamaBenchSystem, system_name
@@ -322,7 +324,8 @@ def decode_vs_ref(res: SystemResult, ref: SystemResult | None) -> dict[str, Any]
 
 def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
     """A copy of a saved benchmark document whose comparisons between rows (``skip_saving``,
-    ``decode_vs_ref_paired``) are computed again from the saved runs, by this version's code: rows measured
+    ``decode_vs_ref_paired``, the speed-up in ``full_depth``, ``draft``) are computed again from the saved runs, by
+    this version's code: rows measured
     together (one batch size) are compared with each other, as :func:`run` does. Timings, probes and everything
     else stay as measured. Documents from before per-run times were kept get the median estimates only."""
     doc = json.loads(json.dumps(doc))
@@ -333,22 +336,106 @@ def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
         same = [results[i] for i in idx]
         ref = next((r for r in same if r.status == "ok"), None)
         for i, r in zip(idx, same):
-            doc["results"][i]["skip_saving"] = skip_saving(r, same)
-            doc["results"][i]["decode_vs_ref_paired"] = decode_vs_ref(r, ref)
+            rec = doc["results"][i]
+            rec["skip_saving"] = skip_saving(r, same)
+            rec["decode_vs_ref_paired"] = decode_vs_ref(r, ref)
+            if rec.get("full_depth"):  # the match stays as measured (outputs are not saved); the speed-up is redone
+                full = full_depth_row(r, same)
+                pr = paired_decode(full, r) if full is not None else None
+                rec["full_depth"].update(speedup_mean=pr and pr.ratio_mean, speedup_median=pr and pr.ratio_median,
+                                         speedup_ci_low=pr and pr.ci_low, speedup_ci_high=pr and pr.ci_high,
+                                         speedup_n=pr and pr.n)
+            if "draft" in rec:
+                rec["draft"] = draft_time(r)
     return doc
 
 
-def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> None:
-    """Lossless systems reproduce the FBS model at full depth, which differs from the HF baseline when the checkpoint
-    changed the backbone (the shipped Stage-1 LoRA): their probe also gets token / exact match (%) against
-    ``fbs-full-compute``'s outputs (``full_compute_token_match_pct`` / ``full_compute_exact_match_pct``)."""
+#: Engine knobs that must agree for two FBS rows to be the same engine variant (format, compilation, batching, cache).
+SAME_VARIANT = ("weights", "batch_policy", "compile", "kv_cache", "kv_budget")
+
+
+def full_depth_row(res: SystemResult, results: list[SystemResult]) -> SystemResult | None:
+    """The ``fbs-full-compute`` row of ``res``'s engine variant (same weights format, compilation, batch policy and
+    cache), or None when it was not measured (or failed)."""
+    return next((r for r in results if r.name.startswith("fbs-full-compute") and r.status == "ok"
+                 and all(r.params.get(k) == res.params.get(k) for k in SAME_VARIANT)), None)
+
+
+def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> dict[str, Any] | None:
+    """Lossless systems reproduce the FBS model at full depth in their weights format, which differs from the HF
+    baseline when the checkpoint changed the backbone (the shipped Stage-1 LoRA) or the format rounds weights: their
+    quality column is the match against the ``fbs-full-compute`` row of the same engine variant. Returns the record's
+    ``full_depth``: {reference, token_match_pct, exact_match_pct, exact_by_prompt, and the paired decode speed-up over
+    that row (full-depth decode time / this system's, per interleaved round: speedup_mean, speedup_median,
+    speedup_ci_low, speedup_ci_high (95 % bootstrap CI of the mean), speedup_n; null when not paired)}; the probe
+    keeps ``full_compute_token_match_pct`` / ``full_compute_exact_match_pct`` as before. None for other systems or
+    without a full-depth row."""
     if res.family != "speculative" or res.outputs is None or not res.name.startswith(("fbs-lossless", "draft-verify",
                                                                                     "kangaroo", *GROUP_A)):
-        return
-    full = next((r for r in results if r.name == "fbs-full-compute" and r.outputs is not None), None)
-    if full is not None:
-        tok, exact = match_rates(res.outputs, full.outputs[: res.outputs.shape[0]])
-        res.probe.update(full_compute_token_match_pct=tok, full_compute_exact_match_pct=exact)
+        return None
+    full = full_depth_row(res, results)
+    if full is None or full.outputs is None:
+        return None
+    ref = full.outputs[: res.outputs.shape[0]]
+    tok, exact = match_rates(res.outputs, ref)
+    res.probe.update(full_compute_token_match_pct=tok, full_compute_exact_match_pct=exact)
+    out: dict[str, Any] = {"reference": full.name, "token_match_pct": tok, "exact_match_pct": exact,
+                           "exact_by_prompt": (res.outputs == ref).all(dim=1).tolist(),
+                           **dict.fromkeys(("speedup_mean", "speedup_median", "speedup_ci_low", "speedup_ci_high",
+                                            "speedup_n"))}
+    pr = paired_decode(full, res)  # full / this: > 1 when this system decodes faster
+    if pr is not None:
+        out.update(speedup_mean=pr.ratio_mean, speedup_median=pr.ratio_median, speedup_ci_low=pr.ci_low,
+                   speedup_ci_high=pr.ci_high, speedup_n=pr.n)
+    return out
+
+
+def draft_time(res: SystemResult) -> dict[str, Any] | None:
+    """Where a speculative system's decode time goes: the record's ``draft`` = {ms (median per run of the time in
+    the draft source), share_median (median over runs of draft / decode time), rounds (verify rounds per prompt:
+    passes after the prompt's), draft_ms_per_round, verify_ms_per_round (median decode time minus median draft time,
+    per round: the verifier's pass, acceptance and bookkeeping), accepted_per_round (drafted tokens kept per
+    round), proposed_per_round}; None for systems that do not draft (or did not run)."""
+    if res.status != "ok" or res.draft_s is None:
+        return None
+    pr = res.probe or {}
+    rounds = (pr.get("passes") or 0) - 1  # the prompt's pass commits one token without a draft
+    shares = [d / t for d, t in zip(res.draft_s.runs, res.decode_s.runs) if t > 0]
+    per = (lambda x: 1e3 * x / rounds) if rounds > 0 else (lambda x: None)
+    return {"ms": 1e3 * res.draft_s.median,
+            "share_median": statistics.median(shares) if shares else None,
+            "rounds": rounds if rounds > 0 else None,
+            "draft_ms_per_round": per(res.draft_s.median),
+            "verify_ms_per_round": per(res.decode_s.median - res.draft_s.median),
+            "accepted_per_round": pr["accepted"] / rounds if rounds > 0 and pr.get("accepted") is not None else None,
+            "proposed_per_round": pr["proposed"] / rounds if rounds > 0 and pr.get("proposed") is not None else None}
+
+
+def per_prompt(res: SystemResult, lengths: list[int], base: SystemResult | None,
+               full: SystemResult | None) -> list[dict[str, Any]] | None:
+    """Batch size 1: one entry per prompt {prompt_len, runs (measured runs on it), prefill_ms, decode_ms (medians
+    over those runs), exact_vs_baseline, exact_vs_full_depth (the whole generation equal; null without that row or
+    outside a reduced budget's prompts)}. None at larger batch sizes or when the system did not run."""
+    if res.status != "ok" or res.batch_size != 1 or not res.run_batches:
+        return None
+
+    def exact(other: SystemResult | None, i: int) -> bool | None:
+        if other is None or other.outputs is None or res.outputs is None or i >= res.outputs.shape[0] \
+                or i >= other.outputs.shape[0]:
+            return None
+        return bool(torch.equal(res.outputs[i], other.outputs[i]))
+
+    out = []
+    for i, n in enumerate(lengths):
+        runs = [k for k, b in enumerate(res.run_batches) if b == i]
+        pre = [res.prefill_s.runs[k] for k in runs]
+        dec = [res.decode_s.runs[k] for k in runs]
+        out.append({"prompt_len": n, "runs": len(runs),
+                    "prefill_ms": 1e3 * statistics.median(pre) if pre else None,
+                    "decode_ms": 1e3 * statistics.median(dec) if dec else None,
+                    "exact_vs_baseline": exact(base, i),
+                    "exact_vs_full_depth": exact(full, i) if full is not res else True})
+    return out
 
 
 def _measure_all(systems, prompts, bench: BenchConfig, progress: bool = False) -> list[SystemResult]:
@@ -391,6 +478,45 @@ def _report_line(res: SystemResult, progress: bool) -> None:
                    f"{res.decode_s.median:.2f} s (median of {res.budget['runs']})", file=sys.stderr)
 
 
+@dataclasses.dataclass
+class UnavailableSystem:
+    """A system that cannot run this benchmark: its row says why."""
+
+    name: str
+    family: str
+    params: dict[str, Any]
+    reason: str
+    ratio_kind: str | None = None
+
+    def unavailable(self, batch_size: int) -> str:
+        return self.reason
+
+    def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False):
+        raise RuntimeError(self.reason)
+
+
+#: Why llama.cpp's rows do not run a prompt set.
+LLAMA_CPP_PROMPT_SET = ("llama-bench times synthetic prompts of one length, not a prompt set's prompts: run the "
+                        "llama.cpp rows with --prompt-set text")
+
+
+def for_prompt_set(systems: list, prompt_set: str) -> list:
+    """The systems that can run ``prompt_set``: with a set other than ``text``, llama.cpp's rows (llama-bench makes
+    its own prompts) become rows that say why they did not run."""
+    if prompt_set == "text":
+        return systems
+    return [UnavailableSystem(s.name, s.family, s.params, LLAMA_CPP_PROMPT_SET)
+            if isinstance(s, LlamaBenchSystem) else s for s in systems]
+
+
+def check_prompt_set(bench: BenchConfig, spec: RunSpec) -> None:
+    """A prompt set other than ``text`` has prompts of different lengths: batch size 1 only."""
+    if bench.prompt_set != "text" and tuple(spec.batch_sizes) != (1,):
+        raise ValueError(f"--prompt-set {bench.prompt_set} has prompts of different lengths and runs at batch size 1 "
+                         f"only, got --batch-sizes {','.join(map(str, spec.batch_sizes))}; pass --batch-sizes 1 (or "
+                         "--prompt-set text for fixed-length prompts at any batch size)")
+
+
 def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,
         fbs_model=None, progress: bool = False) -> dict[str, Any]:
     """Measure every requested system at every batch size (and long-context lengths); return the document.
@@ -400,6 +526,7 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     """
     from fbs.model.bases import load_base
 
+    check_prompt_set(bench, spec)
     if bench.threads:
         torch.set_num_threads(bench.threads)
     if model is None:
@@ -418,25 +545,35 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
     peaks = measure_machine(spec.machine_mb, matmul_n=spec.matmul_n, device=device)
     cost = LayerCost.from_config(model.config)
     extra_bytes = 0.0 if fbs_model is None else 4.0 * sum(p.numel() for p in fbs_model.fbs_parameters())
-    systems = build_systems(model, tok, fbs_model, spec, draft, draft_tok)
+    systems = for_prompt_set(build_systems(model, tok, fbs_model, spec, draft, draft_tok), bench.prompt_set)
 
-    records, digests = [], {}
+    records, digests, sets = [], {}, {}
     for B in spec.batch_sizes:
         cfg = dataclasses.replace(bench, batch_size=B, num_prompts=max(bench.num_prompts, B))
-        prompts = build_prompts(tok, cfg.num_prompts, cfg.prompt_len)
+        pset = build_prompt_set(bench.prompt_set, tok, cfg.num_prompts, cfg.prompt_len, bench.prompt_seed)
+        prompts = pset.tensors()
         digests[B] = prompts_digest(prompts)
-        prompts = prompts.to(device)
+        sets[B] = pset.record(digests[B])
+        prompts = prompts.to(device) if isinstance(prompts, torch.Tensor) else [p.to(device) for p in prompts]
         results = _measure_all(systems, prompts, cfg, progress)
         base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
         ref = next((r for r in results if r.status == "ok"), None)  # the reference row of the paired ratios
+        # a set's prompts differ in length: the roofline at their mean, prefill rates per run from each run's prompt
+        eff = dataclasses.replace(cfg, prompt_len=round(sum(pset.lengths) / len(pset.lengths)))
+        lengths = pset.lengths if bench.prompt_set != "text" else None
         for r in results:
             match = None
             if base is not None and r.outputs is not None:  # a reduced budget probes the first prompts only
                 match = match_rates(r.outputs, base.outputs[: r.outputs.shape[0]])
-            _full_compute_match(r, results)
+            full = _full_compute_match(r, results)
             rec = report.result_record(r, cfg.new_tokens, base.total_s.median if base else None, match,
-                                       _roofline(r, cost, peaks, cfg, extra_bytes), skip_saving(r, results),
-                                       decode_vs_ref(r, ref), cfg.prompt_len)
+                                       _roofline(r, cost, peaks, eff, extra_bytes), skip_saving(r, results),
+                                       decode_vs_ref(r, ref), eff.prompt_len, run_prompt_lens=(
+                                           [lengths[b] for b in r.run_batches] if lengths and r.run_batches else None))
+            rec["full_depth"] = full
+            rec["draft"] = draft_time(r)
+            rec["per_prompt"] = per_prompt(r, pset.lengths if B == 1 else [], base,
+                                           full_depth_row(r, results) if r.family in ("fbs", "speculative") else None)
             records.append(rec)
 
     long_records = _long_context(spec, bench, model, tok, systems, progress)
@@ -457,8 +594,10 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
                   "fbs_kv_policy": fbs_model.config.kv_policy if fbs_model is not None else None,
                   "draft": spec.draft},
         "protocol": {**dataclasses.asdict(bench), "batch_sizes": list(spec.batch_sizes), "greedy": True,
-                     "eos_ignored": True, "prompt_source": PROMPT_SOURCE,
+                     "eos_ignored": True,
+                     "prompt_source": PROMPT_SOURCE if bench.prompt_set == "text" else SOURCES[bench.prompt_set],
                      "prompts_sha256": {str(b): d for b, d in digests.items()},
+                     "prompt_set": sets[spec.batch_sizes[0]] if spec.batch_sizes else None,
                      "timing": "perf_counter around each generate call; HF prefill = start to first streamed "
                                "token, FBS prefill/decode timed by the engine; median over measured runs, every "
                                "run kept (latency_ms.*.runs)"},

@@ -207,7 +207,8 @@ class FBSSystem:
     def generate(self, input_ids: torch.Tensor, new_tokens: int, probe: bool = False) -> GenOutput:
         res = self.model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   ignore_eos=True, do_sample=False, **self.knobs)
-        out = GenOutput(res.sequences, float(res.timings["prefill_s"]), float(res.timings["decode_s"]))
+        out = GenOutput(res.sequences, float(res.timings["prefill_s"]), float(res.timings["decode_s"]),
+                        draft_s=res.timings.get("draft_s"))
         if probe:
             out.stats = self.probe_stats(res, input_ids.shape[1], new_tokens)
         return out

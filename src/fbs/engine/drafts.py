@@ -240,26 +240,35 @@ class PromptLookupDraft(BaseDraft):
 
 # --------------------------------------------------------------------------- lookahead
 class LookaheadDraft(BaseDraft):
-    """Lookahead decoding (Fu et al. 2024), training-free, simplified to what a chain verifier runs.
+    """Lookahead decoding (Fu et al. 2024), training-free: a Jacobi window and an n-gram pool, verified in one pass.
 
     Per row it keeps a Jacobi window (a guess for each of the next W positions) and an n-gram pool (at most G
-    (N-1)-gram continuations per first token). Each round the draft for positions P+1..P+W is the pool's most
-    recent continuation of the last committed token where one exists, followed by the window's guesses for the
-    positions after it. The verifier's one pass over this chain checks the candidate and is at the same time one
-    Jacobi iteration: the target's prediction at every rejected position becomes the guess for the next position,
-    and the diagonals of successive iterations (a guess, then the prediction the target made after seeing it, ...)
-    become n-grams of the pool, as do the n-grams of the committed output.
+    (N-1)-gram continuations per first token, newest first). Each round proposes a token tree of up to
+    ``candidates`` pool continuations of the last committed token and the window's guesses for positions
+    P+1..P+W, merged where they share a prefix (a trie: siblings differ in token), verified in one pass with the
+    tree attention mask:
 
-    What differs from the paper: one candidate (not G) is verified per pass, and the lookahead branch is the
-    verified chain itself rather than a separate 2-D window in the same pass (the verifier takes token trees, but
-    this draft does not propose G candidates as one yet). ``window`` is W (at most ``draft_tokens``), ``ngram`` N,
-    ``pool`` G.
+    * branch 0: the newest continuation followed by the window's guesses for the positions after it (what a chain
+      verifier keeps: the chain of first children, which is the whole draft with ``tree=False``);
+    * branches 1..: the other continuations, newest first;
+    * the window branch: the window's guesses from P+1 on (the lookahead branch; under a chain verifier, branch 0
+      carries it).
+
+    The verifier's pass is at the same time one Jacobi iteration of the window branch: the target's prediction
+    after each of its nodes at depth d >= kept becomes the guess for position P+d+1, and the diagonals of
+    successive iterations (a guess, then the prediction the target made after seeing it, ...) become n-grams of
+    the pool, as do the n-grams of the committed output.
+
+    What differs from the paper: the lookahead branch is the window's one chain (its guesses at each position
+    conditioned on the earlier guesses), not a separate 2-D window of the last N-1 iterations in the same pass.
+    ``window`` is W (at most ``draft_tokens``), ``ngram`` N, ``pool`` G, ``candidates`` the continuations verified
+    per pass (default G), ``tree=False`` one chain per pass (branch 0).
     """
 
     name = "lookahead"
 
     def __init__(self, session, window: int | None = None, ngram: int = 3, pool: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, candidates: int | None = None, tree: bool = True):
         super().__init__(session)
         limit = self.dec.opts.draft_tokens
         self.W = int(window) if window is not None else limit
@@ -267,12 +276,22 @@ class LookaheadDraft(BaseDraft):
             raise ValueError(f"lookahead needs 1 <= window <= draft_tokens ({limit}) and ngram >= 2, got window "
                              f"{self.W}, ngram {ngram}; raise draft_tokens for a wider window")
         self.N, self.G = int(ngram), int(pool) if pool is not None else self.W
+        self.C = int(candidates) if candidates is not None else self.G
+        if self.G < 1 or not 1 <= self.C <= self.G:
+            raise ValueError(f"lookahead needs pool >= 1 and 1 <= candidates <= pool, got pool {self.G}, "
+                             f"candidates {self.C}")
+        self.tree = bool(tree)
+        # branch 0 and the window branch (W nodes each) and the other candidates' (N-1 nodes each)
+        self.max_nodes = 2 * self.W + (self.C - 1) * (self.N - 1) if self.tree else 0
         self.gen = torch.Generator().manual_seed(seed)
         B = self.dec.B
         self.window: list[dict[int, int]] = [{} for _ in range(B)]        # absolute position -> guessed token
         self.diag: list[dict[int, tuple]] = [{} for _ in range(B)]        # position -> n-gram ending at its token
         self.pool: list[dict[int, list[tuple]]] = [{} for _ in range(B)]  # first token -> continuations, newest first
         self.indexed = [len(p) + 1 for p in self.dec.prompts]             # the end of the next output n-gram to add
+        # this round, per row: the tree (tokens, parents; parents None: a chain) and the node ids (1-based: 0 is the
+        # root) of branch 0 and of the window branch
+        self.round: dict[int, tuple[list[int], list[int] | None, list[int], list[int]]] = {}
 
     def _add(self, r: int, gram: tuple) -> None:
         conts = self.pool[r].setdefault(gram[0], [])
@@ -293,42 +312,98 @@ class LookaheadDraft(BaseDraft):
         for r in rows:
             g = min(budget[r], self.W)
             if g <= 0:
+                self.round.pop(r, None)
                 continue
             ctx = self.context(r)
             P = len(ctx) - 1
-            cand = list(self.pool[r].get(ctx[-1], [()])[0])[:g]
+            conts = [list(c)[:g] for c in self.pool[r].get(ctx[-1], [])[:self.C if self.tree else 1]]
             win = self.window[r]
-            toks = cand + [win[P + 1 + j] if P + 1 + j in win else self._filler(r) for j in range(len(cand), g)]
-            out[r] = Draft(toks)
+            guesses = [win[P + 1 + j] if P + 1 + j in win else self._filler(r) for j in range(g)]
+            first = conts[0] if conts else []
+            branches = [first + guesses[len(first):]]  # branch 0: the newest continuation, then the window's guesses
+            if self.tree:
+                branches += conts[1:] + [guesses]
+            tokens, parents, ids = self._trie(branches)
+            chain = all(p == j - 1 for j, p in enumerate(parents))
+            self.round[r] = (tokens, None if chain else parents, ids[0], ids[-1])
+            out[r] = Draft(tokens) if chain else Draft(tokens, parents=parents)
         return out
+
+    @staticmethod
+    def _trie(branches: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+        """The branches merged into a token tree (shared prefixes once; children in the order of first insertion):
+        tokens, parents (-1: a child of the root), and each branch's node ids (1-based: the root is 0)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        ids = []
+        for br in branches:
+            node, path = -1, []
+            for t in br:
+                key = (node, t)
+                if key not in children:
+                    children[key] = len(tokens)
+                    tokens.append(t)
+                    parents.append(node)
+                node = children[key]
+                path.append(node + 1)
+            ids.append(path)
+        return tokens, parents, ids
 
     def commit(self, rows, positions, kept, verified) -> None:
         pred = verified.logits.argmax(-1).tolist()
         for i, r in enumerate(rows):
             P, c = positions[i], kept[i]
             t = verified.lengths[i]
-            seq = verified.seqs[i][:t]
-            # Jacobi: the target's prediction after each rejected position is the next guess for the position after
+            ctx = self.context(r)
+            tokens, parents, first, window = self.round.pop(r, ([], None, [], []))
+            if parents is None or not self.s.trees:
+                # a chain, or a tree of which the verifier ran the chain of first children (branch 0, nodes 1..):
+                # node j sits at verified index j, and branch 0 carries the window's guesses
+                jac = [j for j in (window if parents is None else first) if j < t]
+                where = {j: j for j in range(t)}
+            else:  # a tree round: the verifier put the root, the kept path, then the other nodes in their order
+                jac = window
+                where = _tree_order(tokens, parents, ctx[P + 1:P + c])
+            nodes = [0] + jac
+            tok = {0: verified.seqs[i][0]}
+            for j in jac:
+                tok[j] = verified.seqs[i][where[j]]
+            after = {j: pred[i][where[j]] for j in nodes}
+            # Jacobi: the target's prediction after each window node past the kept ones guesses the next position
             win = {q: v for q, v in self.window[r].items() if q > P + c}
-            for j in range(c, t):
-                win[P + j + 1] = pred[i][j]
+            for d, j in enumerate(nodes):
+                if d >= c:
+                    win[P + d + 1] = after[j]
             self.window[r] = win
-            # diagonals of successive iterations: the guess at P+j, then what the target predicted after it
+            # diagonals of successive iterations: the guess at P+d, then what the target predicted after it
             diag = self.diag[r]
             new = {}
-            for j in range(t):
-                prev = diag.get(P + j)
-                gram = (prev if prev is not None and prev[-1] == seq[j] else (seq[j],)) + (pred[i][j],)
+            for d, j in enumerate(nodes):
+                prev = diag.get(P + d)
+                gram = (prev if prev is not None and prev[-1] == tok[j] else (tok[j],)) + (after[j],)
                 gram = gram[-self.N:]
-                new[P + j + 1] = gram
+                new[P + d + 1] = gram
                 if len(gram) == self.N:
                     self._add(r, gram)
             self.diag[r] = {q: v for q, v in {**diag, **new}.items() if q > P + c - self.N}
             # n-grams of the committed output
-            ctx = self.context(r)
             for end in range(max(self.indexed[r], self.N), len(ctx) + 1):  # n-grams ending in an output token
                 self._add(r, tuple(ctx[end - self.N:end]))
-            self.indexed[r] = len(ctx) + 1
+
+
+def _tree_order(tokens: list[int], parents: list[int], accepted: list[int]) -> dict[int, int]:
+    """Where each node of a verified tree sits in the verifier's output (the root, the kept path, then the other
+    nodes in their order; :class:`Verified`), by node id (1-based, 0: the root). The kept path is the one that
+    spells ``accepted``, the drafted tokens the round kept: siblings of a trie differ in token, so it is unique."""
+    path, node = [], -1
+    for tok in accepted:
+        node = next((j for j, p in enumerate(parents) if p == node and tokens[j] == tok), None)
+        if node is None:
+            break
+        path.append(node + 1)
+    order = [0] + path + [j for j in range(1, len(tokens) + 1) if j not in set(path)]
+    return {j: k for k, j in enumerate(order)}
 
 
 # --------------------------------------------------------------------------- a separate draft model

@@ -510,6 +510,7 @@ class _Speculation:
         self.nodes = [0] * B                                    # draft tokens verified (tree nodes included)
         self.idle = [0] * B                                     # rounds a row spent at gamma 0
         self.final = TraceRecorder(B, o.max_new_tokens, dec.L)  # what the verifier computed, per kept token
+        self.draft_s = 0.0                                      # seconds in the draft source while decoding
 
     def _drafter(self, o) -> DraftSource:
         """The call's draft source: ``draft`` by name (or factory), else Kangaroo with ``draft_adapter``, else the
@@ -527,7 +528,9 @@ class _Speculation:
         n = {r: len(dec.out[r]) for r in rows}
         P = [len(dec.prompts[r]) + n[r] - 1 for r in rows]
         budget = {r: min(self._gamma_now(r), o.max_new_tokens - n[r] - 1) for r in rows}
+        t0 = time.perf_counter()  # the draft source's own time (propose, rollback, commit): the cost of drafting
         proposals = self.drafter.propose(rows, budget)
+        self.draft_s += time.perf_counter() - t0
         props = {}
         for r in rows:
             d = proposals.get(r) or Draft([])
@@ -539,7 +542,9 @@ class _Speculation:
             props[r] = d
         drafts = {r: list(props[r].tokens) for r in rows}
         tree = self.trees and (any(props[r].parents is not None for r in rows) or self.typical)
+        t0 = time.perf_counter()
         self.drafter.rollback(rows, P)
+        self.draft_s += time.perf_counter() - t0
         seqs = [[dec.out[r][-1]] + drafts[r] for r in rows]
         t = max(len(s) for s in seqs)
         if tree:  # node 0 the last committed token; pads are children of it (cropped below)
@@ -584,7 +589,9 @@ class _Speculation:
         dec.cache.crop(rows, [p + c for p, c in zip(P, kept)])
         self.log.keep(dec.chunks, last)
         lengths = [len(s) for s in seqs]
+        t0 = time.perf_counter()
         self.drafter.commit(rows, P, kept, Verified(padded, lengths, x, raw))
+        self.draft_s += time.perf_counter() - t0
         for r in rows:
             if self.draft_log[r]:
                 self.draft_rounds.append((len(dec.prompts[r]) + n[r] - 1, self.draft_log[r]))
@@ -875,6 +882,7 @@ def run_lossless(dec) -> Iterator[StepOutput]:
     dec.rec = spec.final
     dec.timings["decode_s"] = time.perf_counter() - t1
     dec.timings["total_s"] = time.perf_counter() - t0
+    dec.timings["draft_s"] = spec.draft_s  # of decode_s: the draft source's share
 
 
 def draft_plan(layers, num_layers: int) -> torch.Tensor:
