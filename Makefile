@@ -19,10 +19,11 @@ $(STAMP): pyproject.toml Makefile $(EXTRAS)
 	$(BIN)/fbs info
 	touch $(STAMP)
 
-# The demo runs the shipped FBS model at its default operating point, in the default weight format. That default is
-# chosen by the paper's rule (`fbs eval operating-point`, docs/eval.md, "Operating point"): at 135M no tau that
-# skips passes it, so the default skips nothing. `make demo-skip` shows the Stage-1 model skipping at tau 0.3.
-demo: $(STAMP)  ## generate with the shipped FBS model at its default operating point (docs/eval.md)
+# The demo runs what `fbs generate` runs by default, in the default weight format. By the paper's rule (`fbs eval
+# operating-point`, docs/eval.md, "Operating point") none of SmolLM2's trained FBS weights passes in that format, so
+# none ships as the default: it is a fresh FBS, whose zero-initialised modules leave the base model's answers
+# unchanged, and nothing is skipped. `make demo-skip` shows the Stage-1 model skipping at tau 0.3.
+demo: $(STAMP)  ## generate with the default model (the base through the engine; docs/eval.md, "Operating point")
 	$(BIN)/fbs info
 	$(BIN)/fbs generate "$(PROMPT)" --max-new-tokens 96
 

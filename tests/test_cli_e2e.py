@@ -415,7 +415,7 @@ def test_bench_serve_refuses_a_remote_url(capsys):
 # --------------------------------------------------------------------------- the real SmolLM2
 @pytest.mark.slow
 def test_smollm2_info_and_generate_equal_the_api(capsys, monkeypatch):
-    """The bundled model with its shipped FBS weights: ``info --json`` and ``generate`` (chat template from stdin,
+    """The bundled model with its default FBS (fresh modules: the base): ``info --json`` and ``generate`` (chat template from stdin,
     --json, --stream) equal the API's ``load_fbs`` model."""
     from fbs.model.loading import load_fbs
 
@@ -433,8 +433,8 @@ def test_smollm2_info_and_generate_equal_the_api(capsys, monkeypatch):
                            monkeypatch=monkeypatch)
     doc = json.loads(out)
     assert code == 0 and doc["text"] == want and doc["new_tokens"] == len(ref.new_tokens[0])
-    # the shipped default skips nothing (tau 1.0: no skipping tau passes the operating-point rule)
-    assert model.config.tau == 1.0 and doc["skip_ratio"] == ref.trace.skip_ratio == 0
+    # the default is a fresh FBS (no shipped weights pass the operating-point rule): the base, nothing skipped
+    assert doc["skip_ratio"] == ref.trace.skip_ratio == 0
     code, out, _ = run_cli(capsys, ["generate", text, "--max-new-tokens", "20", "--stream"])
     assert code == 0 and out.rsplit("\n[", 1)[0] == want
 

@@ -256,8 +256,8 @@ def test_training_checkpoint_damage(tmp_path):
 def test_shipped_checkpoints_match_their_records():
     variants = loading.shipped_variants("smollm2-135m")
     assert "stage1" in variants
-    for path in [loading.shipped_checkpoint("smollm2-135m")] + [loading.shipped_checkpoint("smollm2-135m", v)
-                                                                for v in variants]:
+    default = loading.shipped_checkpoint("smollm2-135m")
+    for path in ([default] if default else []) + [loading.shipped_checkpoint("smollm2-135m", v) for v in variants]:
         loading.verify_checkpoint(path)  # raises on any difference
         record = json.loads((path / MANIFEST_NAME).read_text())["files"]
         assert sorted(record) == sorted(p.name for p in path.glob("*.safetensors"))

@@ -35,14 +35,17 @@ def test_fresh_modules_from_config_with_overrides():
 
 
 def test_shipped_weights_are_found_by_name_or_loaded_instance(tmp_path):
-    path = loading.shipped_checkpoint("smollm2-135m")
+    path = loading.shipped_checkpoint("smollm2-135m", "stage1")
     assert path is not None and (path / "fbs_config.json").is_file()
     hf = tiny_hf()
-    assert loading.shipped_checkpoint(hf) is None  # an instance without a bundled name
+    assert loading.shipped_checkpoint(hf, "stage1") is None  # an instance without a bundled name
     hf.fbs_base_name = "smollm2-135m"
-    assert loading.shipped_checkpoint(hf) == path
+    assert loading.shipped_checkpoint(hf, "stage1") == path
     assert loading.shipped_checkpoint("no-such-model") is None
-    assert loading.choose_checkpoint("smollm2-135m") == path
+    # no default weights ship for SmolLM2 (none passes the operating-point rule in the default format): fresh
+    assert loading.shipped_checkpoint("smollm2-135m") is None
+    assert loading.choose_checkpoint("smollm2-135m") is None
+    assert loading.choose_checkpoint("smollm2-135m", "stage1") == path
     assert loading.choose_checkpoint("smollm2-135m", shipped=False) is None
     assert loading.choose_checkpoint("smollm2-135m", tmp_path) == tmp_path
 

@@ -33,9 +33,11 @@ from .bases import DEFAULT_BASE
 
 logger = logging.getLogger(__name__)
 
-#: Trained FBS weights shipped in the package: ``fbs-<bundled base name>`` is the default of that base (the weights
-#: whose default operating point passes the paper's rule, ``fbs eval operating-point``); ``fbs-<base>-<variant>``
-#: are other shipped weights, chosen with ``--checkpoint <variant>`` (e.g. ``stage1``: the Stage-1 recipe's model).
+#: Trained FBS weights shipped in the package: ``fbs-<bundled base name>`` is the default of that base, shipped only
+#: for weights whose default operating point passes the paper's rule in the default weight format (``fbs eval
+#: operating-point``); without it the default is a fresh FBS, whose zero-initialised modules leave the base model's
+#: outputs unchanged. ``fbs-<base>-<variant>`` are other shipped weights, chosen with ``--checkpoint <variant>``
+#: (e.g. ``stage1``: the Stage-1 recipe's model).
 ASSETS = Path(__file__).parents[1] / "assets"
 
 
