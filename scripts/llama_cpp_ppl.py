@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weights_ppl import block_nll  # noqa: E402  (the sibling script's teacher-forced scoring)
 
-from fbs.bench.llama_cpp import (FORMATS, install_dir, model_path, parse_perplexity, perplexity_command,  # noqa: E402
+from fbs.bench.llama_cpp import (formats_for, install_dir, model_path, parse_perplexity, perplexity_command,  # noqa: E402
                                  read_token_dump, run_tool)
 from fbs.eval.ood import ood_blocks  # noqa: E402
 from fbs.model.loading import load_fbs  # noqa: E402
@@ -83,7 +83,8 @@ def our_rows(model, ids: list[int], formats: list[str], ctx: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--llama-formats", default=",".join(FORMATS))
+    ap.add_argument("--llama-formats", default=None,
+                    help="llama.cpp formats, comma list (default: the formats the build script makes for --model)")
     ap.add_argument("--formats", default="fp32,bf16,int8", help="our decode weight formats")
     ap.add_argument("--per-kind", type=int, default=2, help="OOD blocks per kind (en, zh, code), as weights_ppl.py")
     ap.add_argument("--text", help="score this UTF-8 text file instead of the OOD blocks")
@@ -98,7 +99,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = install_dir()
-    llama_formats = [f for f in args.llama_formats.split(",") if f]
+    spec = ",".join(formats_for(args.model)) if args.llama_formats is None else args.llama_formats
+    llama_formats = [f for f in spec.split(",") if f]
     missing = [str(model_path(root, args.model, f)) for f in llama_formats if not model_path(root, args.model, f).exists()]
     if not (root / "bin" / "llama-perplexity").exists() or missing:
         raise SystemExit(f"llama.cpp's llama-perplexity or formats are missing in {root} ({', '.join(missing)}): "
