@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fbs.engine.fused import WEIGHTS
+from fbs.engine.kvpolicy import add_prefill_chunk_argument
 
 #: ``--compile`` values -> RunSpec.compile
 COMPILE_MODES = {"off": False, "on": True, "both": (False, True)}
@@ -50,6 +51,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
+                       prefill_chunk=args.prefill_chunk,
                        group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -136,6 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "system once per policy; lossless systems keep the full cache)")
     p.add_argument("--kv-budget", type=int, default=s.kv_budget,
                    help="entries a --kv-cache policy keeps per layer and KV head")
+    add_prefill_chunk_argument(p)
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 
