@@ -30,8 +30,14 @@ own sequence of positions), a layer that skips neither reads nor changes its cac
 positions. Under ``project`` a skipped token's projected entry is appended and counts like any other (for ``h2o``
 it enters the recent window with the score of no attention received).
 
-Prefill attends over the whole prompt (each reference's generation path does too), then keeps the budget: only the
-kept entries are stored, so the cache is allocated to the budget (plus one slot), not to the prompt.
+Prefill: a prompt of at most ``prefill_chunk`` tokens (:data:`DEFAULT_PREFILL_CHUNK` by default under a policy)
+attends over itself, then keeps the budget: only the kept entries are stored, so the cache is allocated to the
+budget (plus one slot), not to the prompt. A longer prompt runs in chunks (:func:`prefill_chunks`): each later chunk
+attends over the kept entries plus itself, then the policy reduces both to its budget (:meth:`Evictor.extend`):
+``streaming`` keeps the sinks and the most recent entries; ``h2o`` adds each chunk's attention weights to the scores
+of what it saw, then keeps the recent window and the largest scores; ``snapkv`` votes with each chunk's observation
+window. Memory is then bounded by budget + chunk; the references prefill the whole prompt before evicting
+(docs/kv-cache.md states the differences). ``prefill_chunk=0`` does that here too.
 """
 
 from __future__ import annotations
