@@ -466,8 +466,9 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
             path = part_path(work, system, length)
             if path.exists():
                 part = json.loads(path.read_text())
+                # a part from before chunked prefill (no "prefill_chunk" key) ran another prefill: run it again
                 if part.get("items_digest") == digest and part.get("budget") == cfg.budget and part.get(
-                        "prefill_chunk") == cfg.prefill_chunk:
+                        "prefill_chunk", "absent") == cfg.prefill_chunk:
                     parts.append(part)
                     progress(f"{system} @ {length}: done before")
                     continue
