@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fbs.bench.prompt_sets import PROMPT_SETS
 from fbs.engine.fused import WEIGHTS
+from fbs.engine.kvpolicy import add_prefill_chunk_argument
 
 #: ``--compile`` values -> RunSpec.compile
 COMPILE_MODES = {"off": False, "on": True, "both": (False, True)}
@@ -52,6 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
+                       prefill_chunk=args.prefill_chunk,
                        group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
         check_prompt_set(bench, spec)
     except ValueError as e:
@@ -148,6 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "system once per policy; lossless systems keep the full cache)")
     p.add_argument("--kv-budget", type=int, default=s.kv_budget,
                    help="entries a --kv-cache policy keeps per layer and KV head")
+    add_prefill_chunk_argument(p)
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 

@@ -34,7 +34,7 @@ from fbs.bench.systems import (GROUP_A, FBSSystem, SpeculativeSystem, ffn_skip_s
                                lossless_systems)
 from fbs.engine.flops import LayerCost
 from fbs.engine.fused import WEIGHTS
-from fbs.engine.kvpolicy import make_policy
+from fbs.engine.kvpolicy import make_policy, prefill_chunk_size
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,9 @@ class RunSpec:
     non-lossless FBS system runs once per policy; policies other than full add ``-<policy><budget>``."""
     kv_budget: int | None = None
     """Entries a KV cache policy keeps per layer and KV head (required when ``kv_caches`` names one)."""
+    prefill_chunk: int | None = None
+    """Prompt tokens per prefill chunk of the non-lossless FBS systems (None: the engine's default; 0: the whole
+    prompt); a value adds ``-prefill<N>`` to their names."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}
@@ -134,7 +137,7 @@ class RunSpec:
         if not self.kv_caches:
             raise ValueError("kv_caches must name at least one policy (full for the full cache)")
         for kv in self.kv_caches:
-            make_policy(kv, None if kv == "full" else self.kv_budget)
+            prefill_chunk_size(self.prefill_chunk, make_policy(kv, None if kv == "full" else self.kv_budget))
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -212,7 +215,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
 
 
 #: knobs :func:`_decode_variants` adds to every FBS system
-ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy", "kv_cache", "kv_budget"})
+ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy", "kv_cache", "kv_budget", "prefill_chunk"})
 
 
 def _decode_variants(systems: list, spec: RunSpec) -> list:
@@ -236,6 +239,9 @@ def _decode_variants(systems: list, spec: RunSpec) -> list:
                         knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
                         if kv != "full":
                             knobs.update(kv_cache=kv, kv_budget=spec.kv_budget)
+                        if spec.prefill_chunk is not None and not isinstance(s, SpeculativeSystem):
+                            name += f"-prefill{spec.prefill_chunk}"
+                            knobs["prefill_chunk"] = spec.prefill_chunk
                         out.append(dataclasses.replace(s, name=name, knobs=knobs))
     return out
 

@@ -10,7 +10,9 @@ same shapes (what a compiled layer step needs); prefill writes and reads views o
 
 With a cache policy (:mod:`fbs.engine.kvpolicy`: StreamingLLM, H2O, SnapKV under a budget) the cache holds only
 the kept entries, still as each row's filled prefix of every layer; the policy evicts once a step's entries are
-written and attended (:meth:`KVCache.settle`).
+written and attended (:meth:`KVCache.settle`). A chunked prefill's later chunks attend over the kept entries plus
+themselves and the policy reduces both to its budget (``Evictor.extend``); under the full cache they are appended
+and attend over everything cached (causal among themselves).
 """
 
 from __future__ import annotations
@@ -180,8 +182,11 @@ class CacheContext:
         t = q.shape[2]
         fresh = all(self.cache.lengths[l][r] == 0 for r in self.rows)
         evictor = self.cache.evictor
-        if t > 1 and fresh and evictor is not None:  # a prompt under a cache policy: it keeps its budget
-            return evictor.prefill(l, self.rows, q, k, v, self.positions, self.scaling)
+        if t > 1 and evictor is not None:  # a prompt (or a prefill chunk after kept entries) under a cache policy:
+            #                                 it attends, then the policy keeps its budget
+            if fresh:
+                return evictor.prefill(l, self.rows, q, k, v, self.positions, self.scaling)
+            return evictor.extend(l, self.rows, q, k, v, self.positions, self.scaling)
         self.cache.write(l, self.rows, k, v, self.positions)
         gqa = k.shape[1] != q.shape[1]
         if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)

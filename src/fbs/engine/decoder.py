@@ -41,7 +41,7 @@ import torch
 from .cache import CacheContext, KVCache
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
-from .kvpolicy import make_policy
+from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
 from ..model.chunk import ChunkState
 from ..model.layer import COMPUTE, Mix, layer_step
 from ..model.skip import BATCH_POLICIES, batch_run, gated_layers, logit_threshold, planned_skip, skips
@@ -72,6 +72,8 @@ class DecodeOptions:
     kv_policy: str | None = None             # None: the model's config.kv_policy
     kv_cache: str = "full"                   # full | streaming | h2o | snapkv (fbs.engine.kvpolicy)
     kv_budget: int | None = None             # entries a cache policy keeps per layer, row and KV head
+    prefill_chunk: int | None = None         # prompt tokens per prefill chunk (None: 512 under a cache policy, the
+                                             # whole prompt under the full cache; 0: the whole prompt)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -136,6 +138,10 @@ class DecodeOptions:
         if policy is not None and self.lossless:
             raise ValueError(f"lossless decoding rolls rejected drafts back, which kv_cache={self.kv_cache!r} cannot "
                              "(evicted entries are gone): use kv_cache='full' with lossless=True")
+        chunk = prefill_chunk_size(self.prefill_chunk, policy)  # checks it against the policy
+        if chunk and self.lossless:
+            raise ValueError("lossless decoding's drafters read the whole prompt's prefill: pass prefill_chunk=None "
+                             "or 0 with lossless=True")
         if policy is not None and policy.scores and self.compile:
             raise ValueError("kv_cache='h2o' accumulates attention weights in an eager step: pass compile=False")
 
@@ -386,6 +392,7 @@ class Decoder:
         self.prompts = prompts
         longest = max(len(p) for p in prompts)
         self.kv = make_policy(opts.kv_cache, opts.kv_budget)  # the cache policy (None: the full cache)
+        self.prefill_chunk = prefill_chunk_size(opts.prefill_chunk, self.kv)  # 0: the whole prompt at once
         windowed = self.kv is not None and self.kv.name == "streaming"  # decode distances stay within its budget
         if longest > spec.max_positions or (longest + opts.max_new_tokens > spec.max_positions and not windowed):
             raise ValueError(
@@ -475,7 +482,13 @@ class Decoder:
     # ---- prefill ------------------------------------------------------------
     def prefill(self, tap: Callable[[int, list[int], torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Run every layer over each prompt; returns next-token logits per row. ``tap(l, rows, x)`` sees the input
-        of every layer (Kangaroo's adapter reads the prompt's hidden states at its exit layer)."""
+        of every layer (Kangaroo's adapter reads the prompt's hidden states at its exit layer).
+
+        With ``prefill_chunk`` C > 0 a prompt longer than C runs in chunks (:func:`fbs.engine.kvpolicy.prefill_chunks`):
+        each chunk runs every layer over its tokens, attending over what the cache holds plus itself (causal), and a
+        cache policy then evicts to its budget before the next chunk; CH continues its chunk state token by token.
+        Activations, FFN intermediates and attention weights are then bounded by C; under the full cache the K/V
+        still grow with the prompt."""
         groups: dict[int, list[int]] = {}
         for r, p in enumerate(self.prompts):
             groups.setdefault(len(p), []).append(r)
@@ -483,16 +496,17 @@ class Decoder:
         ops = self.ops
         for length, rows in groups.items():
             # rows of equal length run as one batch (rows need not be contiguous for the cache)
-            ids = torch.tensor([self.prompts[r] for r in rows], device=self.dev)
-            pos = torch.arange(length, device=self.dev).expand(len(rows), length)
-            x = ops.embed(ids)
-            cos, sin = ops.rope(x, pos)
-            ctx = self.context(rows, [list(range(length))] * len(rows), cos, sin)
-            for l in range(self.L):
-                if tap is not None:
-                    tap(l, rows, x)
-                mix = COMPUTE if self.skipper is None else self.skipper.prefill_mix(l, x, pos)
-                x = layer_step(self.m, ops, l, x, ctx, mix).x
+            prompt = torch.tensor([self.prompts[r] for r in rows], device=self.dev)
+            for s, e in prefill_chunks(length, self.prefill_chunk):
+                pos = torch.arange(s, e, device=self.dev).expand(len(rows), e - s)
+                x = ops.embed(prompt[:, s:e])
+                cos, sin = ops.rope(x, pos)
+                ctx = self.context(rows, [list(range(s, e))] * len(rows), cos, sin)
+                for l in range(self.L):
+                    if tap is not None:
+                        tap(l, rows, x)
+                    mix = COMPUTE if self.skipper is None else self.skipper.prefill_mix(l, x, pos)
+                    x = layer_step(self.m, ops, l, x, ctx, mix).x
             last = ops.head(x[:, -1:])[:, 0]
             for i, r in enumerate(rows):
                 logits[r] = last[i]

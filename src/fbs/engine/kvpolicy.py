@@ -30,8 +30,14 @@ own sequence of positions), a layer that skips neither reads nor changes its cac
 positions. Under ``project`` a skipped token's projected entry is appended and counts like any other (for ``h2o``
 it enters the recent window with the score of no attention received).
 
-Prefill attends over the whole prompt (each reference's generation path does too), then keeps the budget: only the
-kept entries are stored, so the cache is allocated to the budget (plus one slot), not to the prompt.
+Prefill: a prompt of at most ``prefill_chunk`` tokens (:data:`DEFAULT_PREFILL_CHUNK` by default under a policy)
+attends over itself, then keeps the budget: only the kept entries are stored, so the cache is allocated to the
+budget (plus one slot), not to the prompt. A longer prompt runs in chunks (:func:`prefill_chunks`): each later chunk
+attends over the kept entries plus itself, then the policy reduces both to its budget (:meth:`Evictor.extend`):
+``streaming`` keeps the sinks and the most recent entries; ``h2o`` adds each chunk's attention weights to the scores
+of what it saw, then keeps the recent window and the largest scores; ``snapkv`` votes with each chunk's observation
+window. Memory is then bounded by budget + chunk; the references prefill the whole prompt before evicting
+(docs/kv-cache.md states the differences). ``prefill_chunk=0`` does that here too.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ SNAP_WINDOW = 32  # SnapKV's observation window (the reference's LongBench setti
 SNAP_KERNEL = 7   # SnapKV's pooling kernel (max pooling, as in that setting)
 #: prefill query rows per chunk of H2O's explicit attention (bounds its (chunk, prompt) weight matrix)
 H2O_CHUNK = 256
+#: prompt tokens per prefill chunk under a cache policy when ``prefill_chunk`` is not given: memory is bounded by
+#: budget + chunk (not by the prompt), and chunks of this size still run the prompt's GEMMs at full width
+DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,32 @@ def make_policy(kv_cache: str | None, kv_budget: int | None) -> CachePolicy | No
     return CachePolicy(kv_cache, int(kv_budget))
 
 
+def prefill_chunk_size(prefill_chunk: int | None, policy: CachePolicy | None) -> int:
+    """Tokens per prefill chunk (0: the whole prompt at once). ``None``: :data:`DEFAULT_PREFILL_CHUNK` under a cache
+    policy, the whole prompt under the full cache; 0: the whole prompt; N > 0: chunks of N tokens."""
+    if prefill_chunk is None:
+        return DEFAULT_PREFILL_CHUNK if policy is not None else 0
+    if prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0 (0: the whole prompt at once), got {prefill_chunk}")
+    if policy is not None and policy.name == "snapkv" and 0 < prefill_chunk < SNAP_WINDOW:
+        raise ValueError(f"kv_cache='snapkv' votes with the last {SNAP_WINDOW} queries of each prefill chunk: "
+                         f"prefill_chunk must be >= {SNAP_WINDOW} (or 0 for the whole prompt), got {prefill_chunk}")
+    return int(prefill_chunk)
+
+
+def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, end) of the prefill chunks of a prompt of ``length`` tokens: chunks of ``chunk`` tokens aligned to the
+    prompt's end (the last chunk is a full one, so SnapKV's last observation window is the prompt's last tokens); the
+    first takes the remainder, merged into the next when it would be a single token (a one-token chunk would run the
+    decode step's format instead of the prefill's). ``chunk`` 0: one chunk."""
+    if chunk <= 0 or length <= chunk:
+        return [(0, length)]
+    first = length % chunk or chunk
+    if first == 1:
+        first += chunk
+    return [(0, first)] + [(s, s + chunk) for s in range(first, length, chunk)]
+
+
 def add_kv_cache_arguments(p) -> None:
     """``--kv-cache`` / ``--kv-budget`` on an argparse parser (``fbs generate``, ``fbs eval run``)."""
     p.add_argument("--kv-cache", choices=POLICIES, default="full",
@@ -103,13 +138,27 @@ def add_kv_cache_arguments(p) -> None:
                         "(heavy hitters + recent), snapkv (observation-window votes at prefill)")
     p.add_argument("--kv-budget", type=int,
                    help="entries a --kv-cache policy keeps per layer and KV head (required with one)")
+    add_prefill_chunk_argument(p)
+
+
+def add_prefill_chunk_argument(p) -> None:
+    """``--prefill-chunk N`` on an argparse parser."""
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help=f"prompt tokens per prefill chunk: each chunk runs every layer over the kept cache plus "
+                        f"itself, then the cache policy evicts to its budget (default: {DEFAULT_PREFILL_CHUNK} under "
+                        f"a --kv-cache policy, the whole prompt under the full cache; 0: the whole prompt)")
 
 
 def kv_cache_options(args) -> dict:
-    """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` (checked: a clear error when they do not
-    fit together)."""
-    make_policy(args.kv_cache, args.kv_budget)
-    return {} if args.kv_cache == "full" else {"kv_cache": args.kv_cache, "kv_budget": args.kv_budget}
+    """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` / ``--prefill-chunk`` (checked: a clear error
+    when they do not fit together)."""
+    policy = make_policy(args.kv_cache, args.kv_budget)
+    chunk = getattr(args, "prefill_chunk", None)
+    out = {} if args.kv_cache == "full" else {"kv_cache": args.kv_cache, "kv_budget": args.kv_budget}
+    if chunk is not None:
+        prefill_chunk_size(chunk, policy)
+        out["prefill_chunk"] = chunk
+    return out
 
 
 # --------------------------------------------------------------------------- attention that returns its weights
@@ -224,7 +273,51 @@ class Evictor:
         """(b, Hkv, budget) prompt slots kept (prompt longer than the budget)."""
         raise NotImplementedError
 
+    def extend(self, l: int, rows: list[int], q, k, v, positions: list[list[int]], scale: float) -> torch.Tensor:
+        """A prefill chunk after earlier ones (chunked prefill): the chunk's queries (b, H, T, hd) attend over the
+        rows' kept entries plus the chunk itself (causal among its tokens); then the kept entries and the chunk's
+        (k, v) (b, Hkv, T, hd) are reduced to the budget by the policy's rule (:meth:`_select_extended`) and stored
+        in slots [0, n), as a fresh prefill stores them. Every row of ``rows`` holds the same number of entries
+        (the rows of one prefill group). Returns (b, H, T, hd)."""
+        c = self.cache
+        n = c.lengths[l][rows[0]]
+        if any(c.lengths[l][r] != n for r in rows):
+            raise RuntimeError(f"layer {l}: a prefill chunk's rows hold different numbers of entries")
+        idx = torch.tensor(rows, device=k.device)
+        t = k.shape[2]
+        kk = torch.cat((c.k[l][idx, :, :n], k), 2)
+        vv = torch.cat((c.v[l][idx, :, :n], v), 2)
+        # every kept entry precedes the chunk; the chunk is causal among its own tokens
+        mask = (torch.arange(n + t, device=q.device) <= n + torch.arange(t, device=q.device)[:, None])[None, None]
+        o, acc = self._attend_extended(l, idx, q, kk, vv, mask, scale, n)
+        new = torch.tensor(positions, device=k.device)[:, None, :].expand(-1, k.shape[1], -1)
+        pos = torch.cat((self._held_positions(l, rows, idx, n), new), 2)          # (b, Hkv, n + T)
+        keep = self._select_extended(q, kk, pos, acc, scale) if n + t > self.budget else None
+        self._store(l, rows, self._pristine(l, rows, kk), vv, pos, keep, acc)
+        return o
+
+    def _attend_extended(self, l, idx, q, kk, vv, mask, scale, n) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's attention over kept + chunk entries, and (H2O) the accumulated scores (b, Hkv, n + T)."""
+        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=kk.shape[1] != q.shape[1])
+        return o, None
+
+    def _held_positions(self, l, rows, idx, n) -> torch.Tensor:
+        """(b, Hkv, n) positions of the rows' kept entries at layer l, in slot order."""
+        pos = torch.tensor([self.cache.positions[l][r] for r in rows], dtype=torch.long, device=idx.device)
+        return pos.view(len(rows), 1, n).expand(-1, self.cache.k[l].shape[1], -1)
+
+    def _pristine(self, l, rows, kk) -> torch.Tensor:
+        """The keys to store, rotated at their own positions (StreamingLLM swaps its re-rotated sinks back)."""
+        return kk
+
+    def _select_extended(self, q, kk, pos, acc, scale) -> torch.Tensor:
+        """(b, Hkv, budget) slots of kept + chunk entries (positions ``pos`` (b, Hkv, N)) that stay."""
+        raise NotImplementedError
+
     def _store(self, l, rows, k, v, positions, keep: torch.Tensor | None, acc: torch.Tensor | None = None) -> None:
+        """Store entries k / v (b, Hkv, T, hd) of ``positions`` (per row a list of T, or (b, Hkv, T) per head),
+        reduced to the slots ``keep`` (b, Hkv, n) when given, in the rows' slots [0, n)."""
         c = self.cache
         if keep is not None:
             k, v = _gather(k, keep), _gather(v, keep)
@@ -236,9 +329,9 @@ class Evictor:
         c.v[l][idx, :, :n] = v
         if acc is not None:
             self.scores(l)[idx, :, :n] = acc
-        pos = torch.tensor(positions, device=k.device)                                   # (b, T)
-        kept = pos[:, None, :].expand(-1, k.shape[1], -1) if keep is None else pos[:, None, :].expand(
-            -1, k.shape[1], -1).gather(2, keep)                                           # (b, Hkv, n)
+        pos = positions if isinstance(positions, torch.Tensor) else torch.tensor(
+            positions, device=k.device)[:, None, :].expand(-1, k.shape[1], -1)            # (b, Hkv, T)
+        kept = pos if keep is None else pos.gather(2, keep)                               # (b, Hkv, n)
         for i, r in enumerate(rows):
             c.positions[l][r] = kept[i, 0].tolist()
             c.lengths[l][r] = n
@@ -310,6 +403,22 @@ class Streaming(Evictor):
         keep = list(range(SINKS)) + list(range(t - (self.budget - SINKS), t))
         return torch.tensor(keep, device=k.device).expand(k.shape[0], k.shape[1], -1)
 
+    def _pristine(self, l, rows, kk):
+        """The sinks as first rotated (the cache holds them re-rotated next to the window once it evicted)."""
+        evicted = [i for i, r in enumerate(rows) if self.ring[l][r] is not None]
+        if not evicted:
+            return kk
+        kk = kk.clone()
+        for i in evicted:
+            kk[i, :, :SINKS] = self.sink_k[l][rows[i]]
+        return kk
+
+    def _select_extended(self, q, kk, pos, acc, scale):
+        """The :data:`SINKS` first positions and the budget - SINKS most recent ones, in position order."""
+        order = pos[:, :1].argsort(-1)                                                  # (b, 1, N)
+        keep = torch.cat((order[..., :SINKS], order[..., order.shape[-1] - (self.budget - SINKS):]), -1)
+        return keep.expand(-1, pos.shape[1], -1)
+
     def _stored(self, l, rows, idx, kept, evicted):
         if evicted:
             self.sink_k[l][idx] = self.cache.k[l][idx, :, :SINKS]
@@ -343,6 +452,9 @@ class _PerHead(Evictor):
 
     def kept(self, l, r):
         return self.pos[l][r, :, :self.cache.lengths[l][r]].cpu()
+
+    def _held_positions(self, l, rows, idx, n):
+        return self.pos[l][idx, :, :n]
 
     def load_row(self, row, src, src_row):
         super().load_row(row, src, src_row)
@@ -393,6 +505,31 @@ class H2O(_PerHead):
         self._store(l, rows, k, v, positions, keep, acc)
         return torch.cat(outs, 2)
 
+    def _attend_extended(self, l, idx, q, kk, vv, mask, scale, n):
+        """Explicit attention in query chunks; the kept entries carry their accumulated scores, the chunk's start at
+        zero, and every query of the chunk adds its weights (what each could see: kept entries and the chunk up to
+        itself)."""
+        b, _, t, _ = q.shape
+        acc = torch.cat((self.acc[l][idx, :, :n], torch.zeros(b, kk.shape[1], t, dtype=torch.float32,
+                                                               device=q.device)), 2)
+        every = torch.arange(b, device=q.device)
+        outs = []
+        for s in range(0, t, H2O_CHUNK):
+            e = min(t, s + H2O_CHUNK)
+            outs.append(attend_scored(q[:, :, s:e], kk[:, :, :n + e], vv[:, :, :n + e], mask[:, :, s:e, :n + e],
+                                      scale, acc, every))
+        return torch.cat(outs, 2), acc
+
+    def _select_extended(self, q, kk, pos, acc, scale):
+        """The budget - budget // 2 most recent positions, plus the budget // 2 older entries with the largest
+        accumulated scores (per KV head), each in position order."""
+        order = pos.argsort(-1)                                                         # (b, Hkv, N)
+        recent = self.budget - self.fixed
+        older, window = order[..., :order.shape[-1] - recent], order[..., order.shape[-1] - recent:]
+        heavy = older.gather(2, acc.gather(2, older).topk(self.fixed, -1).indices)
+        heavy = heavy.gather(2, pos.gather(2, heavy).argsort(-1))
+        return torch.cat((heavy, window), -1)
+
     def load_row(self, row, src, src_row):
         super().load_row(row, src, src_row)
         for l in range(len(self.ring)):
@@ -419,21 +556,29 @@ class SnapKV(_PerHead):
         return o
 
     def votes(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-        """(b, Hkv, T - window) pooled votes of the observation window for the prefix entries."""
+        """(b, Hkv, N - window) pooled votes of the observation window for the entries before it. ``k`` (b, Hkv, N,
+        hd): the entries in position order; ``q`` (b, H, T, hd): the queries of its last T entries (T = N for a
+        whole prompt; a prefill chunk after kept entries has T < N)."""
         b, h, t, hd = q.shape
-        hkv, w = k.shape[1], SNAP_WINDOW
+        hkv, n, w = k.shape[1], k.shape[2], SNAP_WINDOW
         obs = q[:, :, t - w:].reshape(b, hkv, h // hkv, w, hd)
-        s = torch.matmul(obs, k.unsqueeze(2).transpose(-1, -2)).float() * scale         # (b, Hkv, g, w, T)
-        causal = torch.arange(t, device=q.device) <= torch.arange(t - w, t, device=q.device)[:, None]
+        s = torch.matmul(obs, k.unsqueeze(2).transpose(-1, -2)).float() * scale         # (b, Hkv, g, w, N)
+        causal = torch.arange(n, device=q.device) <= torch.arange(n - w, n, device=q.device)[:, None]
         weights = s.masked_fill(~causal, float("-inf")).softmax(-1)
-        vote = weights[..., :t - w].sum((2, 3))                                          # (b, Hkv, T - w)
+        vote = weights[..., :n - w].sum((2, 3))                                          # (b, Hkv, N - w)
         return F.max_pool1d(vote, SNAP_KERNEL, stride=1, padding=SNAP_KERNEL // 2)
 
     def votes_keep(self, q, k, scale) -> torch.Tensor:
-        t, w = k.shape[2], SNAP_WINDOW
+        n, w = k.shape[2], SNAP_WINDOW
         top = self.votes(q, k, scale).topk(self.budget - w, -1).indices.sort(-1).values
-        return torch.cat((top, torch.arange(t - w, t, device=q.device).expand(*top.shape[:2], -1)), -1)
+        return torch.cat((top, torch.arange(n - w, n, device=q.device).expand(*top.shape[:2], -1)), -1)
+
+    def _select_extended(self, q, kk, pos, acc, scale):
+        """The chunk's observation window (its last :data:`SNAP_WINDOW` queries) votes over the kept entries and the
+        chunk (kept entries are in position order, the chunk follows them: pooling runs over that order)."""
+        return self.votes_keep(q, kk, scale)
 
 
-__all__ = ["POLICIES", "CachePolicy", "Evictor", "make_policy", "add_kv_cache_arguments", "kv_cache_options", "attend_scored", "SINKS", "SNAP_WINDOW",
-           "SNAP_KERNEL"]
+__all__ = ["POLICIES", "CachePolicy", "Evictor", "make_policy", "add_kv_cache_arguments", "add_prefill_chunk_argument",
+           "kv_cache_options", "attend_scored", "prefill_chunk_size", "prefill_chunks", "SINKS", "SNAP_WINDOW",
+           "SNAP_KERNEL", "DEFAULT_PREFILL_CHUNK"]

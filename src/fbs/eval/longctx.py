@@ -6,7 +6,7 @@ For a model and each context length L, every system runs the same seeded items:
 * **PPL on long documents**: a held-out document's first L tokens (from a seeded offset); the first L - M are the
   prompt (prefilled), the last M are fed one decode step at a time (teacher forcing) and the M - 1 tokens predicted
   by decode steps are scored. Those predictions read the cache the policy kept, as generation would; the token
-  predicted by the prefill (which attends over the whole prompt under every policy) is not scored.
+  predicted by the prefill (whose view of the prompt depends on the prefill chunking) is not scored.
 * **Needle in a haystack** over depth x length: the needle sentence ``The special magic number is NNNNNNN.`` is
   inserted into a held-out document at a relative depth (snapped back to the end of a line or sentence), followed
   by a question; the answer cue ``The special magic number is`` is fed by decode steps and the answer then decoded
@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from ..engine.kvpolicy import add_prefill_chunk_argument
+
 logger = logging.getLogger(__name__)
 
 POLICY_NAMES = ("streaming", "h2o", "snapkv")
@@ -84,6 +86,7 @@ class LongCtxConfig:
     weights: str = "fp32"
     threads: int = 1
     seed: int = 0
+    prefill_chunk: int | None = None  # prompt tokens per prefill chunk (None: the engine's default; 0: whole prompt)
 
     def __post_init__(self):
         self.lengths = tuple(int(x) for x in self.lengths)
@@ -352,6 +355,8 @@ def run_part(cfg: LongCtxConfig, system: str, length: int, items: dict, model=No
         model, tok = load_model(cfg, spec["model"])
     load_s = time.perf_counter() - t_load
     opts = dict(spec["opts"], weights=cfg.weights)
+    if cfg.prefill_chunk is not None:
+        opts["prefill_chunk"] = cfg.prefill_chunk
     rss_load = rss_mb()
     isolated = reset_peak_rss()
     rows, cap = {"ppl": [], "needle": [], "qa": []}, 0
@@ -461,7 +466,9 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
             path = part_path(work, system, length)
             if path.exists():
                 part = json.loads(path.read_text())
-                if part.get("items_digest") == digest and part.get("budget") == cfg.budget:
+                # a part from before chunked prefill (no "prefill_chunk" key) ran another prefill: run it again
+                if part.get("items_digest") == digest and part.get("budget") == cfg.budget and part.get(
+                        "prefill_chunk", "absent") == cfg.prefill_chunk:
                     parts.append(part)
                     progress(f"{system} @ {length}: done before")
                     continue
@@ -485,7 +492,7 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
                 if done.returncode != 0:
                     raise RuntimeError(f"{system} @ {length} failed (exit {done.returncode}); rerun to resume")
                 part = json.loads(path.read_text())
-            part["budget"] = cfg.budget
+            part["budget"], part["prefill_chunk"] = cfg.budget, cfg.prefill_chunk
             _write_json(path, part)
             parts.append(part)
             s = part["summary"]
@@ -499,6 +506,7 @@ def record(cfg: LongCtxConfig, done: dict, command: str | None = None) -> dict:
     from ..provenance import provenance
 
     rows = [{"system": p["system"], "length": p["length"], "policy": p["policy"], "model": p["model"],
+             "prefill_chunk": p.get("prefill_chunk"),
              **p["summary"], **p["memory"], "threads": p.get("threads")} for p in done["parts"]]
     return {"what": "long-context evaluation (appendix F): PPL on long held-out documents, needle retrieval over "
                     "depth x length, long-input yes/no QA (qasper), TTFT, decode tok/s, peak RSS per system",
@@ -515,8 +523,9 @@ def record(cfg: LongCtxConfig, done: dict, command: str | None = None) -> dict:
                 "peak_rss_mb: VmHWM of the process that ran only this system at this length, reset after the model "
                 "was loaded (weights included); it also holds the engine's inference copy of the weights, built at "
                 "the first request (the same at every length). kv_cache_mb: the largest request's allocated cache.",
-                "Every policy attends over the whole prompt at prefill and then keeps its budget "
-                "(docs/kv-cache.md), so TTFT does not fall under a policy here.",
+                "Prefill: prefill_chunk None runs the engine's default (chunks of 512 tokens under a cache policy, "
+                "each attending over the kept cache plus itself before the policy evicts to its budget; the whole "
+                "prompt at once under the full cache); 0 runs the whole prompt at once (docs/kv-cache.md).",
             ],
             "provenance": provenance()}
 
@@ -561,6 +570,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-policy", choices=("hole", "project"), default=None, help="skipped layers' K/V policy")
     p.add_argument("--lengths", default="2048,4096", help="comma-separated context lengths (tokens)")
     p.add_argument("--kv-budget", type=int, default=1024, help="entries each cache policy keeps per layer and head")
+    add_prefill_chunk_argument(p)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="comma-separated: base, fbs, streaming, h2o, snapkv, fbs+streaming, fbs+h2o, fbs+snapkv")
     p.add_argument("--ppl-docs", type=int, default=2, help="long documents scored per length")
@@ -591,7 +601,8 @@ def cmd_long_context(args) -> int:
         lengths=tuple(int(x) for x in args.lengths.split(",") if x), budget=args.kv_budget,
         systems=tuple(s for s in args.systems.split(",") if s), ppl_docs=args.ppl_docs, ppl_tokens=args.ppl_tokens,
         depths=tuple(float(x) for x in args.depths.split(",") if x), needles_per_depth=args.needles_per_depth,
-        qa_items=args.qa_items, docs=args.docs, weights=args.weights, threads=args.threads, seed=args.seed)
+        qa_items=args.qa_items, docs=args.docs, weights=args.weights, threads=args.threads, seed=args.seed,
+        prefill_chunk=args.prefill_chunk)
     done = run(cfg, args.work_dir, in_process=args.in_process, collect_only=args.collect_only)
     rec = record(cfg, done, " ".join(["fbs", *sys.argv[1:]]) if sys.argv and "fbs" in sys.argv[0] else None)
     rec["in_process"] = args.in_process
