@@ -50,6 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
+                       kv_dtypes=args.kv_dtypes,
                        group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -136,6 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "system once per policy; lossless systems keep the full cache)")
     p.add_argument("--kv-budget", type=int, default=s.kv_budget,
                    help="entries a --kv-cache policy keeps per layer and KV head")
+    p.add_argument("--kv-dtype", dest="kv_dtypes", type=_strs, default=s.kv_dtypes,
+                   help="KV cache storage of the FBS systems, comma list from fp32, fp16, bf16 (each system once "
+                        "per dtype; half precision halves the cache's bytes, attention accumulates in fp32)")
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 
