@@ -73,15 +73,17 @@ def main() -> None:
         for kvd in kv_dtypes:
             t0 = time.perf_counter()
             nll = [chunk_nll(model, c, fmt, kvd, args.ctx // 2 + 1) for c in chunks]
-            rows[fmt][kvd] = {"ppl": math.exp(sum(nll) / len(nll)), "chunk_nll": nll,
-                              "seconds_under_load": time.perf_counter() - t0}
-        ref = rows[fmt]["fp32"]
-        for kvd, r in rows[fmt].items():
+            r = rows[fmt][kvd] = {"ppl": math.exp(sum(nll) / len(nll)), "chunk_nll": nll,
+                                  "seconds_under_load": time.perf_counter() - t0}
+            ref = rows[fmt]["fp32"]
             r["ppl_change_pct"] = 100 * (r["ppl"] / ref["ppl"] - 1)
-            d = [a - b for a, b in zip(r["chunk_nll"], ref["chunk_nll"])]
-            r["chunk_nll_diff_max_abs"] = max(abs(x) for x in d)
+            r["chunk_nll_diff_max_abs"] = max(abs(a - b) for a, b in zip(nll, ref["chunk_nll"]))
             print(f"| {fmt} | kv {kvd} | PPL {r['ppl']:.4f} | {r['ppl_change_pct']:+.4f} % | "
                   f"max |chunk NLL diff| {r['chunk_nll_diff_max_abs']:.2e} |", flush=True)
+            write(args, source, text, ids, chunks, rows)  # after every row: a partial record survives a stop
+
+
+def write(args, source, text, ids, chunks, rows) -> None:
     if args.out:
         doc = {"command": "python scripts/kv_half_ppl.py " + " ".join(sys.argv[1:]), "model": args.model,
                "shipped_checkpoint": args.shipped, "ctx": args.ctx, "threads": args.threads,
@@ -91,7 +93,8 @@ def main() -> None:
                "tokens": {"total": len(ids), "chunks": len(chunks),
                           "scored": len(chunks) * (args.ctx - args.ctx // 2 - 1)},
                "native": native.status(), "native_build": native.build_key(), "rows": rows,
-               "provenance": provenance()}
+               "complete": all(len(r) == len(args.kv_dtypes.split(",")) for r in rows.values())
+               and len(rows) == len(args.formats.split(",")), "provenance": provenance()}
         tmp = Path(args.out).with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         tmp.replace(args.out)
