@@ -107,7 +107,7 @@ def cmd_generate(args) -> int:
         "prefill_s": res.timings["prefill_s"], "decode_s": res.timings["decode_s"],
         "tau": model.config.tau, "kv_policy": model.config.kv_policy, "fallback": res.trace.fallback[0],
         "weights": opts.get("weights"),
-        "kv_cache": args.kv_cache, "kv_budget": args.kv_budget,
+        "kv_cache": args.kv_cache, "kv_budget": args.kv_budget, "kv_dtype": args.kv_dtype,
     }
     if res.speculative is not None:
         st = res.speculative

@@ -54,6 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
                        prefill_chunk=args.prefill_chunk,
+                       kv_dtypes=args.kv_dtypes,
                        group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
         check_prompt_set(bench, spec)
     except ValueError as e:
@@ -151,6 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=int, default=s.kv_budget,
                    help="entries a --kv-cache policy keeps per layer and KV head")
     add_prefill_chunk_argument(p)
+    p.add_argument("--kv-dtype", dest="kv_dtypes", type=_strs, default=s.kv_dtypes,
+                   help="KV cache storage of the FBS systems, comma list from fp32, fp16, bf16 (each system once "
+                        "per dtype; half precision halves the cache's bytes, attention accumulates in fp32)")
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 

@@ -34,6 +34,7 @@ from fbs.bench.systems import (GROUP_A, FBSSystem, SpeculativeSystem, ffn_skip_s
                                lossless_systems)
 from fbs.engine.flops import LayerCost
 from fbs.engine.fused import WEIGHTS
+from fbs.engine.cache import kv_storage_dtype
 from fbs.engine.kvpolicy import make_policy, prefill_chunk_size
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,9 @@ class RunSpec:
     prefill_chunk: int | None = None
     """Prompt tokens per prefill chunk of the non-lossless FBS systems (None: the engine's default; 0: the whole
     prompt); a value adds ``-prefill<N>`` to their names."""
+    kv_dtypes: tuple[str, ...] = ("fp32",)
+    """KV cache storage dtypes of the FBS systems (fp32, fp16, bf16; :data:`fbs.engine.cache.KV_DTYPES`): each FBS
+    system runs once per dtype; dtypes other than fp32 add ``-kv<dtype>``."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}
@@ -138,6 +142,10 @@ class RunSpec:
             raise ValueError("kv_caches must name at least one policy (full for the full cache)")
         for kv in self.kv_caches:
             prefill_chunk_size(self.prefill_chunk, make_policy(kv, None if kv == "full" else self.kv_budget))
+        if not self.kv_dtypes or len(set(self.kv_dtypes)) != len(self.kv_dtypes):
+            raise ValueError(f"kv_dtypes must name distinct storage dtypes (fp32 for the default), got {self.kv_dtypes}")
+        for kvd in self.kv_dtypes:
+            kv_storage_dtype(kvd, torch.float32)
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -215,7 +223,8 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
 
 
 #: knobs :func:`_decode_variants` adds to every FBS system
-ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy", "kv_cache", "kv_budget", "prefill_chunk"})
+ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy", "kv_cache", "kv_budget", "prefill_chunk",
+                                  "kv_dtype"})
 
 
 def _decode_variants(systems: list, spec: RunSpec) -> list:
@@ -233,16 +242,20 @@ def _decode_variants(systems: list, spec: RunSpec) -> list:
                 for policy in spec.batch_policies:
                     # lossless systems roll drafts back, which an evicting cache cannot: full cache only
                     for kv in ("full",) if isinstance(s, SpeculativeSystem) else spec.kv_caches:
-                        name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
-                                + ("" if policy == "gather" else f"-{policy}")
-                                + ("" if kv == "full" else f"-{kv}{spec.kv_budget}"))
-                        knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
-                        if kv != "full":
-                            knobs.update(kv_cache=kv, kv_budget=spec.kv_budget)
-                        if spec.prefill_chunk is not None and not isinstance(s, SpeculativeSystem):
-                            name += f"-prefill{spec.prefill_chunk}"
-                            knobs["prefill_chunk"] = spec.prefill_chunk
-                        out.append(dataclasses.replace(s, name=name, knobs=knobs))
+                        for kvd in spec.kv_dtypes:
+                            name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
+                                    + ("" if policy == "gather" else f"-{policy}")
+                                    + ("" if kv == "full" else f"-{kv}{spec.kv_budget}")
+                                    + ("" if kvd == "fp32" else f"-kv{kvd}"))
+                            knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
+                            if kv != "full":
+                                knobs.update(kv_cache=kv, kv_budget=spec.kv_budget)
+                            if kvd != "fp32":
+                                knobs.update(kv_dtype=kvd)
+                            if spec.prefill_chunk is not None and not isinstance(s, SpeculativeSystem):
+                                name += f"-prefill{spec.prefill_chunk}"
+                                knobs["prefill_chunk"] = spec.prefill_chunk
+                            out.append(dataclasses.replace(s, name=name, knobs=knobs))
     return out
 
 
@@ -296,7 +309,7 @@ def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any
     if (res.status != "ok" or res.family != "fbs" or res.name.startswith("fbs-full-compute")
             or (res.probe or {}).get("layer_skip_ratio") is None):
         return None
-    same = ("weights", "batch_policy", "compile", "kv_cache", "kv_budget")
+    same = ("weights", "batch_policy", "compile", "kv_cache", "kv_budget", "kv_dtype")
     full = next((r for r in results if r.name.startswith("fbs-full-compute") and r.status == "ok"
                  and all(r.params.get(k) == res.params.get(k) for k in same)), None)
     mine, ref = (res.probe or {}).get("bytes_rel"), ((full.probe or {}) if full else {}).get("bytes_rel")

@@ -8,6 +8,10 @@ Buffers are preallocated at full capacity (gpt-fast's static cache). A one-token
 row's entry at its own slot and attends over the whole buffer with a length mask, so every step has the
 same shapes (what a compiled layer step needs); prefill writes and reads views of the filled part.
 
+The entries may be stored in half precision (``kv_dtype`` fp16 or bf16, :data:`KV_DTYPES`): a write rounds them
+(keys after RoPE), and every read converts them back to the compute dtype (:meth:`KVCache.view`; the native
+attention converts in registers), so attention itself still runs and accumulates in fp32.
+
 With a cache policy (:mod:`fbs.engine.kvpolicy`: StreamingLLM, H2O, SnapKV under a budget) the cache holds only
 the kept entries, still as each row's filled prefix of every layer; the policy evicts once a step's entries are
 written and attended (:meth:`KVCache.settle`). A chunked prefill's later chunks attend over the kept entries plus
@@ -26,10 +30,26 @@ from ..model.chunk import ChunkOut, ChunkState
 from .kvpolicy import CachePolicy, attend_scored
 
 
+#: the storage dtypes of ``kv_dtype`` (fp16 is the half-precision choice: three more mantissa bits than bf16 and one
+#: conversion instruction each way; bf16 keeps fp32's exponent range)
+KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def kv_storage_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype for ``kv_dtype`` (:data:`KV_DTYPES`) under a model computing in ``compute``:
+    ``fp32`` keeps the compute dtype (a bf16 model keeps a bf16 cache)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return compute if kv_dtype == "fp32" else KV_DTYPES[kv_dtype]
+
+
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 device=None, dtype=torch.float32, policy: CachePolicy | None = None, rope=None):
+                 device=None, dtype=torch.float32, policy: CachePolicy | None = None, rope=None,
+                 compute_dtype: torch.dtype | None = None):
+        """``dtype``: the entries' storage dtype; ``compute_dtype`` (default ``dtype``): what :meth:`view` returns."""
         shape = (batch, num_kv_heads, capacity, head_dim)
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         # RoPE position of every stored entry, per layer and row (python lists: appends cost nothing)
@@ -99,12 +119,14 @@ class KVCache:
                 self.lengths[l][r] = n
 
     def view(self, layer: int, rows: list[int]):
-        """Keys, values (b, Hkv, n, hd) of the rows and a bool mask (b, 1, 1, n) of valid entries (None if all)."""
+        """Keys, values (b, Hkv, n, hd) of the rows, in the compute dtype, and a bool mask (b, 1, 1, n) of valid entries (None if all)."""
         lens = [self.lengths[layer][r] for r in rows]
         n = max(lens)
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         sl = slice(rows[0], rows[0] + len(rows)) if contiguous else rows
         k, v = self.k[layer][sl, :, :n], self.v[layer][sl, :, :n]
+        if k.dtype != self.compute_dtype:  # half-precision storage: attention reads fp32
+            k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
         if min(lens) == n:
             return k, v, None
         mask = torch.arange(n).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, n)

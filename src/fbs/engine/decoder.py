@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .cache import CacheContext, KVCache
+from .cache import CacheContext, KVCache, kv_storage_dtype
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
@@ -74,6 +74,7 @@ class DecodeOptions:
     kv_budget: int | None = None             # entries a cache policy keeps per layer, row and KV head
     prefill_chunk: int | None = None         # prompt tokens per prefill chunk (None: 512 under a cache policy, the
                                              # whole prompt under the full cache; 0: the whole prompt)
+    kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -134,6 +135,7 @@ class DecodeOptions:
             raise ValueError("draft_adapter drafts for lossless decoding: pass lossless=True")
         if self.skip_policy is not None and self.skip_plan is not None:
             raise ValueError("skip_policy and skip_plan both decide the skips; pass one")
+        kv_storage_dtype(self.kv_dtype, torch.float32)  # checks the name
         policy = make_policy(self.kv_cache, self.kv_budget)  # checks the name and the budget
         if policy is not None and self.lossless:
             raise ValueError(f"lossless decoding rolls rejected drafts back, which kv_cache={self.kv_cache!r} cannot "
@@ -471,7 +473,8 @@ class Decoder:
         base = self.m.base
         spec, dtype = base.spec, base.embedding_weight.dtype
         rope = lambda pos: base.rope(base.embedding_weight[:1], pos)  # noqa: E731  (rotary tables of positions)
-        return KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev, dtype, self.kv, rope)
+        return KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev,
+                       kv_storage_dtype(self.opts.kv_dtype, dtype), self.kv, rope, compute_dtype=dtype)
 
     def context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,

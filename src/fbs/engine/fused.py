@@ -239,9 +239,11 @@ def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s
     if native_step and scores is None:
         o = native.attend_one(q, k, v, kc, vc, idx, slots, scale)                 # (b, 1, H * hd)
     else:
-        kc[idx, :, slots] = k[:, :, 0]
-        vc[idx, :, slots] = v[:, :, 0]
+        kc[idx, :, slots] = k[:, :, 0].to(kc.dtype)  # a half-precision cache (kv_dtype) stores them rounded
+        vc[idx, :, slots] = v[:, :, 0].to(vc.dtype)
         keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
+        if keys.dtype != q.dtype:  # and attention reads them converted back
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         if scores is None:
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
                                                enable_gqa=keys.shape[1] != heads)

@@ -132,12 +132,15 @@ def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def add_kv_cache_arguments(p) -> None:
-    """``--kv-cache`` / ``--kv-budget`` on an argparse parser (``fbs generate``, ``fbs eval run``)."""
+    """``--kv-cache`` / ``--kv-budget`` / ``--kv-dtype`` on an argparse parser (``fbs generate``, ``fbs eval run``)."""
     p.add_argument("--kv-cache", choices=POLICIES, default="full",
                    help="KV cache policy: full (default), streaming (StreamingLLM: 4 sinks + recent window), h2o "
                         "(heavy hitters + recent), snapkv (observation-window votes at prefill)")
     p.add_argument("--kv-budget", type=int,
                    help="entries a --kv-cache policy keeps per layer and KV head (required with one)")
+    p.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="storage of the KV cache's entries: fp32 (default), fp16 or bf16 (half the bytes; attention "
+                        "converts them back and accumulates in fp32)")
     add_prefill_chunk_argument(p)
 
 
@@ -150,11 +153,13 @@ def add_prefill_chunk_argument(p) -> None:
 
 
 def kv_cache_options(args) -> dict:
-    """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` / ``--prefill-chunk`` (checked: a clear error
-    when they do not fit together)."""
+    """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` / ``--kv-dtype`` / ``--prefill-chunk``
+    (checked: a clear error when they do not fit together)."""
     policy = make_policy(args.kv_cache, args.kv_budget)
     chunk = getattr(args, "prefill_chunk", None)
     out = {} if args.kv_cache == "full" else {"kv_cache": args.kv_cache, "kv_budget": args.kv_budget}
+    if getattr(args, "kv_dtype", "fp32") != "fp32":
+        out["kv_dtype"] = args.kv_dtype
     if chunk is not None:
         prefill_chunk_size(chunk, policy)
         out["prefill_chunk"] = chunk
@@ -325,8 +330,8 @@ class Evictor:
                 acc = _gather(acc, keep)
         n = k.shape[2]
         idx = torch.tensor(rows, device=k.device)
-        c.k[l][idx, :, :n] = k
-        c.v[l][idx, :, :n] = v
+        c.k[l][idx, :, :n] = k.to(c.k[l].dtype)  # a half-precision cache stores them rounded
+        c.v[l][idx, :, :n] = v.to(c.v[l].dtype)
         if acc is not None:
             self.scores(l)[idx, :, :n] = acc
         pos = positions if isinstance(positions, torch.Tensor) else torch.tensor(
@@ -396,7 +401,8 @@ class Streaming(Evictor):
             s = one[..., :1]  # the rope's attention scaling (cos at 0): the re-rotation is a pure rotation
             self._memo = (deltas, (cos / s, sin / s))
         cos, sin = self._memo[1]
-        self.cache.k[l][idx, :, :SINKS] = _rotate(self.sink_k[l][idx], cos, sin)
+        k = self.cache.k[l]  # rotated in the tables' dtype (fp32), stored in the cache's
+        k[idx, :, :SINKS] = _rotate(self.sink_k[l][idx], cos, sin).to(k.dtype)
 
     def _select(self, k, positions):
         t = k.shape[2]

@@ -57,6 +57,9 @@ def build_system(args):
     if args.system != "fbs" and getattr(args, "kv_cache", "full") != "full":
         raise ValueError(f"--kv-cache is a policy of the FBS engine's cache: use it with --system fbs, not "
                          f"--system {args.system}")
+    if args.system != "fbs" and getattr(args, "kv_dtype", "fp32") != "fp32":
+        raise ValueError(f"--kv-dtype is the storage of the FBS engine's cache: use it with --system fbs, not "
+                         f"--system {args.system}")
     if args.system == "base":
         from fbs.model.bases import load_base
 
@@ -76,7 +79,8 @@ def build_system(args):
     model = load_from_args(args)
     tok = getattr(model, "tokenizer", None) or load_tokenizer(args.model)
     gen = kv_cache_options(args)  # generation tasks decode through the engine's cache (scoring runs no cache)
-    cache = f", kv-cache={args.kv_cache}:{args.kv_budget}" if gen else ""
+    cache = (f", kv-cache={args.kv_cache}:{args.kv_budget}" if "kv_cache" in gen else "") + (
+        f", kv-dtype={gen['kv_dtype']}" if "kv_dtype" in gen else "")
     name = args.name or f"FBS {args.model} (tau={args.tau if args.tau is not None else model.config.tau}, "\
                         f"kv={args.kv_policy or model.config.kv_policy}, gates={args.gate_mode}{cache})"
     return FBSSystem(model, tok, tau=args.tau, kv_policy=args.kv_policy, gate_mode=args.gate_mode, name=name,

@@ -1,42 +1,80 @@
 // One-query attention over the static KV cache (attention.h): the portable head, the K/V write, the threaded
-// dispatch over (row, head), and the ATen entry.
+// dispatch over (row, head), and the ATen entry. Each is a template over the cache's element type.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
 
 namespace fbs_attn {
-void head_scalar(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
-                 float* o) {
+void check_kv_type(at::ScalarType t, const char* who) {
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, who,
+              ": KV caches must be float32, float16 or bfloat16 (kv_dtype fp32 / fp16 / bf16), got ", t);
+}
+
+template <class T>
+void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o) {
   for (int64_t j = 0; j < n; ++j) {
     float a = 0.f;
-    for (int64_t d = 0; d < hd; ++d) a += q[d] * K[j * hd + d];
+    for (int64_t d = 0; d < hd; ++d) a += q[d] * float(K[j * hd + d]);
     p[j] = a * scale;
   }
   float z;
   softmax_(p, n, &z);
   for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * V[j * hd + d];
+    for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * float(V[j * hd + d]);
   for (int64_t d = 0; d < hd; ++d) o[d] /= z;
 }
 
-void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
-              const int64_t* I, const int64_t* L, float* KC, float* VC, int64_t Hkv, int64_t C, int64_t hd) {
+namespace {
+// n fp32 values as T (c10's conversions: round to nearest even, what a PyTorch cast computes)
+template <class T>
+void store_t(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+}
+
+template <class T>
+void write_kv_t(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
+                const int64_t* I, const int64_t* L, T* KC, T* VC, int64_t Hkv, int64_t C, int64_t hd) {
   const int64_t rs = Hkv * C * hd, hs = C * hd;  // cache row and head strides
   for (int64_t i = 0; i < b; ++i)
     for (int64_t g = 0; g < Hkv; ++g) {
       const int64_t at_ = I[i] * rs + g * hs + L[i] * hd;
-      std::copy_n(K + i * ks0 + g * ks1, hd, KC + at_);
-      std::copy_n(V + i * vs0 + g * vs1, hd, VC + at_);
+      store_t(K + i * ks0 + g * ks1, hd, KC + at_);
+      store_t(V + i * vs0 + g * vs1, hd, VC + at_);
     }
+}
+}  // namespace
+
+void store(const float* src, int64_t n, void* dst, at::ScalarType kt) {
+  check_kv_type(kt, "fbs attention kernel");
+  if (kt == at::kFloat)
+    std::copy_n(src, n, static_cast<float*>(dst));
+  else if (kt == at::kHalf)
+    store_t(src, n, static_cast<at::Half*>(dst));
+  else
+    store_t(src, n, static_cast<at::BFloat16*>(dst));
+}
+
+void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
+              const int64_t* I, const int64_t* L, void* KC, void* VC, at::ScalarType kt, int64_t Hkv, int64_t C,
+              int64_t hd) {
+  check_kv_type(kt, "fbs attention kernel");
+  if (kt == at::kFloat)
+    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<float*>(KC), static_cast<float*>(VC), Hkv, C, hd);
+  else if (kt == at::kHalf)
+    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<at::Half*>(KC), static_cast<at::Half*>(VC), Hkv, C,
+               hd);
+  else
+    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<at::BFloat16*>(KC), static_cast<at::BFloat16*>(VC),
+               Hkv, C, hd);
 }
 
 namespace {
 #ifdef FBS_X86
 // attend() for hd a multiple of 64 with AVX-512: queries grouped by the K/V they read (attention.h).
+template <class T>
 void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m,
-                    int64_t H, const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale,
-                    float* O) {
+                    int64_t H, const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* O) {
   const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
   // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h)
   std::vector<int64_t> cache_rows;
@@ -112,20 +150,20 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
   }
 }
 #endif
-}  // namespace
 
-void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-            const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O) {
-  auto head = head_scalar;
+template <class T>
+void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+              const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O) {
+  auto head = head_scalar<T>;
 #ifdef FBS_X86
   if (isa == fbs::kIsaAvx512 && hd % 64 == 0 && hd <= kMaxHd) {
     attend_grouped(Q, qs0, qs1, I, L, m, H, KC, VC, Hkv, C, hd, scale, O);
     return;
   }
   if (isa == fbs::kIsaAvx512 && hd % 16 == 0 && hd <= kMaxHd)
-    head = head_avx512;
+    head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*)>(head_avx512);
   else if (isa >= fbs::kIsaAvx2 && hd % 8 == 0 && hd <= kMaxHd)
-    head = head_avx2;
+    head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*)>(head_avx2);
 #endif
   const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
   at::parallel_for(0, m * H, 1, [&](int64_t t0, int64_t t1) {
@@ -137,14 +175,33 @@ void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const in
     }
   });
 }
+}  // namespace
+
+void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+            const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
+            int64_t isa, float* O) {
+  check_kv_type(kt, "fbs attention kernel");
+  if (kt == at::kFloat)
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const float*>(KC), static_cast<const float*>(VC), Hkv, C, hd, scale,
+             isa, O);
+  else if (kt == at::kHalf)
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::Half*>(KC), static_cast<const at::Half*>(VC), Hkv, C, hd,
+             scale, isa, O);
+  else
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), static_cast<const at::BFloat16*>(VC), Hkv,
+             C, hd, scale, isa, O);
+}
 }  // namespace fbs_attn
 
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                       const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa) {
-  for (const at::Tensor* t : {&q, &k, &v, &kc, &vc})
+  for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(-1) == 1 && t->device().is_cpu(),
-                "fbs attention kernel: 4-d fp32 CPU tensors with a unit last stride");
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes(), "fbs attention kernel: caches");
+                "fbs attention kernel: q, k, v 4-d fp32 CPU tensors with a unit last stride");
+  fbs_attn::check_kv_type(kc.scalar_type(), "fbs attention kernel");
+  TORCH_CHECK(kc.dim() == 4 && kc.device().is_cpu() && kc.is_contiguous() && vc.is_contiguous() &&
+                  kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(),
+              "fbs attention kernel: caches (B, Hkv, C, hd) contiguous CPU tensors of one shape and dtype");
   TORCH_CHECK(idx.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "fbs attention kernel: int64 rows");
   const int64_t b = q.size(0), H = q.size(1), hd = q.size(3), Hkv = kc.size(1), C = kc.size(2);
   TORCH_CHECK(H % Hkv == 0 && k.size(1) == Hkv && kc.size(3) == hd, "fbs attention kernel: head shapes");
@@ -153,9 +210,9 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && L[i] >= 0 && L[i] < C, "fbs attention kernel: slot out of range");
   fbs_attn::write_kv(k.data_ptr<float>(), k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), b, I,
-                     L, kc.data_ptr<float>(), vc.data_ptr<float>(), Hkv, C, hd);
+                     L, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), Hkv, C, hd);
   auto out = at::empty({b, 1, H * hd}, q.options());
-  fbs_attn::attend(q.data_ptr<float>(), q.stride(0), q.stride(1), I, L, b, H, kc.data_ptr<float>(),
-                   vc.data_ptr<float>(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>());
+  fbs_attn::attend(q.data_ptr<float>(), q.stride(0), q.stride(1), I, L, b, H, kc.data_ptr(), vc.data_ptr(),
+                   kc.scalar_type(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>());
   return out;
 }

@@ -1,7 +1,9 @@
 // One new token per row attends over its cache prefix (GQA), after writing its own K/V at its slot:
 //   kc[idx[i], g, slot[i]] = k[i, g, 0];  vc likewise
 //   out[i, 0, h*hd:(h+1)*hd] = softmax(scale * q[i, h] . kc[idx[i], g(h), 0..slot[i]]) @ vc[idx[i], g(h), 0..slot[i]]
-// with g(h) = h / (H / Hkv). fp32; every tensor's last dimension unit-strided, caches contiguous (B, Hkv, C, hd).
+// with g(h) = h / (H / Hkv). Queries, new K/V and the output fp32; the caches contiguous (B, Hkv, C, hd) in fp32,
+// fp16 or bf16 (a half-precision cache: entries rounded to nearest even when written, converted to fp32 in
+// registers when read, every sum in fp32); every tensor's last dimension unit-strided.
 // With AVX-512 and hd a multiple of 64, the queries that read the same cached K/V (the heads of one KV head, and
 // the positions of one sequence in a multi-token step) are one group: each cached key and value is loaded once
 // for all of them. A group's keys may be split into ranges (so that both threads have work when there are few
@@ -26,31 +28,47 @@ inline void softmax_(float* p, int64_t n, float* z) {
   *z = s;
 }
 
+// A cache's elements are float, at::Half (fp16) or at::BFloat16 (bf16): scalar types kFloat, kHalf, kBFloat16;
+// any other fails here with an error naming ``who``.
+void check_kv_type(at::ScalarType t, const char* who);
+
 // One query head q (hd) over n cached keys K and values V (n, hd): o (hd) = softmax(scale q . K) @ V; p: n floats
 // of scratch. Portable, and per instruction set (arch/x86/attention_*.cpp: hd a multiple of 16 or 8, <= kMaxHd).
-void head_scalar(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
-                 float* o);
+template <class T>
+void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o);
 #ifdef FBS_X86
-void head_avx512(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p,
-                 float* o);
-void head_avx2(const float* q, const float* K, const float* V, int64_t n, int64_t hd, float scale, float* p, float* o);
+// Overloads per cache element type: float, at::Half, at::BFloat16 (FBS_KV_OVERLOADS).
+#define FBS_KV_OVERLOADS(DECL) DECL(float) DECL(at::Half) DECL(at::BFloat16)
+#define FBS_HEAD_DECL(T)                                                                                          \
+  void head_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o); \
+  void head_avx2(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o);
 // A group of nq queries (q[i], hd floats each, already multiplied by the softmax scale) over keys k0 .. k1 - 1 of
 // one cached K/V head (K, V (C, hd)), query i seeing keys up to last[i] only (hd a multiple of 64). Per query its
 // partial softmax: part[i] = (m, z, acc[hd]) with m the largest score seen, z = sum exp(s - m) and
 // acc = sum exp(s - m) v (m = -inf, z = 0, acc = 0 when it sees none of these keys). s: nq * (k1 - k0) floats of
 // scratch. (arch/x86/attention_avx512.cpp)
-void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const float* K, const float* V, int64_t k0,
-                  int64_t k1, int64_t hd, float* s, float* part);
+#define FBS_GROUP_DECL(T)                                                                                       \
+  void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0, \
+                    int64_t k1, int64_t hd, float* s, float* part);
+FBS_KV_OVERLOADS(FBS_HEAD_DECL)
+FBS_KV_OVERLOADS(FBS_GROUP_DECL)
+#undef FBS_HEAD_DECL
+#undef FBS_GROUP_DECL
 #endif
 
-// K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i]
+// K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i] of
+// KC / VC, whose elements are of type kt (rounded to nearest even when half)
 void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
-              const int64_t* I, const int64_t* L, float* KC, float* VC, int64_t Hkv, int64_t C, int64_t hd);
+              const int64_t* I, const int64_t* L, void* KC, void* VC, at::ScalarType kt, int64_t Hkv, int64_t C,
+              int64_t hd);
+// n fp32 values stored at dst, an array of type kt
+void store(const float* src, int64_t n, void* dst, at::ScalarType kt);
 
 // m queries (row j, head h at Q + j * qs0 + h * qs1) attend over slots 0..L[j] of cache row I[j] (GQA), one task
-// per (row, head); O (m, H * hd), the heads side by side
+// per (row, head); O (m, H * hd), the heads side by side; KC / VC of element type kt
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-            const float* KC, const float* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O);
+            const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
+            int64_t isa, float* O);
 }  // namespace fbs_attn
 
 // See fbs.native.attend_one.

@@ -86,19 +86,24 @@ void Layer::set_gate(int64_t index, int64_t off, int64_t width, std::optional<at
 
 void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const { w.mm(X, M, Y, isa); }
 
-// K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
+// K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n). The
+// rotation is computed in fp32; a half-precision cache stores its result rounded (fbs_attn::store).
 void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
                      const int64_t* SL) const {
   const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
-  float* KC = kc.data_ptr<float>();
-  float* VC = vc.data_ptr<float>();
+  const at::ScalarType kt = kc.scalar_type();
+  const int64_t es = kc.element_size();
+  char* KC = static_cast<char*>(kc.data_ptr());
+  char* VC = static_cast<char*>(vc.data_ptr());
+  float kr[256];
   for (int64_t i = 0; i < st.b; ++i) {
     if (!write[i]) continue;
     for (int64_t g = 0; g < nkv; ++g) {
-      float* kd = KC + st.idx[i] * rs + g * hs + SL[i] * hd;
-      std::copy_n(Y + i * nk + g * hd, hd, kd);
-      rope(kd, st.cos + i * hd, st.sin + i * hd, hd);
-      std::copy_n(Y + i * nk + w + g * hd, hd, VC + st.idx[i] * rs + g * hs + SL[i] * hd);
+      const int64_t at_ = (st.idx[i] * rs + g * hs + SL[i] * hd) * es;
+      std::copy_n(Y + i * nk + g * hd, hd, kr);
+      rope(kr, st.cos + i * hd, st.sin + i * hd, hd);
+      fbs_attn::store(kr, hd, KC + at_, kt);
+      fbs_attn::store(Y + i * nk + w + g * hd, hd, VC + at_, kt);
     }
   }
 }
@@ -122,8 +127,8 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
     rows[j] = st.idx[sel[j]];
     lens[j] = SL[sel[j]];
   }
-  fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr<float>(), vc.data_ptr<float>(),
-                   nkv, C, hd, scale, st.isa, att.data());
+  fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr(), vc.data_ptr(),
+                   kc.scalar_type(), nkv, C, hd, scale, st.isa, att.data());
   mm(att.data(), m, o, H, st.isa);
   for (int64_t j = 0; j < m; ++j) {
     const float* xi = X + sel[j] * d;
@@ -235,10 +240,11 @@ Step make_step(const at::Tensor& x, int64_t d, int64_t hd, const at::Tensor& cos
 }
 
 void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
-  TORCH_CHECK(kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_contiguous() &&
+  fbs_attn::check_kv_type(kc.scalar_type(), "fbs native layer");
+  TORCH_CHECK(vc.scalar_type() == kc.scalar_type() && kc.device().is_cpu() && kc.is_contiguous() &&
                   vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == L.nkv &&
                   kc.size(3) == L.hd,
-              "fbs native layer: KV caches (B, Hkv, C, hd) fp32, contiguous");
+              "fbs native layer: KV caches (B, Hkv, C, hd) contiguous CPU tensors of one dtype");
 }
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
@@ -340,8 +346,8 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
                       t->size(3) == L.hd && t->stride(3) == 1,
                   "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
     fbs_attn::write_kv(k->data_ptr<float>(), k->stride(0), k->stride(1), v->data_ptr<float>(), v->stride(0),
-                       v->stride(1), b, st.idx, SL, kc.data_ptr<float>(), vc.data_ptr<float>(), L.nkv, kc.size(2),
-                       L.hd);
+                       v->stride(1), b, st.idx, SL, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), L.nkv,
+                       kc.size(2), L.hd);
   } else {
     std::vector<float> y(b * nk);
     L.mm(XN, b, L.kvg, y.data(), isa);

@@ -1,19 +1,24 @@
-// One query head's attention with AVX-512: 16 floats of the head dimension per register.
+// One query head's attention, and a group of queries over one cached K/V head, with AVX-512: 16 floats of the head
+// dimension per register, the cache's fp16 / bf16 entries converted to fp32 as they are loaded.
 #include "../../attention.h"
 
 #ifdef FBS_X86
-#include <immintrin.h>
+#include "avx512.h"
 
 namespace fbs_attn {
-__attribute__((target("avx512f,fma"))) void head_avx512(const float* q, const float* K, const float* V, int64_t n,
-                                                        int64_t hd, float scale, float* p, float* o) {
+#define FBS_A512 __attribute__((target("avx512f,fma")))
+using fbs_x86::load16;
+
+namespace {
+template <class T>
+FBS_A512 void head_t(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o) {
   const int64_t nc = hd / 16;
   __m512 qv[kMaxHd / 16], acc[kMaxHd / 16];
   for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = K + j * hd;
-    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
+    const T* k = K + j * hd;
+    __m512 a = _mm512_mul_ps(qv[0], load16(k));
+    for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
     p[j] = _mm512_reduce_add_ps(a);
   }
   float z;
@@ -21,21 +26,13 @@ __attribute__((target("avx512f,fma"))) void head_avx512(const float* q, const fl
   for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const __m512 w = _mm512_set1_ps(p[j]);
-    const float* v = V + j * hd;
-    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    const T* v = V + j * hd;
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
   }
   const __m512 iz = _mm512_set1_ps(1.0f / z);
   for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], iz));
 }
-}  // namespace fbs_attn
-#endif
 
-#ifdef FBS_X86
-#include "avx512.h"
-
-namespace fbs_attn {
-namespace {
-#define FBS_A512 __attribute__((target("avx512f,fma")))
 using fbs_x86::exp16;
 
 // 16 vectors -> one: lane t = the sum of v[t]'s lanes (a transposing reduction, 45 shuffles / adds for 16 sums)
@@ -52,15 +49,14 @@ FBS_A512 inline __m512 reduce16(const __m512* v) {
 }
 
 // acc[i] += sum_j p[i][j] V[j] over keys 0 .. n - 1 (V rows of hd floats, columns c0 .. c0 + 63) for QC queries
-template <int QC>
-FBS_A512 void pv(const float* const* p, const float* V, int64_t n, int64_t hd, int64_t c0, float* const* acc) {
+template <int QC, class T>
+FBS_A512 void pv(const float* const* p, const T* V, int64_t n, int64_t hd, int64_t c0, float* const* acc) {
   __m512 a[QC][4];
   for (int i = 0; i < QC; ++i)
     for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(acc[i] + c0 + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = V + j * hd + c0;
-    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                 v3 = _mm512_loadu_ps(v + 48);
+    const T* v = V + j * hd + c0;
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int i = 0; i < QC; ++i) {
       const __m512 w = _mm512_set1_ps(p[i][j]);
       a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
@@ -72,15 +68,14 @@ FBS_A512 void pv(const float* const* p, const float* V, int64_t n, int64_t hd, i
   for (int i = 0; i < QC; ++i)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc[i] + c0 + 16 * c, a[i][c]);
 }
-}  // namespace
-
-FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const float* K, const float* V,
-                           int64_t k0, int64_t k1, int64_t hd, float* s, float* part) {
+template <class T>
+FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0,
+                           int64_t k1, int64_t hd, float* s, float* part) {
   const int64_t kn = k1 - k0, nc = hd / 16, ps = hd + 2;
   // scores s[i][j - k0] = q_i . K_j, 16 keys at a time; a block's last keys past k1 repeat key k1 - 1 (not stored)
   for (int64_t jb = k0; jb < k1; jb += 16) {
     const int64_t nb = std::min<int64_t>(16, k1 - jb);
-    const float* kr[16];
+    const T* kr[16];
     for (int t = 0; t < 16; ++t) kr[t] = K + std::min(jb + t, k1 - 1) * hd;
     const __mmask16 mask = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
     for (int64_t i = 0; i < nq; ++i) {
@@ -88,7 +83,7 @@ FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t n
       for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
       for (int64_t c = 0; c < nc; ++c) {
         const __m512 qc = _mm512_loadu_ps(q[i] + 16 * c);
-        for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kr[t] + 16 * c), a[t]);
+        for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qc, load16(kr[t] + 16 * c), a[t]);
       }
       _mm512_mask_storeu_ps(s + i * kn + (jb - k0), mask, reduce16(a));
     }
@@ -129,7 +124,7 @@ FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t n
       aa[i] = part + (i0 + i) * ps + 2;
     }
     for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-      const float* Vk = V + k0 * hd;
+      const T* Vk = V + k0 * hd;
       switch (qc) {
         case 1: pv<1>(pp, Vk, kn, hd, c0, aa); break;
         case 2: pv<2>(pp, Vk, kn, hd, c0, aa); break;
@@ -141,5 +136,20 @@ FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t n
     }
   }
 }
+
+}  // namespace
+
+#define FBS_ATTN_DEFS(T)                                                                                           \
+  FBS_A512 void head_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p,   \
+                            float* o) {                                                                           \
+    head_t(q, K, V, n, hd, scale, p, o);                                                                          \
+  }                                                                                                               \
+  FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V,       \
+                             int64_t k0, int64_t k1, int64_t hd, float* s, float* part) {                         \
+    group_t(q, last, nq, K, V, k0, k1, hd, s, part);                                                              \
+  }
+FBS_KV_OVERLOADS(FBS_ATTN_DEFS)
+#undef FBS_ATTN_DEFS
+#undef FBS_A512
 }  // namespace fbs_attn
 #endif

@@ -1,6 +1,8 @@
 // AVX-512 helpers shared by the AVX-512 kernels.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 namespace fbs_x86 {
@@ -22,4 +24,14 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// 16 consecutive values as fp32: fp32 as they are, fp16 by the one conversion instruction (F16C's, in AVX-512F),
+// bf16 by widening to 32 bits and shifting into the upper half (exact)
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
 }  // namespace fbs_x86
