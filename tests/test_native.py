@@ -402,3 +402,34 @@ def test_native_attention_of_consecutive_positions_equals_sdpa(isa, hd, threads)
                                                             attn_mask=valid[3:4], scale=0.2, enable_gqa=True)
     assert (late.transpose(1, 2).reshape(1, 1, -1) - ref[:1]).abs().max() > 50 * tol
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_attention_of_a_query_does_not_depend_on_its_call(isa, threads):
+    """A query's attention output is the same, bit for bit, whether it runs alone (a one-token decode step) or next
+    to other positions of its sequence (a verifier's multi-token step) and other rows (a batch): the grouped kernel
+    splits keys into ranges at fixed offsets, so what a query sums, and in which order, depends on its own prefix
+    only. Greedy speculative decoding is exact only if this holds."""
+    g = torch.Generator().manual_seed(threads)
+    B, H, Hkv, hd, C = 3, 9, 3, 64, 900
+    kc, vc = torch.randn(B, Hkv, C, hd, generator=g), torch.randn(B, Hkv, C, hd, generator=g)
+    idx = torch.tensor([1, 1, 1, 1, 0, 2])       # four positions of cache row 1, one of rows 0 and 2
+    slots = torch.tensor([611, 612, 613, 614, 40, 850])
+    b = idx.numel()
+    q = torch.randn(b, 1, H, hd, generator=g).transpose(1, 2) * 3
+    k = torch.randn(b, 1, Hkv, hd, generator=g).transpose(1, 2) * 2
+    v = torch.randn(b, Hkv, 1, hd, generator=g) * 4
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.125)
+        for i in range(b):  # alone, over the cache the batched call filled
+            kr, vr = kc.clone(), vc.clone()
+            one = native.attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], kr, vr, idx[i:i + 1], slots[i:i + 1], 0.125)
+            assert torch.equal(one[0], got[i]), i
+            # and with the other positions of its row only (as verification without a batch)
+            row = (idx == idx[i]).nonzero().flatten()
+            part = native.attend_one(q[row], k[row], v[row], kc.clone(), vc.clone(), idx[row], slots[row], 0.125)
+            assert torch.equal(part[(row == i).nonzero().item()], got[i]), i
+    finally:
+        torch.set_num_threads(n)

@@ -103,12 +103,11 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
     for (int64_t d = 0; d < hd; ++d) qsc[i * hd + d] = src[d] * scale;
     qlast[i] = L[qj[i]];
   }
-  // key ranges per group: enough tasks for every thread, none shorter than 128 keys
+  // key ranges per group at fixed offsets (kKeyRange keys each), not sized by the call: a query then sums the same
+  // keys in the same order whichever other queries (positions, rows) share its call
   int64_t longest = 0;
   for (int64_t u = 0; u < G; ++u) longest = std::max(longest, last[u] + 1);
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(1, std::min((2 * threads + G - 1) / G, (longest + 127) / 128));
-  const int64_t span = (longest + splits - 1) / splits;
+  const int64_t span = kKeyRange, splits = std::max<int64_t>(1, (longest + span - 1) / span);
   std::vector<float> part(splits * nq * ps);
   at::parallel_for(0, G * splits, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s;

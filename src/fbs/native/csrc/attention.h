@@ -6,8 +6,10 @@
 // registers when read, every sum in fp32); every tensor's last dimension unit-strided.
 // With AVX-512 and hd a multiple of 64, the queries that read the same cached K/V (the heads of one KV head, and
 // the positions of one sequence in a multi-token step) are one group: each cached key and value is loaded once
-// for all of them. A group's keys may be split into ranges (so that both threads have work when there are few
-// groups), each range giving partial softmax sums that are merged exactly (max-shifted) at the end.
+// for all of them. A group's keys are split into ranges of kKeyRange keys at fixed offsets (tasks for every thread
+// at any context), each range giving partial softmax sums that are merged (max-shifted) at the end, in range order.
+// The ranges do not depend on the call, so a query's output is bit-identical whether it runs alone (a one-token
+// step), with other positions of its sequence (a verifier's multi-token step) or with other rows (a batch).
 // Otherwise one task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
 #pragma once
 
@@ -15,6 +17,7 @@
 
 namespace fbs_attn {
 constexpr int64_t kMaxHd = 256;
+constexpr int64_t kKeyRange = 128;  // keys per range of the grouped kernel
 
 // p[0..n) = exp(p - max p) in place; *z = their sum
 inline void softmax_(float* p, int64_t n, float* z) {
