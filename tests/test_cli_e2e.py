@@ -100,7 +100,10 @@ def test_info_json_counts_and_config(saved, capsys):
 def test_missing_checkpoint_is_a_clear_error(saved, capsys, tmp_path):
     code, out, err = run_cli(capsys, ["info", "--model", saved.base, "--checkpoint", str(tmp_path / "none")])
     assert code == 2 and out == ""
-    assert "is not an FBS checkpoint: expected fbs_config.json and fbs_model.safetensors" in err
+    assert f"checkpoint {tmp_path / 'none'} does not exist: pass the directory that save_pretrained" in err
+    (tmp_path / "empty").mkdir()  # a directory that is not a checkpoint
+    code, out, err = run_cli(capsys, ["info", "--model", saved.base, "--checkpoint", str(tmp_path / "empty")])
+    assert code == 2 and "is not an FBS checkpoint: expected fbs_config.json and fbs_model.safetensors" in err
 
 
 # --------------------------------------------------------------------------- fbs generate

@@ -149,7 +149,7 @@ def probe_eval_data(corpus_dir, split: str, tokenizer, seq_len: int, n: int | No
 def cmd_ch(args) -> int:
     from fbs.data.cli import progress_bar
     from fbs.data.sources import SourceError
-    from fbs.model.loading import choose_checkpoint, load_fbs
+    from fbs.model.loading import choose_checkpoint, load_fbs, shipped_variants
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,8 +157,9 @@ def cmd_ch(args) -> int:
     try:
         ckpt = choose_checkpoint(args.model, args.checkpoint)
         if ckpt is None:
-            raise ValueError(f"no trained FBS checkpoint for --model {args.model}: no weights are shipped for it; "
-                             "pass --checkpoint DIR")
+            names = shipped_variants(args.model)
+            raise ValueError(f"no trained FBS checkpoint for --model {args.model}: no default weights are shipped for "
+                             "it; pass --checkpoint DIR" + (f" or a shipped variant: {', '.join(names)}" if names else ""))
         model = load_fbs(args.model, ckpt)
         layer = resolve_ch_layer(model, args.layer)
         evaluation, items = probe_eval_data(args.corpus, args.eval_split, model.tokenizer, args.seq_len,
