@@ -23,26 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_ppl import held_out_text  # noqa: E402  (the same held-out text)
+from weights_ppl import block_nll  # noqa: E402  (the teacher-forced scoring, one token per step)
 
 from fbs import native  # noqa: E402
-from fbs.engine.loop import start  # noqa: E402
 from fbs.model.loading import load_fbs  # noqa: E402
 from fbs.provenance import provenance  # noqa: E402
-
-
-def chunk_nll(model, ids: list[int], weights: str, kv_dtype: str, gate_from: int) -> float:
-    """Mean NLL of ids[gate_from:]: ids[:gate_from] prefilled, the rest teacher-forced one token per step."""
-    n = len(ids) - gate_from
-    dec = start(model, [ids[:gate_from]], None, None, dict(max_new_tokens=n, weights=weights, force_compute=True,
-                                                           ignore_eos=True, kv_dtype=kv_dtype))
-    total = 0.0
-    with torch.inference_mode():
-        logits = torch.stack(dec.prefill())
-        for step, tok in enumerate(ids[gate_from:]):
-            total -= float(torch.log_softmax(logits.float(), -1)[0, tok])
-            if step + 1 < n:
-                logits = dec.decode_step(step, [tok])
-    return total / n
 
 
 def main() -> None:
@@ -72,7 +57,7 @@ def main() -> None:
         rows[fmt] = {}
         for kvd in kv_dtypes:
             t0 = time.perf_counter()
-            nll = [chunk_nll(model, c, fmt, kvd, args.ctx // 2 + 1) for c in chunks]
+            nll = [block_nll(model, c, fmt, args.ctx // 2 + 1, kvd) for c in chunks]
             r = rows[fmt][kvd] = {"ppl": math.exp(sum(nll) / len(nll)), "chunk_nll": nll,
                                   "seconds_under_load": time.perf_counter() - t0}
             ref = rows[fmt]["fp32"]
