@@ -196,20 +196,22 @@ def test_a_multi_token_step_equals_one_token_steps(fmt, policy):
         assert torch.equal(many.k[l][0], one.k[l][0])  # the other row untouched
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q4"])
+@pytest.mark.parametrize("fmt", ["int8", "q4", "q8"])
 def test_speculative_verification_in_native_steps_equals_full_depth(fmt):
     """Lossless self-drafting verifies drafts in multi-token native steps of the same format: its greedy output is
-    full-depth decoding's in that format, token for token."""
+    full-depth decoding's in that format, and so are its logits, bit for bit (a PAW layer and a CH layer included:
+    their products, norms and chunk steps give a position the same bits alone or among the T verified ones). Only
+    that makes the output equal on a real model, where near-ties are common."""
     require_native("avx2")
-    model = randomize(fbs_tiny(seed=7, layers=8, ch_layers=(6,)), seed=8, scale=0.1)
+    model = randomize(fbs_tiny(seed=7, layers=8, paw_layers=(1,), ch_layers=(6,)), seed=8, scale=0.1)
     prompts = [torch.randint(0, 255, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 7)]
     kw = dict(max_new_tokens=16, ignore_eos=True, weights=fmt, output_scores=True)
     ref = model.generate(prompts, force_compute=True, **kw)
     out = model.generate(prompts, lossless=True, **kw)
     assert out.speculative.rejections > 0 and len(set(ref.new_tokens[0])) > 1
     assert out.new_tokens == ref.new_tokens
-    for a, b in zip(out.scores, ref.scores):  # the verifier's logits are decoding's, to float rounding
-        assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
+    for a, b in zip(out.scores, ref.scores):
+        assert torch.equal(a, b)
     fp32 = model.generate(prompts, force_compute=True, **{**kw, "weights": "fp32"})
     assert max((a - b).abs().max() for a, b in zip(fp32.scores, ref.scores)) > 1e-3  # the format is visible
 

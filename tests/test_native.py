@@ -191,6 +191,23 @@ def test_native_rms_norm_equals_hf(kernel):
     assert torch.allclose(native.rms_norm(x, norm.weight.detach(), 1e-5), norm(x).detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("n, k, bias", [(1, 40, True), (64, 16, False), (1024, 64, False), (7, 576, True)])
+def test_row_independent_products(kernel, n, k, bias):
+    """linear_rows: the float64 product within fp32 rounding, and each row's bits the same whether it is computed
+    alone or among M rows (a batch of 3-d rows too): torch's GEMM does not promise the second."""
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(2, 9, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = native.linear_rows(x, w, b)
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert y.shape == (2, 9, n) and torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    for i in range(2):
+        for j in range(9):
+            assert torch.equal(native.linear_rows(x[i, j:j + 1], w, b)[0], y[i, j])
+    with pytest.raises(RuntimeError, match="weight"):
+        native.linear_rows(x, w[:, :-1])
+
+
 def test_status_records_what_the_engine_runs_with(kernel, monkeypatch):
     st = native.status()
     assert st["enabled"] and st["loaded"] and st["build_error"] is None

@@ -172,6 +172,9 @@ class CacheContext:
     #: several new tokens per row run the native layers of the decode format (a speculative verifier sets it;
     #: :func:`fbs.engine.fused.full_depth`), not the HF modules' GEMMs of a prefill
     native_many = False
+    #: the row-independent product PAW computes with (:func:`fbs.native.linear_rows`; the decoder sets it for its
+    #: steps and a verifier's passes, so that a position gets the same bits alone or among T). None: torch's
+    linear = None
 
     def __init__(self, cache: KVCache, chunks: dict[int, ChunkState], rows: list[int], positions: list[list[int]],
                  cos: torch.Tensor, sin: torch.Tensor, policy: str, preview_emb=None, preview_keys=None,
@@ -278,6 +281,14 @@ class CacheContext:
             return out
         if self.native_chunk and xn.shape[1] == 1 and self.trail is None:
             return ChunkOut(*native.chunk_step(head, xn, rows, self.chunks[l]), None, None)
+        if self.native_chunk:  # several tokens (a verifier's): the native step of each, as decoding runs them
+            steps = []
+            for j in range(xn.shape[1]):
+                steps.append(native.chunk_step(head, xn[:, j:j + 1], rows, self.chunks[l]))
+                if self.trail is not None:
+                    self.trail.setdefault(l, []).append(self.chunks[l].select(rows))
+            c, logits, bound = zip(*steps)
+            return ChunkOut(torch.cat(c, 1), torch.cat(logits, 1), torch.stack(bound, 1), None, None)
         state = self.chunks[l].select(rows)
         steps = []
         for j in range(xn.shape[1]):  # tokens after cached ones: one online step each

@@ -44,6 +44,7 @@ from .fused import WEIGHTS, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
 from ..model.chunk import ChunkState
 from ..model.layer import COMPUTE, Mix, layer_step
+from .. import native
 from ..model.skip import BATCH_POLICIES, batch_run, gated_layers, logit_threshold, planned_skip, skips
 
 logger = logging.getLogger(__name__)
@@ -476,10 +477,15 @@ class Decoder:
         return KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev,
                        kv_storage_dtype(self.opts.kv_dtype, dtype), self.kv, rope, compute_dtype=dtype)
 
-    def context(self, rows: list[int], positions: list[list[int]], cos, sin) -> CacheContext:
+    def context(self, rows: list[int], positions: list[list[int]], cos, sin, prefill: bool = False) -> CacheContext:
+        """The cache context of a step (or, ``prefill``, of a prompt chunk) of ``rows`` at ``positions``. Where the
+        ops run native layers, the chunk head steps natively and PAW computes row by row (decoding and a verifier's
+        passes then give a position the same bits, whatever else shares the call); a prefill keeps torch's GEMMs."""
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
                            self.m.base.scaling)
-        ctx.native_chunk = self.ops.native_chunk  # the ops' one-token chunk head runs natively
+        ctx.native_chunk = self.ops.native_chunk
+        if ctx.native_chunk and not prefill:
+            ctx.linear = native.linear_rows
         return ctx
 
     # ---- prefill ------------------------------------------------------------
@@ -504,7 +510,7 @@ class Decoder:
                 pos = torch.arange(s, e, device=self.dev).expand(len(rows), e - s)
                 x = ops.embed(prompt[:, s:e])
                 cos, sin = ops.rope(x, pos)
-                ctx = self.context(rows, [list(range(s, e))] * len(rows), cos, sin)
+                ctx = self.context(rows, [list(range(s, e))] * len(rows), cos, sin, prefill=True)
                 for l in range(self.L):
                     if tap is not None:
                         tap(l, rows, x)

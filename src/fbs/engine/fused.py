@@ -599,7 +599,9 @@ class FusedOps(LayerByLayer):
         return x.shape[1] == 1 and isinstance(ctx, CacheContext)
 
     def norm1(self, l: int, x: torch.Tensor) -> torch.Tensor:
-        return _rms(x, self.layers[l].ln1, self.eps, self._k_pre["native_step"] and x.shape[1] == 1)
+        """RMSNorm_1 of any number of positions: natively in the native formats (row by row, as the native layers
+        and one-token steps compute it, so that a verified position's norm is its decoded one's)."""
+        return _rms(x, self.layers[l].ln1, self.eps, self._k_pre["native_step"])
 
     def attends_natively(self, l: int) -> bool:
         """One-token attention and FFN of layer l run as the two native halves of its :class:`fbs.native.NativeLayer`

@@ -131,7 +131,8 @@ def layer_step(model, ops, l: int, x: torch.Tensor, ctx, mix: Mix = COMPUTE, *, 
     h = ops.attention(l, x, xn, ctx, hole, kv)
     paw = ch = None
     if key in model.paw:
-        paw = model.paw[key](xn, ctx.preview_emb, ctx.preview_keys[key], soft=ctx.soft_window, truncate=ctx.truncate)
+        paw = model.paw[key](xn, ctx.preview_emb, ctx.preview_keys[key], soft=ctx.soft_window, truncate=ctx.truncate,
+                             linear=ctx.linear)
         h = h + paw.z
         hard = mix.skip if mix.granularity == "layer" else None
         zlow = paw.zlow if hard is None or zlow is None else torch.where(hard.unsqueeze(-1), zlow, paw.zlow)
@@ -195,6 +196,7 @@ class SequenceContext:
     """
 
     truncate = False
+    linear = None  # PAW's products: torch's
 
     def __init__(self, base, cos, sin, keymask: torch.Tensor | None, policy: str, soft_window: bool,
                  preview_emb=None, preview_keys=None, bios_labels: torch.Tensor | None = None):

@@ -17,6 +17,7 @@ skip gates read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import FBSConfig
+
+Linear = Callable[..., torch.Tensor]  # (x, w, b=None) -> x w^T + b, as F.linear
 
 
 class PreviewOut(NamedTuple):
@@ -72,11 +75,12 @@ class ParafoveaWindow(nn.Module):
         self.n_classes = n + 1
 
     # ------------------------------------------------------------------
-    def window_size(self, xn: torch.Tensor) -> torch.Tensor:
+    def window_size(self, xn: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:
         """k~ (B, T) in [0, k_max]."""
         if self.fixed_k is not None:
             return xn.new_full(xn.shape[:-1], float(self.fixed_k))
-        return self.k_max * torch.sigmoid(self.window(xn).squeeze(-1))
+        s = self.window(xn) if linear is None else linear(xn, self.window.weight, self.window.bias)
+        return self.k_max * torch.sigmoid(s.squeeze(-1))
 
     def window_weights(self, k_soft: torch.Tensor, soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
         # k_hard = floor(k~); the hard window includes horizons r <= k_hard
@@ -86,25 +90,31 @@ class ParafoveaWindow(nn.Module):
         r = torch.arange(1, self.k_max + 1, device=k_soft.device)
         return (r <= k_hard.unsqueeze(-1)).to(k_soft.dtype), k_hard
 
-    def horizon_logits(self, xn: torch.Tensor, vocab_keys: torch.Tensor, horizons: int) -> torch.Tensor:
+    def horizon_logits(self, xn: torch.Tensor, vocab_keys: torch.Tensor, horizons: int,
+                       linear: Linear | None = None) -> torch.Tensor:
         """(B, T, horizons, N+1) logits for horizons 1..horizons. vocab_keys: (N, R) = P(E_V)."""
-        c = self.query(xn)  # (B, T, R)
         mix = self.horizon_mix[:horizons]  # (h, R, R)
-        q = c.unsqueeze(-2) + torch.einsum("btr,hrs->bths", c, mix) + self.horizon_bias[:horizons]  # (B, T, h, R)
-        logits = (q @ vocab_keys.t()) * self.head_scale  # (B, T, h, N)
+        if linear is None:
+            c = self.query(xn)  # (B, T, R)
+            q = c.unsqueeze(-2) + torch.einsum("btr,hrs->bths", c, mix) + self.horizon_bias[:horizons]  # (B, T, h, R)
+            logits = (q @ vocab_keys.t()) * self.head_scale  # (B, T, h, N)
+        else:  # the same products, each row on its own (c A_r = linear(c, A_r^T))
+            c = linear(xn, self.query.weight)
+            q = c.unsqueeze(-2) + torch.stack([linear(c, a.t()) for a in mix], dim=-2) + self.horizon_bias[:horizons]
+            logits = linear(q, vocab_keys) * self.head_scale
         other = self.other_logit[:horizons].view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
         return torch.cat([logits, other], dim=-1)  # (B, T, h, N+1)
 
-    def expected_embeddings(self, logits: torch.Tensor, vocab_emb: torch.Tensor) -> torch.Tensor:
+    def expected_embeddings(self, logits: torch.Tensor, vocab_emb: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
         """E^T p restricted to the top-K support of p. logits (..., N+1), vocab_emb (N, d) -> (..., d).
 
-        The 'other' class embeds to zero. Small inputs (decoding) gather K rows; large ones (training)
-        use a dense masked product, which computes the same sum.
+        The 'other' class embeds to zero. Small inputs (decoding) and ``rowwise`` calls gather K rows (each row's
+        sum on its own); large ones (training) use a dense masked product, which computes the same sum.
         """
         top_val, top_idx = logits.topk(self.top_k, dim=-1)  # (..., K)
         p = torch.softmax(top_val, dim=-1)
         n = vocab_emb.shape[0]
-        if top_idx.numel() // self.top_k <= 64:  # decoding: a handful of rows, one weighted bag of K rows each
+        if rowwise or top_idx.numel() // self.top_k <= 64:  # decoding: one weighted bag of K rows each
             other = top_idx == n                 # 'other' embeds to zero: weight 0 on any real row
             bags = F.embedding_bag(top_idx.masked_fill(other, 0).reshape(-1, self.top_k), vocab_emb, mode="sum",
                                    per_sample_weights=p.masked_fill(other, 0.0).reshape(-1, self.top_k))
@@ -113,43 +123,49 @@ class ParafoveaWindow(nn.Module):
         dense = torch.zeros_like(logits).scatter(-1, top_idx, p)
         return dense @ emb
 
-    def compress(self, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def compress(self, u: torch.Tensor, w: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:
         """u (B, T, h, d) horizon embeddings, w (B, T, h) window weights -> zlow (B, T, R)."""
         b, t, h, d = u.shape
+        down = self.down if linear is None else (lambda v: linear(v, self.down.weight))
         u = u * w.unsqueeze(-1)
         denom = w.sum(-1, keepdim=True).clamp_min(1.0)  # k = 0 gives zero preview
         if self.compression == "conv":
-            if b * t <= 64 and self.conv.groups == d and not torch.is_grad_enabled():  # decoding: depthwise, by hand
-                y = _depthwise3(u, self.conv.weight, self.conv.bias)  # (mkldnn's conv has a fixed cost per call)
+            by_hand = (linear is not None or b * t <= 64) and self.conv.groups == d and not torch.is_grad_enabled()
+            if by_hand:  # decoding: depthwise, by hand (mkldnn's conv has a fixed cost per call)
+                y = _depthwise3(u, self.conv.weight, self.conv.bias)
             else:
                 y = self.conv(u.reshape(b * t, h, d).transpose(1, 2)).transpose(1, 2).reshape(b, t, h, d)
             pooled = (y * w.unsqueeze(-1)).sum(-2) / denom
-            return self.down(pooled)
+            return down(pooled)
         if self.compression == "mean":
-            return self.down(u.sum(-2) / denom)
+            return down(u.sum(-2) / denom)
         if self.compression == "linear":
-            return (self.down(u) * w.unsqueeze(-1)).sum(-2) / denom
+            return (down(u) * w.unsqueeze(-1)).sum(-2) / denom
         # none: the whole (masked) window, padded to k_max, flattened
         if h < self.k_max:
             u = F.pad(u, (0, 0, 0, self.k_max - h))
-        return self.down(u.reshape(b, t, self.k_max * d))
+        return down(u.reshape(b, t, self.k_max * d))
 
     def forward(self, xn: torch.Tensor, vocab_emb: torch.Tensor, vocab_keys: torch.Tensor,
-                soft: bool, truncate: bool = False) -> PreviewOut:
+                soft: bool, truncate: bool = False, linear: Linear | None = None) -> PreviewOut:
         """xn: normalized layer input (B, T, d). With ``truncate`` only horizons up to max k(t) are
-        computed (decoding); the result equals the full computation because the hard window masks the rest."""
-        k_soft = self.window_size(xn)
+        computed (decoding); the result equals the full computation because the hard window masks the rest.
+        ``linear`` (the engine's :func:`fbs.native.linear_rows`) computes every product row by row, so that a
+        position's preview does not depend on the other positions of the call (one decoded token and the same
+        token among T verified ones get the same bits); None: torch's products (training)."""
+        up = self.up if linear is None else (lambda v: linear(v, self.up.weight))
+        k_soft = self.window_size(xn, linear)
         w, k_hard = self.window_weights(k_soft, soft)
         horizons = self.k_max
         if truncate and not soft:
             horizons = int(k_hard.max())
             if horizons == 0:
                 zlow = xn.new_zeros(*xn.shape[:-1], self.up.in_features)
-                return PreviewOut(self.up(zlow), zlow, None, k_soft, k_hard, w)
-        logits = self.horizon_logits(xn, vocab_keys, horizons)
-        u = self.expected_embeddings(logits, vocab_emb)  # (B, T, h, d)
-        zlow = self.compress(u, w[..., :horizons])
-        return PreviewOut(self.up(zlow), zlow, logits if horizons == self.k_max else None, k_soft, k_hard, w)
+                return PreviewOut(up(zlow), zlow, None, k_soft, k_hard, w)
+        logits = self.horizon_logits(xn, vocab_keys, horizons, linear)
+        u = self.expected_embeddings(logits, vocab_emb, rowwise=linear is not None)  # (B, T, h, d)
+        zlow = self.compress(u, w[..., :horizons], linear)
+        return PreviewOut(up(zlow), zlow, logits if horizons == self.k_max else None, k_soft, k_hard, w)
 
     def macs(self, k: int, hidden_size: int, n_vocab: int, rank: int) -> int:
         """Multiply-accumulates of one decode-time call with window k (for honest accounting)."""

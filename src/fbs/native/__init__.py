@@ -15,7 +15,8 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
 * ``attention.cpp`` + ``arch/x86/attention_*.cpp``: **one-query attention** (:func:`attend_one`): each row's new
   K/V written at its slot and its query attending over that row's filled prefix only. fp32 decoding keeps SDPA
   (HF's op, so that fp32 stays bit-faithful).
-* ``norm.cpp``: **RMSNorm** (:func:`rms_norm`) in one call.
+* ``norm.cpp``: **RMSNorm** (:func:`rms_norm`) in one call, and **row-independent fp32 products**
+  (:func:`linear_rows`) for the small modules (PAW) the engine runs outside a native layer.
 * ``layer.cpp``: **a whole decoder layer** (:class:`NativeLayer`, built by :class:`fbs.engine.fused.FusedOps` per
   layer without PAW / CH): RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision
   (``skip.h``, the rule of :mod:`fbs.model.skip`), the cache writes, and attention and FFN of the rows that run.
@@ -302,6 +303,14 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tens
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm ``w * (x * rsqrt(mean(x^2) + eps))`` of fp32 rows (x contiguous, w (d,)), in one call."""
     return _module.rms_norm(x.contiguous(), w, eps)
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` of fp32 rows in which a row's result does not depend on the other rows of the call
+    (torch's GEMM blocks by the row count, so one row and the same row among T differ by float rounding). The
+    engine's small products use it, so that verifying T drafted positions at once gives each position the logits
+    that decoding it alone gives, bit for bit."""
+    return _module.linear_rows(x.contiguous(), w.contiguous(), None if b is None else b.contiguous())
 
 
 # --------------------------------------------------------------------------- the chunk head's online step

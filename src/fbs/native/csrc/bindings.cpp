@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_isa", &int8_isa);
   m.def("attend_one", &attend_one);
   m.def("rms_norm", &rms_norm);
+  m.def("linear_rows", &linear_rows);
   m.def("quant_isa", &quant_isa);
   m.def("quant_activations", &quant_activations);
   m.def("quant_linear", &quant_linear);

@@ -39,3 +39,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   fbs_norm::rows(x.data_ptr<float>(), w.data_ptr<float>(), float(eps), y.data_ptr<float>(), rows, d);
   return y;
 }
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  w.is_contiguous() && x.device().is_cpu() && w.dim() == 2 && x.size(-1) == w.size(1),
+              "fbs linear_rows: contiguous fp32 CPU rows (..., k) and a weight (n, k)");
+  TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->numel() == w.size(0)),
+              "fbs linear_rows: the bias must be fp32 (n,)");
+  const int64_t n = w.size(0), k = w.size(1), m = x.numel() / std::max<int64_t>(k, 1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto y = at::empty(shape, x.options());
+  const float *X = x.data_ptr<float>(), *W = w.data_ptr<float>(), *B = b.has_value() ? b->data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j)  // one weight row at a time, for every input row while it is in cache
+    for (int64_t i = 0; i < m; ++i) Y[i * n + j] = fbs_norm::dot(W + j * k, X + i * k, k) + (B ? B[j] : 0.f);
+  return y;
+}

@@ -1,5 +1,5 @@
 // HF's Llama/Qwen RMSNorm of fp32 rows: w * (x * rsqrt(mean(x^2) + eps)), the statistic accumulated in fp32;
-// and the dot product the chunk head shares.
+// the dot product the chunk head shares, and row-independent fp32 products built on it.
 #pragma once
 
 #include "common.h"
@@ -15,3 +15,7 @@ void rows(const float* x, const float* w, float eps, float* y, int64_t n, int64_
 
 // See fbs.native.rms_norm.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// y = x w^T (+ b) of fp32 rows x (..., k), w (n, k), b (n,) or undefined: every output is one fbs_norm::dot, so a
+// row's result does not depend on how many rows share the call (see fbs.native.linear_rows).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
