@@ -197,6 +197,20 @@ def test_kv_cache_request_fields_reach_the_engine(model, client):
     assert fbs["kv_cache"] == "h2o" and fbs["kv_budget"] == 10
 
 
+def test_kv_dtype_and_prefill_chunk_request_fields_reach_the_engine(model, client):
+    """A half-precision cache and a chunked prefill under H2O: the server's text is the engine's with the same
+    options (which differ from the fp32, whole-prompt run's), and the usage names the storage."""
+    ids = _ids(4, 30)
+    opts = dict(ignore_eos=True, kv_cache="h2o", kv_budget=10, kv_dtype="bf16", prefill_chunk=8)
+    ref, text = _reference(model, ids, 20, output_scores=True, **opts)
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=20, temperature=0, extra_body=opts)
+    assert out.choices[0].text == text
+    assert out.usage.model_extra["fbs"]["kv_dtype"] == "bf16"
+    plain = model.generate([ids], max_new_tokens=20, ignore_eos=True, kv_cache="h2o", kv_budget=10,
+                           output_scores=True)
+    assert not torch.equal(plain.scores[0], ref.scores[0])  # the options changed the logits: equality means something
+
+
 def test_text_stream_holds_back_partial_stop_strings():
     tok = char_tokenizer()
     ts = TextStream(tok, ["xyz"])
@@ -336,6 +350,8 @@ def _raw_post(url: str, data: bytes) -> tuple[int, dict]:
     (dict(extra_body={"kv_cache": "streaming", "kv_budget": 3}), 400, "kv_budget"),  # no room past the sinks
     (dict(extra_body={"kv_budget": 8}), 400, "kv_budget"),                  # a budget without a policy
     (dict(extra_body={"kv_cache": "h2o", "kv_budget": 8, "lossless": True}), 400, "kv_cache"),
+    (dict(extra_body={"kv_dtype": "fp8"}), 400, "kv_dtype"),
+    (dict(extra_body={"prefill_chunk": -1}), 400, "prefill_chunk"),
     (dict(extra_body={"no_such_option": 1}), 400, "no_such_option"),
     (dict(n=2), 400, "n"),
     (dict(temperature=3), 400, "temperature"),

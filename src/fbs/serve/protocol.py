@@ -4,7 +4,9 @@ Validation names the offending field in an OpenAI-style error body
 (``{"error": {"message", "type", "param", "code"}}``). Supported beside the OpenAI fields, in the request body
 (with the ``openai`` client: ``extra_body={...}``): the FBS decoding options ``tau``, ``kv_policy``,
 ``batch_policy``, ``force_compute``, ``never_skip``, ``protect_structure``, ``structure_tau``, ``validator``,
-``fallback_tau``, ``gate_sampling``, ``kv_cache`` / ``kv_budget`` (a KV cache policy under a budget), and vLLM's ``top_k``, ``min_tokens``, ``ignore_eos``.
+``fallback_tau``, ``gate_sampling``, ``kv_cache`` / ``kv_budget`` (a KV cache policy under a budget), ``kv_dtype``
+(the cache's storage: fp32, fp16, bf16), ``prefill_chunk`` (prompt tokens per prefill chunk), and vLLM's ``top_k``,
+``min_tokens``, ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import uuid
 
 from ..engine import VALIDATORS, DecodeOptions
+from ..engine.cache import KV_DTYPES
 from ..engine.kvpolicy import POLICIES, make_policy
 
 
@@ -64,7 +67,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed",
            "tau", "kv_policy", "batch_policy", "force_compute", "never_skip", "protect_structure", "structure_tau",
            "validator", "fallback_tau", "gate_sampling", "top_k", "min_tokens", "ignore_eos", "lossless",
-           "kv_cache", "kv_budget"}
+           "kv_cache", "kv_budget", "kv_dtype", "prefill_chunk"}
 _FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages", "max_completion_tokens", "response_format"}}
 
 
@@ -267,6 +270,12 @@ def _options(body: dict, ctx: ServeContext, max_tokens: int, stream: bool) -> di
         if opts.get("lossless"):
             raise bad("kv_cache", "'lossless' rolls rejected drafts back, which an evicting 'kv_cache' cannot")
         opts["kv_cache"], opts["kv_budget"] = policy.name, policy.budget
+    kv_dtype = _choice(body, "kv_dtype", list(KV_DTYPES))
+    if kv_dtype is not None:
+        opts["kv_dtype"] = kv_dtype
+    chunk = _number(body, "prefill_chunk", None, 0, integer=True)
+    if chunk is not None:
+        opts["prefill_chunk"] = chunk
     if opts.get("protect_structure") and ctx.tokenizer is None:
         raise bad("protect_structure", "'protect_structure' needs the model's tokenizer")
     if stops and ctx.tokenizer is None:
