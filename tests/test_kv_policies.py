@@ -124,7 +124,8 @@ def test_native_int8_step_evicts_like_the_pytorch_step(kv, kv_policy, one_thread
     """The native int8 step (layers in one native call, attending over each row's filled prefix) against the fp32
     PyTorch step (whole buffer, length mask) under eviction and forced skips, on weights the int8 format stores
     exactly (no PAW / CH, no gates: the plan decides): the same tokens, logits to float rounding, the same kept
-    positions at every layer. H2O runs its attention as PyTorch ops in both (it reads the weights)."""
+    positions at every layer. Under H2O the native step runs each layer's native halves, whose attention adds its
+    weights to the accumulated scores (fbs_attn::accumulate): they equal the PyTorch step's to float rounding."""
     from fbs import native
     from fbs.engine.fused import decode_ops
 
@@ -146,6 +147,9 @@ def test_native_int8_step_evicts_like_the_pytorch_step(kv, kv_policy, one_thread
         res[w] = dec
     assert res["int8"].out == res["fp32"].out
     assert all(torch.equal(a, b) for ra, rb in zip(kept["int8"], kept["fp32"]) for a, b in zip(ra, rb))
+    if kv == "h2o":
+        acc = [r.cache.evictor.acc for r in (res["int8"], res["fp32"])]
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(*acc)) and float(acc[0][1].sum()) > 1
     for a, b in zip(res["int8"].scores, res["fp32"].scores):
         ref = torch.stack(b)
         assert (torch.stack(a) - ref).abs().max() < 1e-4 * (ref.max() - ref.min())

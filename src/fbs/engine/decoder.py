@@ -463,10 +463,10 @@ class Decoder:
         #: layer, with no baseline policy and no cache policy that reads attention weights: what a kernel that
         #: decides inside its call can compute
         self.hard_decisions = self.skipper is None and not opts.gate_sampling and self.granularity == "layer"
-        if self.kv is not None and self.kv.scores:  # the native layer kernel does not return attention weights
+        if self.kv is not None and self.kv.scores:  # the whole-layer kernel does not return attention weights
             if self.hard_decisions and getattr(self.ops, "native_layers", None) is not None:
-                logger.info("kv_cache=%r reads attention weights: the native layer kernel is not used, its layers "
-                            "run as PyTorch ops (the products still native)", self.kv.name)
+                logger.info("kv_cache=%r reads attention weights: each layer runs as the native halves of its kernel "
+                            "(one call each, adding the weights), not the whole-layer kernel", self.kv.name)
             self.hard_decisions = False
 
     def new_cache(self, capacity: int) -> KVCache:

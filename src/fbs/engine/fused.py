@@ -634,13 +634,13 @@ class FusedOps(LayerByLayer):
     def _cached(self, l, x, xn, ctx, kv, ffn: bool) -> torch.Tensor:
         w = self.layers[l]
         rope = self._rope_of(ctx)
-        scores = ctx.attention_scores(l)  # a cache policy that reads the attention weights (H2O): PyTorch attention
-        if self.attends_natively(l) and scores is None:  # the native halves (a PAW / CH layer of the native int8 step)
+        scores = ctx.attention_scores(l)  # a cache policy that reads the attention weights (H2O) gets them added
+        if self.attends_natively(l):  # the native halves (a PAW / CH layer, or a cache policy's per-layer step)
             layer = self._native_all[l]
             xn = self.norm1(l, x) if xn is None else xn
             kc, vc, slots, rows = ctx.decode_slots(l)
             idx, _ = self._slots(slots, rows, kc.shape[2])
-            h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv)
+            h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv, scores)
             ctx.settle(l)
             return native.ffn_layer(layer, h) if ffn else h
         if kv is None:

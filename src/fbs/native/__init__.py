@@ -335,12 +335,15 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
 
 
 def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
-                 vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None) -> torch.Tensor:
+                 vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None,
+                 acc: torch.Tensor | None = None) -> torch.Tensor:
     """The attention half of an :class:`NativeLayer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
     K, V (b, Hkv, 1, hd) when already projected), written at ``slots`` of cache rows ``idx``, then
-    x + O(attention) over each row's prefix (PAW / CH add to it next)."""
+    x + O(attention) over each row's prefix (PAW / CH add to it next). ``acc`` (B, Hkv, C) fp32, the cache's shape:
+    each query's attention weights are added to it, summed over the query heads of each KV head (H2O's accumulated
+    attention, as :func:`fbs.engine.kvpolicy.attend_scored` adds them)."""
     k, v = (None, None) if kv is None else kv
-    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, _isa_code())
+    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, acc, _isa_code())
 
 
 def ffn_layer(layer, h: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
+
+#include "norm.h"
+
 namespace fbs_attn {
 void check_kv_type(at::ScalarType t, const char* who) {
   TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, who,
@@ -189,6 +193,60 @@ void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const in
   else
     attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), static_cast<const at::BFloat16*>(VC), Hkv,
              C, hd, scale, isa, O);
+}
+}  // namespace fbs_attn
+
+namespace fbs_attn {
+namespace {
+template <class T>
+void accumulate_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+                  const T* KC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* ACC) {
+  const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
+  std::vector<int64_t> cache_rows;  // one task per (cache row, KV head): the queries that add to its ACC row
+  for (int64_t j = 0; j < m; ++j)
+    if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
+  const int64_t tasks = int64_t(cache_rows.size()) * Hkv;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(C), key(hd);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = cache_rows[t / Hkv], g = t % Hkv;
+      const T* K = KC + r * rs + g * hs;
+      float* acc = ACC + (r * Hkv + g) * C;
+      for (int64_t j = 0; j < m; ++j) {
+        if (I[j] != r) continue;
+        const int64_t n = L[j] + 1;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const float* q = Q + j * qs0 + h * qs1;
+          for (int64_t s = 0; s < n; ++s) {
+            const float* ks = nullptr;
+            if constexpr (std::is_same_v<T, float>) {
+              ks = K + s * hd;
+            } else {
+              for (int64_t d = 0; d < hd; ++d) key[d] = float(K[s * hd + d]);
+              ks = key.data();
+            }
+            p[s] = fbs_norm::dot(q, ks, hd) * scale;
+          }
+          float z;
+          softmax_(p.data(), n, &z);
+          const float iz = 1.f / z;
+          for (int64_t s = 0; s < n; ++s) acc[s] += p[s] * iz;
+        }
+      }
+    }
+  });
+}
+}  // namespace
+
+void accumulate(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+                const void* KC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale, float* ACC) {
+  check_kv_type(kt, "fbs attention kernel");
+  if (kt == at::kFloat)
+    accumulate_t(Q, qs0, qs1, I, L, m, H, static_cast<const float*>(KC), Hkv, C, hd, scale, ACC);
+  else if (kt == at::kHalf)
+    accumulate_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::Half*>(KC), Hkv, C, hd, scale, ACC);
+  else
+    accumulate_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), Hkv, C, hd, scale, ACC);
 }
 }  // namespace fbs_attn
 

@@ -72,6 +72,12 @@ void store(const float* src, int64_t n, void* dst, at::ScalarType kt);
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
             const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
             int64_t isa, float* O);
+// The attention weights of the same m queries (softmax(scale q . K) over slots 0..L[j] of cache row I[j]) added to
+// ACC (B, Hkv, C) fp32 at [I[j], g(h), slot], summed over the queries and the query heads of each KV head: what a
+// cache policy that keeps accumulated attention (H2O, fbs.engine.kvpolicy.attend_scored) reads. Scores recomputed
+// here (a second pass over the keys), so the attention kernels above stay as they are.
+void accumulate(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+                const void* KC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale, float* ACC);
 }  // namespace fbs_attn
 
 // See fbs.native.attend_one.

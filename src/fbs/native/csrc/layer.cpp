@@ -110,7 +110,8 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
 
 // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
 void Layer::attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
-                           const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const {
+                           const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H,
+                           float* acc) const {
   const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2);
   std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
   for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
@@ -129,6 +130,9 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
   }
   fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr(), vc.data_ptr(),
                    kc.scalar_type(), nkv, C, hd, scale, st.isa, att.data());
+  if (acc)
+    fbs_attn::accumulate(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr(), kc.scalar_type(), nkv,
+                         C, hd, scale, acc);
   mm(att.data(), m, o, H, st.isa);
   for (int64_t j = 0; j < m; ++j) {
     const float* xi = X + sel[j] * d;
@@ -327,7 +331,7 @@ const std::vector<double> kNoThresholds;
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                        int64_t isa) {
+                        const std::optional<at::Tensor>& acc, int64_t isa) {
   const Step st = make_step(x, L.d, L.hd, cos, sin, idx, isa, fbs_skip::kGather, true, kNoThresholds);
   const int64_t b = st.b, nk = L.kvg.n;
   const float* XN = fp32(xn, b * L.d, "xn");
@@ -361,7 +365,14 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
     L.write_kv(st, y.data(), write.get(), kc, vc, SL);
   }
   at::Tensor h = at::empty_like(x);
-  L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>());
+  float* ACC = nullptr;
+  if (acc) {
+    TORCH_CHECK(acc->scalar_type() == at::kFloat && acc->is_contiguous() && acc->dim() == 3 &&
+                    acc->size(0) == kc.size(0) && acc->size(1) == L.nkv && acc->size(2) == kc.size(2),
+                "fbs native layer: accumulated attention (B, Hkv, C) contiguous fp32, the cache's shape");
+    ACC = acc->data_ptr<float>();
+  }
+  L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>(), ACC);
   return h;
 }
 

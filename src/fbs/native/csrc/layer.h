@@ -53,7 +53,8 @@ struct Layer {
                 const int64_t* SL) const;
   // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
   void attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
-                      const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H) const;
+                      const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H,
+                      float* acc = nullptr) const;
   // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
   void ffn_rows(float* H, int64_t m, int64_t isa) const;
   // Each row's cache slot from the given ones (SL): consecutive rows that share a cache row are consecutive
@@ -85,10 +86,11 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
 
 // The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
 // step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
-// ffn_layer returns h + FFN(h).
+// ffn_layer returns h + FFN(h). attend_layer's ``acc`` (B, Hkv, C) fp32, when given, receives the attention weights
+// (fbs_attn::accumulate: a cache policy that keeps accumulated attention, H2O).
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                        int64_t isa);
+                        const std::optional<at::Tensor>& acc, int64_t isa);
 at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa);
 }  // namespace fbs_layer
