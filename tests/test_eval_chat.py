@@ -192,8 +192,9 @@ def test_eval_chat_command_end_to_end(tmp_path, monkeypatch):
 
 
 def test_reference_weights_decode_the_base_with_other_engine_weights(tmp_path, monkeypatch):
-    """`--reference-weights fp32,int8`: fp32 reproduces the base answers exactly (ROUGE-L 1); int8 gives the
-    answers of the base model decoded by the engine in int8, every layer run."""
+    """`--reference-weights fp32,int8,int8:bf16`: fp32 reproduces the base answers exactly (ROUGE-L 1); int8 gives the
+    answers of the base model decoded by the engine in int8, every layer run; `int8:bf16` those with a bf16 KV
+    cache."""
     base, tok = _lively(fbs_tiny(seed=1)), ChatByteTokenizer()
     loaders = {"checkpoint": lambda: _gated_only(_lively(fbs_tiny(seed=1)))}
     monkeypatch.setattr(eval_cli, "_load_chat_models", lambda args: (base, tok, loaders, 0.5))
@@ -201,11 +202,12 @@ def test_reference_weights_decode_the_base_with_other_engine_weights(tmp_path, m
     write_items(tmp_path / "heldout.jsonl", items)
     out = tmp_path / "chat.json"
     argv = ["eval", "chat", "--items", str(tmp_path / "heldout.jsonl"), "--no-full", "--taus", "0.5",
-            "--reference-weights", "fp32,int8", "--max-new-tokens", "10", "--batch-size", "4", "--out", str(out),
+            "--reference-weights", "fp32,int8,int8:bf16", "--max-new-tokens", "10", "--batch-size", "4", "--out", str(out),
             "--base-cache", str(tmp_path / "cache.json"), "--no-progress"]
     assert main(argv) == 0
     recs = {r["name"]: r for r in json.loads(out.read_text())["systems"]}
-    assert list(recs) == ["base", "fbs tau 0.5", "base, fp32 weights", "base, int8 weights"]
+    assert list(recs) == ["base", "fbs tau 0.5", "base, fp32 weights", "base, int8 weights",
+                          "base, int8 weights, bf16 KV cache"]
     assert recs["base, fp32 weights"]["metrics"]["rouge_l"]["value"] == 1.0
     prompts = [tok.apply_chat_template([{"role": "user", "content": it.prompt}], add_generation_prompt=True)
                for it in items]
@@ -213,5 +215,10 @@ def test_reference_weights_decode_the_base_with_other_engine_weights(tmp_path, m
                                batch_size=4, weights="int8")
     assert [it["tokens"] for it in recs["base, int8 weights"]["items"]] == [a.tokens for a in want]
     assert recs["base, int8 weights"]["skip_ratio"] == 0.0
-    with pytest.raises(SystemExit, match="unknown format"):
-        main(argv[:8] + ["int4"] + argv[9:])
+    half, _ = generate_answers(base, tok, items, prompts, None, eos=eos_ids(base, tok), max_new_tokens=10,
+                               batch_size=4, weights="int8", kv_dtype="bf16")
+    assert [it["tokens"] for it in recs["base, int8 weights, bf16 KV cache"]["items"]] == [a.tokens for a in half]
+    assert [a.tokens for a in half] != [a.tokens for a in want]  # the bf16 cache moved some answers: it was used
+    for bad in ("int4", "int8:fp8"):
+        with pytest.raises(SystemExit, match="is not W or W:KV"):
+            main(argv[:8] + [bad] + argv[9:])

@@ -506,6 +506,24 @@ def _load_chat_models(args):
     return base, base.tokenizer, loaders, tau
 
 
+def reference_systems(spec: str | None) -> list:
+    """The ``--reference-weights`` systems: the base model in each listed engine format, ``W`` or ``W:KV`` with a KV
+    cache storage dtype (``q4:fp16``)."""
+    from fbs.engine.cache import KV_DTYPES
+    from fbs.engine.quant import FORMATS
+    from fbs.eval.chat import ChatSystem
+
+    out = []
+    for entry in (e for e in (spec or "").split(",") if e):
+        w, _, kv = entry.partition(":")
+        if w not in FORMATS or (kv and kv not in KV_DTYPES):
+            raise SystemExit(f"--reference-weights: {entry!r} is not W or W:KV with W one of {', '.join(FORMATS)} "
+                             f"and KV one of {', '.join(KV_DTYPES)}")
+        name = f"base, {w} weights" + (f", {kv} KV cache" if kv else "")
+        out.append(ChatSystem(name, "reference", "base", None, "base", w, kv or None))
+    return out
+
+
 def cmd_chat(args) -> int:
     from fbs.eval.chat import ChatSystem, markdown, run_chat_eval
     from fbs.eval.report import runtime_info
@@ -521,13 +539,7 @@ def cmd_chat(args) -> int:
     systems += [ChatSystem(f"fbs tau {t:g}", "tau", "checkpoint", t, ckpt) for t in taus]
     if args.control:
         systems.append(ChatSystem("control full depth", "control", "control", None, args.control))
-    ref = [w for w in (args.reference_weights or "").split(",") if w]
-    from fbs.engine.quant import FORMATS
-
-    bad = [w for w in ref if w not in FORMATS]
-    if bad:
-        raise SystemExit(f"--reference-weights: unknown format(s) {bad}; use any of {', '.join(FORMATS)}")
-    systems += [ChatSystem(f"base, {w} weights", "reference", "base", None, "base", w) for w in ref]
+    systems += reference_systems(args.reference_weights)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"checkpoint": ckpt, "control": args.control, "items": args.items or "fbs.data.chat.split()",
@@ -767,8 +779,9 @@ def register(subparsers) -> None:
     ch.add_argument("--control", help="control checkpoint, decoded at full depth")
     ch.add_argument("--no-full", action="store_true", help="skip the checkpoint at full depth")
     ch.add_argument("--reference-weights", metavar="W[,W]",
-                    help="also decode the base model with these engine weights (bf16, int8): how far the answers "
-                         "move when only rounding changes, the floor of ROUGE-L / EOS / loop differences")
+                    help="also decode the base model with these engine weights (bf16, int8, q4, ...; W:KV adds a KV "
+                         "cache storage, e.g. q4:fp16): how far the answers move when only rounding changes, the "
+                         "floor of ROUGE-L / EOS / loop differences")
     ch.add_argument("--items", help="held-out items JSONL from `fbs data chat` (default: computed from the archive)")
     ch.add_argument("--limit", type=int, help="the first N held-out prompts of each language")
     ch.add_argument("--max-new-tokens", type=int, default=256)
