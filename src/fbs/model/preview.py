@@ -29,6 +29,11 @@ from .config import FBSConfig
 Linear = Callable[..., torch.Tensor]  # (x, w, b=None) -> x w^T + b, as F.linear
 
 
+def _apply(module: nn.Linear, x: torch.Tensor, linear: Linear | None) -> torch.Tensor:
+    """``module(x)``, or the same product through ``linear`` (the engine's row-independent one)."""
+    return module(x) if linear is None else linear(x, module.weight, module.bias)
+
+
 class PreviewOut(NamedTuple):
     z: torch.Tensor             # (B, T, d) additive contribution to the token state
     zlow: torch.Tensor          # (B, T, R) low-rank preview summary read by the gates
@@ -79,7 +84,7 @@ class ParafoveaWindow(nn.Module):
         """k~ (B, T) in [0, k_max]."""
         if self.fixed_k is not None:
             return xn.new_full(xn.shape[:-1], float(self.fixed_k))
-        s = self.window(xn) if linear is None else linear(xn, self.window.weight, self.window.bias)
+        s = _apply(self.window, xn, linear)
         return self.k_max * torch.sigmoid(s.squeeze(-1))
 
     def window_weights(self, k_soft: torch.Tensor, soft: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +104,7 @@ class ParafoveaWindow(nn.Module):
             q = c.unsqueeze(-2) + torch.einsum("btr,hrs->bths", c, mix) + self.horizon_bias[:horizons]  # (B, T, h, R)
             logits = (q @ vocab_keys.t()) * self.head_scale  # (B, T, h, N)
         else:  # the same products, each row on its own (c A_r = linear(c, A_r^T))
-            c = linear(xn, self.query.weight)
+            c = _apply(self.query, xn, linear)
             q = c.unsqueeze(-2) + torch.stack([linear(c, a.t()) for a in mix], dim=-2) + self.horizon_bias[:horizons]
             logits = linear(q, vocab_keys) * self.head_scale
         other = self.other_logit[:horizons].view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
@@ -126,7 +131,7 @@ class ParafoveaWindow(nn.Module):
     def compress(self, u: torch.Tensor, w: torch.Tensor, linear: Linear | None = None) -> torch.Tensor:
         """u (B, T, h, d) horizon embeddings, w (B, T, h) window weights -> zlow (B, T, R)."""
         b, t, h, d = u.shape
-        down = self.down if linear is None else (lambda v: linear(v, self.down.weight))
+        down = lambda v: _apply(self.down, v, linear)  # noqa: E731
         u = u * w.unsqueeze(-1)
         denom = w.sum(-1, keepdim=True).clamp_min(1.0)  # k = 0 gives zero preview
         if self.compression == "conv":
@@ -153,7 +158,7 @@ class ParafoveaWindow(nn.Module):
         ``linear`` (the engine's :func:`fbs.native.linear_rows`) computes every product row by row, so that a
         position's preview does not depend on the other positions of the call (one decoded token and the same
         token among T verified ones get the same bits); None: torch's products (training)."""
-        up = self.up if linear is None else (lambda v: linear(v, self.up.weight))
+        up = lambda v: _apply(self.up, v, linear)  # noqa: E731
         k_soft = self.window_size(xn, linear)
         w, k_hard = self.window_weights(k_soft, soft)
         horizons = self.k_max
