@@ -14,6 +14,10 @@
 
 #include "common.h"
 
+#ifdef FBS_X86
+#include <immintrin.h>
+#endif
+
 namespace fbs_quant {
 constexpr int64_t kBlock = 32, kTile = 16;
 constexpr int64_t kI8Channel = 0, kQ8Block = 1, kQ4Block = 2;
@@ -38,6 +42,19 @@ void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, floa
 void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa);
 
 #ifdef FBS_X86
+// How far ahead (in tile-blocks) a tile's loop asks for its weight stream in L2. One core's hardware prefetchers keep
+// too few DRAM reads in flight for this stream: a whole block asked for 16 blocks (5-9 KB) ahead made one-token q4
+// decoding 13 % faster (VNNI path), paired in one process over 8 rounds; 32 and 64 blocks measured the same.
+constexpr int64_t kPrefetchL2 = 16;
+
+// The software prefetches of a tile loop at block p (bb bytes a block): lines 0, 2, 4 (and 6 for the 8-bit kinds) of
+// the next-but-one block into L1 (the adjacent-line prefetcher takes the others), the block kPrefetchL2 ahead into L2.
+inline void prefetch_stream(const uint8_t* p, int64_t bb) {
+  const int64_t l1 = bb > 320 ? 4 : 3;
+  for (int64_t i = 0; i < l1; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 128 * i), _MM_HINT_T0);
+  for (int64_t o = 0; o < bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchL2 * bb + o), _MM_HINT_T1);
+}
+
 // quantize for K a multiple of 32 with AVX-512 (arch/x86/quant_vnni512.cpp): the same values, 16 lanes at a time.
 void quantize_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds, float* c);
 // One tile (channels n0..n0+15) for all rows of a, per instruction set (arch/x86/quant_*.cpp).

@@ -31,9 +31,7 @@ FBS_AVX2 void tile(const Act& a, const uint8_t* p, const float* S, int64_t kind,
   __m256 af[MB][2];
   for (int m = 0; m < MB; ++m) af[m][0] = af[m][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < Kb; ++b, p += bb) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 256), _MM_HINT_T0);
+    prefetch_stream(p, bb);
     for (int h = 0; h < 2; ++h) {  // channels 8h..8h+7
       __m256i ai[MB];
       for (int m = 0; m < MB; ++m) ai[m] = _mm256_setzero_si256();

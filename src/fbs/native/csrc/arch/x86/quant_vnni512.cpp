@@ -37,10 +37,7 @@ FBS_VNNI void tile(const Act& a, const uint8_t* p, const float* S, int64_t kind,
   __m512 af[MB];
   for (int m = 0; m < MB; ++m) af[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < Kb; ++b, p += bb) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 256), _MM_HINT_T0);
-    if (kind != kQ4Block) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * bb + 384), _MM_HINT_T0);
+    prefetch_stream(p, bb);
     const int8_t* xq[MB];
     __m512i ai[MB];
     for (int m = 0; m < MB; ++m) {
