@@ -59,8 +59,10 @@ def chat_ids(text: str = PROMPT) -> list[int]:
 
 
 def api_text(model, ids, **opts) -> tuple[object, str]:
-    """The API's output with the CLI's default weight format (``auto``) unless the options name one."""
+    """The API's output with the CLI's default weight format and KV cache storage (``auto``) unless the options name
+    them."""
     opts.setdefault("weights", "auto")
+    opts.setdefault("kv_dtype", "auto")
     res = model.generate([ids], **opts)
     return res, model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
 
@@ -275,7 +277,7 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights bf16, 2 slots, "
+    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights bf16, KV cache fp32, 2 slots, "
                            "context 100 tokens) at http://127.0.0.2:8123/v1")
     assert (captured["host"], captured["port"], captured["log_level"]) == ("127.0.0.2", 8123, "warning")
     with ServerThread(captured["app"]) as srv:

@@ -136,10 +136,11 @@ def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
                    batch_policies=("gather", "majority"), compile=True)
     systems = build_systems(model.base.hf, None, model, spec)
     assert [s.name for s in systems] == [
-        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", "fbs-full-compute-int8-compiled",
-        "fbs-full-compute-int8-compiled-majority", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
-        "fbs-tau1-int8-compiled", "fbs-tau1-int8-compiled-majority"]
-    assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority"}
+        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", "fbs-full-compute-int8-compiled-kvfp16",
+        "fbs-full-compute-int8-compiled-majority-kvfp16", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
+        "fbs-tau1-int8-compiled-kvfp16", "fbs-tau1-int8-compiled-majority-kvfp16"]  # kv_dtypes auto: int8's fp16
+    assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority",
+                                "kv_dtype": "fp16"}
     with pytest.raises(ValueError, match="weights"):
         RunSpec(weights=("fp16",))
 

@@ -281,14 +281,56 @@ def test_generate_defaults_to_the_rule_and_fp32_without_kernels(tmp_path, capsys
             "--max-new-tokens", "12", "--json", "--no-chat-template"]
     ids = model.tokenizer("Where do rivers go?")["input_ids"]
 
-    def api(weights):
-        res = model.generate([ids], max_new_tokens=12, weights=weights)
+    def api(weights, kv_dtype):
+        res = model.generate([ids], max_new_tokens=12, weights=weights, kv_dtype=kv_dtype)
         return model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
 
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["weights"] == defaults.default_weights() and doc["text"] == api(defaults.default_weights())
+    w = defaults.default_weights()
+    assert doc["weights"] == w and doc["kv_dtype"] == defaults.default_kv_dtype(w)
+    assert doc["text"] == api(w, doc["kv_dtype"])
     monkeypatch.setattr(fbs.engine.quant, "native_kernels", lambda: dict.fromkeys(fbs.engine.quant.FORMATS))
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["weights"] == "fp32" and doc["text"] == api("fp32")
+    assert doc["weights"] == "fp32" and doc["kv_dtype"] == "fp32" and doc["text"] == api("fp32", "fp32")
+
+
+def test_default_kv_cache_is_half_precision_under_the_quantized_formats_only():
+    """``kv_dtype="auto"`` (the CLI's, the server's and ``weights="auto"``'s default) is fp16 under the formats the
+    weight rule may pick and fp32 otherwise; an explicit format without ``kv_dtype`` keeps the engine's fp32 cache."""
+    from fbs.engine.decoder import DecodeOptions
+
+    assert {w: defaults.default_kv_dtype(w) for w in (*defaults.QUALIFYING, "fp32", "bf16", "hf")} == {
+        **dict.fromkeys(defaults.QUALIFYING, "fp16"), "fp32": "fp32", "bf16": "fp32", "hf": "fp32"}
+    assert DecodeOptions(weights="q4", kv_dtype="auto").kv_dtype == "fp16"
+    assert DecodeOptions(weights="fp32", kv_dtype="auto").kv_dtype == "fp32"
+    assert DecodeOptions(weights="q4").kv_dtype == "fp32" and DecodeOptions(weights="q4", kv_dtype="bf16").kv_dtype == "bf16"
+
+
+def test_api_auto_weights_decode_with_the_default_kv_cache():
+    """``generate(weights="auto")`` equals the rule's format with its default cache, score for score; where that
+    cache is fp16 the scores differ from the same format's fp32 cache (so the storage really changed)."""
+    from test_serve import tiny_model
+
+    model = tiny_model(positions=128)
+    ids = list(range(5, 30))
+    run = lambda **kw: model.generate([ids], max_new_tokens=8, ignore_eos=True, output_scores=True, **kw)  # noqa: E731
+    w = defaults.default_weights()
+    auto = run(weights="auto")
+    same = run(weights=w, kv_dtype=defaults.default_kv_dtype(w))
+    assert auto.new_tokens == same.new_tokens and torch.equal(auto.scores[0], same.scores[0])
+    if defaults.default_kv_dtype(w) == "fp16":
+        assert not torch.equal(auto.scores[0], run(weights=w, kv_dtype="fp32").scores[0])
+        assert torch.equal(run(weights="auto", kv_dtype="fp32").scores[0], run(weights=w).scores[0])
+
+
+def test_default_kv_cache_stays_within_the_tolerance_in_the_measured_records():
+    """Each qualifying format with the fp16 cache: its PPL change over the fp32 weights (llama_cpp_ppl.json) plus the
+    fp16 cache's change over the fp32 cache (kv_half_ppl.json, a second held-out text) stays within the tolerance."""
+    ppl = json.loads((ROOT / "results" / "llama_cpp_ppl.json").read_text())["ours"]
+    kv = json.loads((ROOT / "results" / "kv_half_ppl.json").read_text())["rows"]
+    for f in defaults.QUALIFYING:
+        rel = ppl[f]["ppl"] / ppl["fp32"]["ppl"] - 1
+        half = kv[f]["fp16"]["ppl"] / kv[f]["fp32"]["ppl"] - 1
+        assert (1 + rel) * (1 + half) - 1 <= defaults.PPL_TOLERANCE, (f, rel, half)

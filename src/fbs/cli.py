@@ -74,13 +74,14 @@ def cmd_generate(args) -> int:
     model = load_from_args(args)
     tok = model.tokenizer
     ids = _prompt_ids(model, tok, text, not args.no_chat_template)
+    weights = resolve_weights(args.weights)
     opts = dict(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, do_sample=args.do_sample,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         stop_strings=args.stop or None, protect_structure=args.protect_structure, validator=args.validator,
         force_compute=args.force_compute, never_skip=tuple(args.never_skip or ()), tokenizer=tok,
-        **{k: v for k, v in (("weights", resolve_weights(args.weights)), ("compile", args.compile)) if v is not None},
-        **kv_cache_options(args),
+        **{k: v for k, v in (("weights", weights), ("compile", args.compile)) if v is not None},
+        **kv_cache_options(args, weights or "fp32"),
         **_lossless_options(args, model),
     )
     if args.stream and not args.json:
@@ -107,7 +108,7 @@ def cmd_generate(args) -> int:
         "prefill_s": res.timings["prefill_s"], "decode_s": res.timings["decode_s"],
         "tau": model.config.tau, "kv_policy": model.config.kv_policy, "fallback": res.trace.fallback[0],
         "weights": opts.get("weights"),
-        "kv_cache": args.kv_cache, "kv_budget": args.kv_budget, "kv_dtype": args.kv_dtype,
+        "kv_cache": args.kv_cache, "kv_budget": args.kv_budget, "kv_dtype": opts.get("kv_dtype", "fp32"),
     }
     if res.speculative is not None:
         st = res.speculative

@@ -153,8 +153,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="entries a --kv-cache policy keeps per layer and KV head")
     add_prefill_chunk_argument(p)
     p.add_argument("--kv-dtype", dest="kv_dtypes", type=_strs, default=s.kv_dtypes,
-                   help="KV cache storage of the FBS systems, comma list from fp32, fp16, bf16 (each system once "
-                        "per dtype; half precision halves the cache's bytes, attention accumulates in fp32)")
+                   help="KV cache storage of the FBS systems, comma list from auto, fp32, fp16, bf16 (each system "
+                        "once per dtype; half precision halves the cache's bytes, attention accumulates in fp32; "
+                        "auto (default): fp16 under q4, q8, int8 weights, else fp32)")
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 

@@ -32,6 +32,7 @@ from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine, s
 from fbs.bench.systems import (GROUP_A, FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems,
                                forced_plan, group_a_systems, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup,
                                lossless_systems)
+from fbs.engine.defaults import AUTO, resolve_kv_dtype
 from fbs.engine.flops import LayerCost
 from fbs.engine.fused import WEIGHTS
 from fbs.engine.cache import kv_storage_dtype
@@ -119,9 +120,10 @@ class RunSpec:
     prefill_chunk: int | None = None
     """Prompt tokens per prefill chunk of the non-lossless FBS systems (None: the engine's default; 0: the whole
     prompt); a value adds ``-prefill<N>`` to their names."""
-    kv_dtypes: tuple[str, ...] = ("fp32",)
-    """KV cache storage dtypes of the FBS systems (fp32, fp16, bf16; :data:`fbs.engine.cache.KV_DTYPES`): each FBS
-    system runs once per dtype; dtypes other than fp32 add ``-kv<dtype>``."""
+    kv_dtypes: tuple[str, ...] = ("auto",)
+    """KV cache storage dtypes of the FBS systems (auto, fp32, fp16, bf16; :data:`fbs.engine.cache.KV_DTYPES`; auto:
+    each format's default, :func:`fbs.engine.defaults.default_kv_dtype`): each FBS system runs once per dtype;
+    dtypes other than fp32 add ``-kv<dtype>``."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}
@@ -143,9 +145,10 @@ class RunSpec:
         for kv in self.kv_caches:
             prefill_chunk_size(self.prefill_chunk, make_policy(kv, None if kv == "full" else self.kv_budget))
         if not self.kv_dtypes or len(set(self.kv_dtypes)) != len(self.kv_dtypes):
-            raise ValueError(f"kv_dtypes must name distinct storage dtypes (fp32 for the default), got {self.kv_dtypes}")
+            raise ValueError(f"kv_dtypes must name distinct storage dtypes (auto for the default), got {self.kv_dtypes}")
         for kvd in self.kv_dtypes:
-            kv_storage_dtype(kvd, torch.float32)
+            if kvd != AUTO:
+                kv_storage_dtype(kvd, torch.float32)
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -242,7 +245,7 @@ def _decode_variants(systems: list, spec: RunSpec) -> list:
                 for policy in spec.batch_policies:
                     # lossless systems roll drafts back, which an evicting cache cannot: full cache only
                     for kv in ("full",) if isinstance(s, SpeculativeSystem) else spec.kv_caches:
-                        for kvd in spec.kv_dtypes:
+                        for kvd in dict.fromkeys(resolve_kv_dtype(k, w) for k in spec.kv_dtypes):
                             name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
                                     + ("" if policy == "gather" else f"-{policy}")
                                     + ("" if kv == "full" else f"-{kv}{spec.kv_budget}")

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .cache import CacheContext, KVCache, kv_storage_dtype
+from .defaults import resolve_kv_dtype
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
@@ -75,7 +76,8 @@ class DecodeOptions:
     kv_budget: int | None = None             # entries a cache policy keeps per layer, row and KV head
     prefill_chunk: int | None = None         # prompt tokens per prefill chunk (None: 512 under a cache policy, the
                                              # whole prompt under the full cache; 0: the whole prompt)
-    kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES)
+    kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
+                                             # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -136,6 +138,7 @@ class DecodeOptions:
             raise ValueError("draft_adapter drafts for lossless decoding: pass lossless=True")
         if self.skip_policy is not None and self.skip_plan is not None:
             raise ValueError("skip_policy and skip_plan both decide the skips; pass one")
+        self.kv_dtype = resolve_kv_dtype(self.kv_dtype, self.weights)
         kv_storage_dtype(self.kv_dtype, torch.float32)  # checks the name
         policy = make_policy(self.kv_cache, self.kv_budget)  # checks the name and the budget
         if policy is not None and self.lossless:

@@ -1,5 +1,5 @@
-"""The engine's default weight format, decided in this one place (``fbs generate``, ``fbs serve``, the API's
-``weights="auto"``).
+"""The engine's default weight format and KV cache storage, decided in this one place (``fbs generate``,
+``fbs serve``, the API's ``weights="auto"``, ``kv_dtype="auto"``).
 
 Rule: the fastest format whose held-out perplexity lies within :data:`PPL_TOLERANCE` of fp32's, on a CPU where that
 format's native kernels run; fp32 where none of them does. :data:`QUALIFYING` lists the formats that meet the
@@ -7,6 +7,10 @@ tolerance, fastest first (the measurements behind the list are in docs/eval.md, 
 ``results/llama_cpp_ppl.json``: the base model, which is what the default runs (no FBS weights ship as the default,
 docs/eval.md, "Operating point"); ``tests/test_operating_point.py`` checks the list against that record).
 ``--weights fp32`` (or any explicit format) is always honoured as given.
+
+KV cache: the quantized formats store it in fp16 (:func:`default_kv_dtype`): half the bytes a decode step reads from
+the cache, +0.12 % held-out PPL in q4 and 1.10x decode speed at 512 tokens of context (docs/eval.md, "Default KV
+cache"); fp32 and bf16 weights keep a cache of their own dtype (fp32 stays bit-faithful to HF).
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ def default_weights(kernels: Mapping[str, str | None] | None = None) -> str:
         if kernels.get(fmt):
             return fmt
     return FALLBACK
+
+
+def default_kv_dtype(weights: str) -> str:
+    """The KV cache storage ``kv_dtype="auto"`` stands for under ``weights`` (already resolved): fp16 for the
+    quantized formats (:data:`QUALIFYING`), fp32 (the weights' own compute dtype) otherwise."""
+    return "fp16" if weights in QUALIFYING else "fp32"
+
+
+def resolve_kv_dtype(kv_dtype: str, weights: str) -> str:
+    """``auto`` -> :func:`default_kv_dtype` of ``weights``; any other value unchanged."""
+    return default_kv_dtype(weights) if kv_dtype == AUTO else kv_dtype
 
 
 def resolve_weights(weights: str | None) -> str | None:

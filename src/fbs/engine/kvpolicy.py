@@ -47,6 +47,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from .defaults import resolve_kv_dtype
+
 #: the policies ``kv_cache=`` selects (``full``: no eviction)
 POLICIES = ("full", "streaming", "h2o", "snapkv")
 SINKS = 4         # StreamingLLM's attention sinks (the reference's start_size)
@@ -138,9 +140,10 @@ def add_kv_cache_arguments(p) -> None:
                         "(heavy hitters + recent), snapkv (observation-window votes at prefill)")
     p.add_argument("--kv-budget", type=int,
                    help="entries a --kv-cache policy keeps per layer and KV head (required with one)")
-    p.add_argument("--kv-dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
-                   help="storage of the KV cache's entries: fp32 (default), fp16 or bf16 (half the bytes; attention "
-                        "converts them back and accumulates in fp32)")
+    p.add_argument("--kv-dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
+                   help="storage of the KV cache's entries: fp32, fp16 or bf16 (half the bytes; attention converts "
+                        "them back and accumulates in fp32); auto (default): fp16 under the quantized --weights "
+                        "(q4, q8, int8), else fp32 (fbs.engine.defaults)")
     add_prefill_chunk_argument(p)
 
 
@@ -152,14 +155,16 @@ def add_prefill_chunk_argument(p) -> None:
                         f"a --kv-cache policy, the whole prompt under the full cache; 0: the whole prompt)")
 
 
-def kv_cache_options(args) -> dict:
+def kv_cache_options(args, weights: str = "fp32") -> dict:
     """DecodeOptions fields of parsed ``--kv-cache`` / ``--kv-budget`` / ``--kv-dtype`` / ``--prefill-chunk``
-    (checked: a clear error when they do not fit together)."""
+    (checked: a clear error when they do not fit together); ``--kv-dtype auto`` resolved under ``weights`` (the
+    run's resolved weight format)."""
     policy = make_policy(args.kv_cache, args.kv_budget)
     chunk = getattr(args, "prefill_chunk", None)
     out = {} if args.kv_cache == "full" else {"kv_cache": args.kv_cache, "kv_budget": args.kv_budget}
-    if getattr(args, "kv_dtype", "fp32") != "fp32":
-        out["kv_dtype"] = args.kv_dtype
+    kv_dtype = resolve_kv_dtype(getattr(args, "kv_dtype", "fp32"), weights)
+    if kv_dtype != "fp32":
+        out["kv_dtype"] = kv_dtype
     if chunk is not None:
         prefill_chunk_size(chunk, policy)
         out["prefill_chunk"] = chunk

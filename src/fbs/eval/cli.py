@@ -57,7 +57,7 @@ def build_system(args):
     if args.system != "fbs" and getattr(args, "kv_cache", "full") != "full":
         raise ValueError(f"--kv-cache is a policy of the FBS engine's cache: use it with --system fbs, not "
                          f"--system {args.system}")
-    if args.system != "fbs" and getattr(args, "kv_dtype", "fp32") != "fp32":
+    if args.system != "fbs" and getattr(args, "kv_dtype", "fp32") not in ("fp32", "auto"):
         raise ValueError(f"--kv-dtype is the storage of the FBS engine's cache: use it with --system fbs, not "
                          f"--system {args.system}")
     if args.system == "base":

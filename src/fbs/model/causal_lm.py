@@ -290,23 +290,18 @@ class FBSForCausalLM(nn.Module):
     # ------------------------------------------------------------------ decoding
     def generate(self, input_ids, **kwargs):
         """KV-cached decoding with true layer skipping; see :func:`fbs.engine.generate`. ``weights="auto"``: the
-        default format of :func:`fbs.engine.defaults.default_weights` (without ``weights``: fused fp32)."""
+        default format of :func:`fbs.engine.defaults.default_weights`, with its KV cache storage unless ``kv_dtype``
+        says otherwise (without ``weights``: fused fp32)."""
         from ..engine import generate
-        from ..engine.defaults import resolve_weights
 
-        if "weights" in kwargs:
-            kwargs["weights"] = resolve_weights(kwargs["weights"])
-        return generate(self, input_ids, **kwargs)
+        return generate(self, input_ids, **_resolve_auto(kwargs))
 
     def stream(self, input_ids, **kwargs):
         """Yield one :class:`fbs.engine.StepOutput` per generated token; see :func:`fbs.engine.stream`
         (``weights="auto"`` as in :meth:`generate`)."""
         from ..engine import stream
-        from ..engine.defaults import resolve_weights
 
-        if "weights" in kwargs:
-            kwargs["weights"] = resolve_weights(kwargs["weights"])
-        return stream(self, input_ids, **kwargs)
+        return stream(self, input_ids, **_resolve_auto(kwargs))
 
     # ------------------------------------------------------------------ checkpoints
     def fbs_state_dict(self) -> dict[str, torch.Tensor]:
@@ -352,3 +347,13 @@ class FBSForCausalLM(nn.Module):
             raise ValueError("never-skip layers can only be widened after construction (gates exist only for "
                              f"layers {self.layers_cfg.gated})")
         self.layers_cfg = resolved
+
+
+def _resolve_auto(kwargs: dict) -> dict:
+    """``weights="auto"`` -> the default format (:func:`fbs.engine.defaults.resolve_weights`), and then, unless the
+    call names a ``kv_dtype``, that format's default KV cache storage (``kv_dtype="auto"``)."""
+    from ..engine.defaults import AUTO, resolve_weights
+
+    if kwargs.get("weights") == AUTO:
+        kwargs = {"kv_dtype": AUTO, **kwargs, "weights": resolve_weights(AUTO)}
+    return kwargs
