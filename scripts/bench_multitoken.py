@@ -32,11 +32,11 @@ from fbs.model.loading import load_fbs
 from fbs.provenance import provenance
 
 
-def _decoder(model, fmt: str, rows: int, context: int):
+def _decoder(model, fmt: str, rows: int, context: int, kv_dtype: str = "auto"):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (context,), generator=g).tolist() for _ in range(rows)]
     dec = start(model, prompts, None, None, dict(max_new_tokens=64, weights=fmt, force_compute=True,
-                                                 ignore_eos=True))
+                                                 ignore_eos=True, kv_dtype=kv_dtype))
     dec.prefill()
     return dec
 
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtype", default="auto", help="the KV cache storage (auto: each format's default, fp16 for "
+                    "the quantized formats; fp32 as in the records before s17)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,7 +109,7 @@ def main() -> None:
     fmts = args.formats.split(",")
     verify = [int(t) for t in args.verify.split(",")]
     batch = [int(b) for b in args.batch.split(",")]
-    decs = {(f, b): _decoder(model, f, b, args.context) for f in fmts for b in sorted(set(batch) | {1})}
+    decs = {(f, b): _decoder(model, f, b, args.context, args.kv_dtype) for f in fmts for b in sorted(set(batch) | {1})}
     jobs = [("verify", f, t) for f in fmts for t in verify] + [("batch", f, b) for f in fmts for b in batch]
     rounds: list[dict] = []
     rng = random.Random(1)
@@ -132,8 +134,8 @@ def main() -> None:
             row["ratio"] = statistics.median(ratio)
             row["ratio_ci95"] = bootstrap(ratio)
         rows.append(row)
-    print(f"\n{args.model}, context {args.context}, {args.threads} threads, {args.rounds} rounds x median of "
-          f"{args.reps}")
+    print(f"\n{args.model}, context {args.context}, KV cache {args.kv_dtype}, {args.threads} threads, {args.rounds} "
+          f"rounds x median of {args.reps}")
     print("| what | format | n | ms | ratio [95% CI] |\n|---|---|---|---|---|")
     for row in rows:
         what = "verify pass, n positions (cost / 1-position pass)" if row["kind"] == "verify" \
@@ -144,7 +146,8 @@ def main() -> None:
     if args.out:
         doc = {"command": "python scripts/bench_multitoken.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-            "model": args.model, "context": args.context, "threads": args.threads, "rounds": args.rounds,
+            "model": args.model, "context": args.context, "kv_dtype": args.kv_dtype, "threads": args.threads,
+            "rounds": args.rounds,
             "reps": args.reps, "rows": rows, "provenance": provenance()}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
