@@ -454,9 +454,9 @@ class _PerHead(Evictor):
     def booked(self, l, rows, starts, positions):
         if len(positions[0]) != 1:
             raise RuntimeError("multi-token writes after the prompt are not supported under a cache policy")
-        dev = self.pos[l].device
-        self.pos[l][torch.tensor(rows, device=dev), :, torch.tensor(starts, device=dev)] = torch.tensor(
-            positions, device=dev)
+        pos = self.pos[l]
+        for r, s, p in zip(rows, starts, positions):  # one fill per row: cheaper than building index tensors
+            pos[r, :, s] = p[0]
 
     def _stored(self, l, rows, idx, kept, evicted):
         self.pos[l][idx, :, :kept.shape[2]] = kept
