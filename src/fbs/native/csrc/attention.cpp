@@ -207,7 +207,7 @@ void accumulate_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, co
     if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
   const int64_t tasks = int64_t(cache_rows.size()) * Hkv;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(C), key(hd);
+    std::vector<float> p(C), keys;  // keys: a half-precision cache's keys in fp32, converted once per query
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = cache_rows[t / Hkv], g = t % Hkv;
       const T* K = KC + r * rs + g * hs;
@@ -215,18 +215,17 @@ void accumulate_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, co
       for (int64_t j = 0; j < m; ++j) {
         if (I[j] != r) continue;
         const int64_t n = L[j] + 1;
+        const float* kf = nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+          kf = K;
+        } else {
+          keys.resize(n * hd);
+          for (int64_t e = 0; e < n * hd; ++e) keys[e] = float(K[e]);
+          kf = keys.data();
+        }
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           const float* q = Q + j * qs0 + h * qs1;
-          for (int64_t s = 0; s < n; ++s) {
-            const float* ks = nullptr;
-            if constexpr (std::is_same_v<T, float>) {
-              ks = K + s * hd;
-            } else {
-              for (int64_t d = 0; d < hd; ++d) key[d] = float(K[s * hd + d]);
-              ks = key.data();
-            }
-            p[s] = fbs_norm::dot(q, ks, hd) * scale;
-          }
+          for (int64_t s = 0; s < n; ++s) p[s] = fbs_norm::dot(q, kf + s * hd, hd) * scale;
           float z;
           softmax_(p.data(), n, &z);
           const float iz = 1.f / z;
