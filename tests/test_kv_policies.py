@@ -254,6 +254,47 @@ def _ctx(cache, rows, positions, heads_q):
     return CacheContext(cache, {}, rows, positions, cos, torch.zeros_like(cos), "project", scaling=1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_h2o_eviction_moves_what_the_pytorch_eviction_moves(dtype, monkeypatch):
+    """The native eviction (csrc/evict.cpp) against H2O's PyTorch eviction on random caches, scores with ties
+    (rounded to a coarse grid) and ring slots, two rows of three: every tensor equal after the step."""
+    from fbs import native
+    from fbs.engine import kvpolicy
+
+    if native.module() is None:
+        pytest.skip("needs the native build")
+    g = torch.Generator().manual_seed(0)
+    B, hkv, cap, hd, budget = 3, 2, 12, 8, 10
+
+    def state():
+        cache = KVCache(1, B, hkv, hd, cap, dtype=dtype, policy=CachePolicy("h2o", budget))
+        ev = cache.evictor
+        cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+        cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+        ev.acc[0].copy_((torch.rand(ev.acc[0].shape, generator=g) * 4).round() / 4)  # ties
+        ev.pos[0].copy_(torch.randint(0, 1000, ev.pos[0].shape, generator=g))
+        return cache, ev
+
+    for trial in range(4):
+        ref, ev_ref = state()
+        got, ev_got = state()
+        for a, b in ((ref.k[0], got.k[0]), (ref.v[0], got.v[0]), (ev_ref.acc[0], ev_got.acc[0]),
+                     (ev_ref.pos[0], ev_got.pos[0])):
+            b.copy_(a)
+        idx = torch.tensor([2, 0])
+        old = torch.randint(ev_ref.fixed, budget, (2,), generator=g)
+        new_entry = got.k[0][2, :, budget].clone()
+        with monkeypatch.context() as mp:
+            mp.setattr(kvpolicy.native, "h2o_evict", lambda *a: False)  # the PyTorch moves
+            ev_ref._evict(0, [2, 0], idx, old)
+        assert native.h2o_evict(got.k[0], got.v[0], ev_got.acc[0], ev_got.pos[0], idx, old, ev_got.fixed, budget)
+        for a, b in ((ref.k[0], got.k[0]), (ref.v[0], got.v[0]), (ev_ref.acc[0], ev_got.acc[0]),
+                     (ev_ref.pos[0], ev_got.pos[0])):
+            assert torch.equal(a, b), trial
+        assert torch.equal(got.k[0][2, :, old[0]], new_entry)  # the new entry took the ring slot (by definition)
+        assert (ev_got.acc[0][idx, :, budget] == 0).all()
+
+
 def test_h2o_accumulates_hand_computed_scores():
     """q = 0: every query spreads its weight evenly over the keys it sees. A prompt of 4: key j receives
     sum_{i >= j} 1 / (i + 1) from each of the 2 query heads of its KV head; one decode step adds 1 / 5 each."""

@@ -47,6 +47,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from .defaults import resolve_kv_dtype
 
 #: the policies ``kv_cache=`` selects (``full``: no eviction)
@@ -490,6 +491,8 @@ class H2O(_PerHead):
         """The oldest recent entry leaves the window and competes with the heavy hitters: the lowest accumulated
         score among them is evicted (per head); the new entry takes the ring slot."""
         c, acc, h = self.cache, self.acc[l], self.fixed
+        if native.h2o_evict(c.k[l], c.v[l], acc, self.pos[l], idx, old, h, self.budget):
+            return  # the same moves in one native call
         cand = torch.cat((acc[idx, :, :h], acc[idx, :, old].unsqueeze(-1)), -1)       # (b, Hkv, h + 1)
         worst = cand.argmin(-1)
         victim = torch.where(worst == h, old[:, None], worst)                          # (b, Hkv) slot

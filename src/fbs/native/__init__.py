@@ -24,6 +24,7 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
   activations (``int8.cpp``) or the block-quantized kinds with int8 activations (``quant.cpp``,
   :mod:`fbs.native.quant`); every product of a layer goes through it.
 * ``chunk.cpp``: **the chunk head's online step** (:func:`chunk_step`), in place on the engine's chunk state.
+* ``evict.cpp``: **H2O's one-token eviction** (:func:`h2o_evict`), in place on the cache, its scores and positions.
 
 The extension is built with ``torch.utils.cpp_extension.load`` the first time it is needed, once per machine:
 the build lives under ``$FBS_CACHE_DIR/native/fbs-<hash>`` (default ``~/.cache/fbs/native``), the hash taken over
@@ -322,6 +323,17 @@ def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool =
                                           state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
                                           head.query.weight, head.out.weight, head.scale, LABEL_I, attend)
     return (c if attend else None), logits, torch.tensor(start, dtype=torch.bool)
+
+
+def h2o_evict(kc: torch.Tensor, vc: torch.Tensor, acc: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,
+              old: torch.Tensor, heavy: int, budget: int) -> bool:
+    """:meth:`fbs.engine.kvpolicy.H2O._evict` in place in one call (``csrc/evict.h``); False (nothing done) when the
+    extension is not loaded or the tensors are not the contiguous CPU tensors it takes."""
+    mod = module()
+    if mod is None or not all(t.device.type == "cpu" and t.is_contiguous() for t in (kc, vc, acc, pos)):
+        return False
+    mod.h2o_evict(kc, vc, acc, pos, idx, old, heavy, budget)
+    return True
 
 
 def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_skip: list[float],

@@ -3,6 +3,7 @@
 
 #include "attention.h"
 #include "chunk.h"
+#include "evict.h"
 #include "gate.h"
 #include "int8.h"
 #include "layer.h"
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_activations", &quant_activations);
   m.def("quant_linear", &quant_linear);
   m.def("chunk_step", &chunk_step);
+  m.def("h2o_evict", &h2o_evict);
   pybind11::class_<fbs_packed::Packed>(m, "PackedWeight")
       .def(pybind11::init(&fbs_packed::make))
       .def_readonly("kind", &fbs_packed::Packed::kind)
