@@ -88,9 +88,10 @@ def test_info_json_counts_and_config(saved, capsys):
     cfg = info["config"]
     assert cfg["base_fingerprint"] == m.config.base_fingerprint and cfg["tau"] == m.config.tau
     assert cfg["paw_layers"] == [1] and cfg["ch_layers"] == [3] and cfg["k_max"] == 6
-    from fbs.engine.defaults import default_weights
+    from fbs.engine.defaults import default_kv_dtype, default_weights
 
     assert info["default_weights"] == default_weights(info["native_kernels"])
+    assert info["default_kv_dtype"] == default_kv_dtype(info["default_weights"])
 
     code, out, _ = run_cli(capsys, ["info", *saved.args, "--tau", "0.25", "--kv-policy", "hole"])
     assert code == 0
