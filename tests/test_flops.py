@@ -68,6 +68,11 @@ def test_a_systems_own_roofline_prices_its_own_format_by_hand():
     # 4 layers of 36,864 weights at 0.5 + 4/32 bytes + norms in fp32; head q8 (1 + 2/32) + final norm; fp32 K/V
     q4_bytes = 4 * (36864 * 0.625 + 128 * 4) + 16384 * (1 + 2 / 32) + 64 * 4 + 4 * 10 * 256
     assert decode_roofline(c, peaks, 8, 4, weights=q4)["bytes_per_step"] == pytest.approx(q4_bytes)
+    # the same with a half-precision cache (kv_dtype fp16 / bf16): 2 bytes per cached value, 64 values per key
+    half = q4_bytes - 4 * 10 * 256 + 4 * 10 * 64 * 2
+    for kvd in ("fp16", "bf16"):
+        assert decode_roofline(c, peaks, 8, 4, weights=q4, kv_dtype=kvd)["bytes_per_step"] == pytest.approx(half)
+    assert decode_roofline(c, peaks, 8, 4, weights=q4, kv_dtype="fp32")["bytes_per_step"] == pytest.approx(q4_bytes)
     gguf = system_format({"format": "Q4_0"})
     q40_bytes = 4 * (36864 * (0.5 + 2 / 32) + 128 * 2) + 16384 * (1 + 2 / 32) + 64 * 4 + 4 * 10 * 128
     assert decode_roofline(c, peaks, 8, 4, weights=gguf)["bytes_per_step"] == pytest.approx(q40_bytes)

@@ -108,16 +108,18 @@ def system_format(params: dict) -> WeightFormat | None:
 
 def decode_roofline(cost: LayerCost, peaks: MachinePeaks, prompt_len: int, new_tokens: int, batch: int = 1,
                     executed_fraction: float = 1.0, kv_policy: str = "project",
-                    overhead_macs_per_token: float = 0.0, weights: str = "fp32") -> dict[str, float]:
+                    overhead_macs_per_token: float = 0.0, weights: str = "fp32",
+                    kv_dtype: str | None = None) -> dict[str, float]:
     """Lower bound on one decode step's time, at the mean decode context, for a given executed-layer fraction.
 
-    Bytes are :func:`fbs.engine.flops.step_bytes` (weights once per step for the batch, K/V per row; skipped layers
-    read nothing under ``hole`` and their K/V projection weights under ``project``), FLOPs are 2 x MACs per row.
+    Bytes are :func:`fbs.engine.flops.step_bytes` (weights once per step for the batch, K/V per row in ``kv_dtype``'s
+    storage; skipped layers read nothing under ``hole`` and their K/V projection weights under ``project``), FLOPs
+    are 2 x MACs per row.
     """
     L = cost.num_layers
     ctx = prompt_len + new_tokens / 2
     run = executed_fraction * L
-    total_bytes = step_bytes(cost, ctx, run, kv_policy, batch, weights)
+    total_bytes = step_bytes(cost, ctx, run, kv_policy, batch, weights, kv_dtype)
     macs_row = run * cost.layer_macs(int(ctx)) + cost.lm_head + overhead_macs_per_token
     if kv_policy == "project":
         macs_row += (L - run) * cost.kv_proj

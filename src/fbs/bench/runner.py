@@ -280,7 +280,8 @@ def _roofline(res: SystemResult, cost: LayerCost, peaks: MachinePeaks, bench: Be
     fmt = system_format(res.params)
     if res.family in ("baseline", "fbs", "external") and skip is not None and fmt is not None:
         policy = res.params.get("kv_policy", "project")
-        own = decode_roofline(cost, peaks, bench.prompt_len, bench.new_tokens, B, 1.0 - skip, policy, weights=fmt)
+        own = decode_roofline(cost, peaks, bench.prompt_len, bench.new_tokens, B, 1.0 - skip, policy, weights=fmt,
+                              kv_dtype=res.params.get("kv_dtype"))
         if res.family == "fbs":  # the added modules' weights are read every step too
             own_bytes = own["bytes_per_step"] + extra_bytes
             own["step_s"] = max(own_bytes / (peaks.bandwidth_gbs * 1e9), own["step_s"])

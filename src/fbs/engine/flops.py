@@ -159,9 +159,10 @@ class LayerCost:
         fmt = weight_format(weights)
         return _bytes(fmt.head or fmt, self.lm_head, self.vocab_size, self.hidden_size)
 
-    def kv_bytes_per_key(self, weights: str | WeightFormat = "fp32") -> int:
-        """Bytes of one cached token's K and V in one layer."""
-        return self.kv_width * weight_format(weights).activation
+    def kv_bytes_per_key(self, weights: str | WeightFormat = "fp32", kv_dtype: str | None = None) -> int:
+        """Bytes of one cached token's K and V in one layer: stored in the activation dtype, or in half precision
+        when ``kv_dtype`` is fp16 / bf16 (the engine's ``kv_dtype``; fp32 or None: the activation dtype)."""
+        return self.kv_width * (2 if kv_dtype in ("fp16", "bf16") else weight_format(weights).activation)
 
 
 # --------------------------------------------------------------------------- MACs of a decode
@@ -225,15 +226,15 @@ def baseline_decode_macs(cost: LayerCost, prompt_len: int, new_tokens: int, batc
 
 
 def step_bytes(cost: LayerCost, context: float, executed_layers: float | None = None, kv_policy: str = "project",
-               batch: int = 1, weights: str | WeightFormat = "fp32") -> float:
+               batch: int = 1, weights: str | WeightFormat = "fp32", kv_dtype: str | None = None) -> float:
     """Bytes one decode step of ``batch`` rows reads at ``context`` cached keys when ``executed_layers`` of the
     layers run (default all; a mean is fine): their weights once for the batch, the LM head, per row their
-    K/V cache, and under ``project`` the K/V projection weights of the skipped layers. The embedding row is
-    negligible and ignored."""
+    K/V cache (in ``kv_dtype``'s storage, :meth:`LayerCost.kv_bytes_per_key`), and under ``project`` the K/V
+    projection weights of the skipped layers. The embedding row is negligible and ignored."""
     L = cost.num_layers
     run = L if executed_layers is None else executed_layers
     total = run * cost.layer_bytes(weights) + cost.lm_head_bytes(weights)
-    total += batch * run * context * cost.kv_bytes_per_key(weights)
+    total += batch * run * context * cost.kv_bytes_per_key(weights, kv_dtype)
     if kv_policy == "project":
         total += (L - run) * cost.kv_proj_bytes(weights)
     return total
