@@ -27,12 +27,13 @@ import torch
 
 from .. import native
 from ..model.chunk import ChunkOut, ChunkState
+from .defaults import KV_STORAGE
 from .kvpolicy import CachePolicy, attend_scored
 
 
 #: the storage dtypes of ``kv_dtype`` (fp16 is the half-precision choice: three more mantissa bits than bf16 and one
 #: conversion instruction each way; bf16 keeps fp32's exponent range)
-KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+KV_DTYPES = dict(zip(KV_STORAGE, (torch.float32, torch.float16, torch.bfloat16)))
 
 
 def kv_storage_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:

@@ -25,6 +25,10 @@ QUALIFYING = ("q4", "q8", "int8")
 AUTO = "auto"
 #: what runs when no qualifying format has its kernels on this machine
 FALLBACK = "fp32"
+#: the KV cache storages (``kv_dtype``; their torch dtypes: :data:`fbs.engine.cache.KV_DTYPES`), and what
+#: ``kv_dtype`` / ``--kv-dtype`` accept: one of them or ``auto`` (:func:`default_kv_dtype`)
+KV_STORAGE = ("fp32", "fp16", "bf16")
+KV_DTYPE_CHOICES = (AUTO, *KV_STORAGE)
 
 
 def default_weights(kernels: Mapping[str, str | None] | None = None) -> str:

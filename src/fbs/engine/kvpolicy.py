@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
-from .defaults import resolve_kv_dtype
+from .defaults import AUTO, KV_DTYPE_CHOICES, resolve_kv_dtype
 
 #: the policies ``kv_cache=`` selects (``full``: no eviction)
 POLICIES = ("full", "streaming", "h2o", "snapkv")
@@ -141,7 +141,7 @@ def add_kv_cache_arguments(p) -> None:
                         "(heavy hitters + recent), snapkv (observation-window votes at prefill)")
     p.add_argument("--kv-budget", type=int,
                    help="entries a --kv-cache policy keeps per layer and KV head (required with one)")
-    p.add_argument("--kv-dtype", choices=("auto", "fp32", "fp16", "bf16"), default="auto",
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=AUTO,
                    help="storage of the KV cache's entries: fp32, fp16 or bf16 (half the bytes; attention converts "
                         "them back and accumulates in fp32); auto (default): fp16 under the quantized --weights "
                         "(q4, q8, int8), else fp32 (fbs.engine.defaults)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..engine.defaults import AUTO, resolve_kv_dtype, resolve_weights
+from ..engine.defaults import AUTO, KV_DTYPE_CHOICES, resolve_kv_dtype, resolve_weights
 from ..engine.fused import WEIGHTS
 from ..cli_args import add_model_arguments, load_from_args
 from .batcher import Limits
@@ -43,8 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                "kv_dtype": args.kv_dtype})
     cfg, context = model.config, min(limits.context_length, model.base.spec.max_positions)
     print(f"fbs serve: {name} (tau {cfg.tau}, kv {cfg.kv_policy}, batch policy {args.batch_policy}, "
-          f"weights {weights}, KV cache {resolve_kv_dtype(args.kv_dtype, weights)}, {limits.max_concurrent} slots, context {context} tokens) "
-          f"at http://{args.host}:{args.port}/v1", flush=True)
+          f"weights {weights}, KV cache {resolve_kv_dtype(args.kv_dtype, weights)}, {limits.max_concurrent} slots, "
+          f"context {context} tokens) at http://{args.host}:{args.port}/v1", flush=True)
     run(app, args.host, args.port, args.log_level)
     return 0
 
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=(AUTO,) + WEIGHTS, default=AUTO,
                    help="decode weights (engine option); auto: the fastest format within 0.5 %% of fp32's held-out "
                         "PPL whose native kernels run here, else fp32 (fbs.engine.defaults)")
-    p.add_argument("--kv-dtype", choices=(AUTO, "fp32", "fp16", "bf16"), default=AUTO,
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=AUTO,
                    help="default KV cache storage (requests may set their own): auto: fp16 under the quantized "
                         "weights, else fp32 (fbs.engine.defaults)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")

@@ -16,7 +16,7 @@ import time
 import uuid
 
 from ..engine import VALIDATORS, DecodeOptions
-from ..engine.cache import KV_DTYPES
+from ..engine.defaults import KV_DTYPE_CHOICES
 from ..engine.kvpolicy import POLICIES, make_policy
 
 
@@ -270,7 +270,7 @@ def _options(body: dict, ctx: ServeContext, max_tokens: int, stream: bool) -> di
         if opts.get("lossless"):
             raise bad("kv_cache", "'lossless' rolls rejected drafts back, which an evicting 'kv_cache' cannot")
         opts["kv_cache"], opts["kv_budget"] = policy.name, policy.budget
-    kv_dtype = _choice(body, "kv_dtype", ["auto", *KV_DTYPES])
+    kv_dtype = _choice(body, "kv_dtype", list(KV_DTYPE_CHOICES))
     if kv_dtype is not None:
         opts["kv_dtype"] = kv_dtype
     chunk = _number(body, "prefill_chunk", None, 0, integer=True)
