@@ -421,6 +421,47 @@ def test_native_attention_of_consecutive_positions_equals_sdpa(isa, hd, threads)
 
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hd", [16, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_attention_accumulates_its_own_weights(isa, hd, kv_dtype, threads):
+    """H2O's accumulated attention from the attention pass itself (``acc``): the softmax weights of every query,
+    summed over the query heads of each KV head and over the positions of a multi-token step that share a cache row,
+    added to what ``acc`` held; equal to float64 softmax(scale q K^T) over each query's causal prefix of the same
+    (rounded) cache. hd 64 under AVX-512 takes the grouped kernel (weights kept per key range, scaled by the merged
+    softmax), over more than one range; hd 16 the per-head kernels. The output is what the call without ``acc``
+    gives, bit for bit (the accumulation changes nothing it computes)."""
+    g = torch.Generator().manual_seed(hd + threads)
+    B, H, Hkv, C = 3, 6, 2, 700
+    kc = (torch.randn(B, Hkv, C, hd, generator=g) * 2).to(kv_dtype)
+    vc = torch.randn(B, Hkv, C, hd, generator=g).to(kv_dtype)
+    idx = torch.tensor([1, 1, 1, 0])              # three positions of cache row 1, one of row 0; row 2 untouched
+    slots = torch.tensor([300, 301, 302, 650])
+    b = idx.numel()
+    q = torch.randn(b, 1, H, hd, generator=g).transpose(1, 2) * 2
+    k = torch.randn(b, 1, Hkv, hd, generator=g).transpose(1, 2) * 2
+    v = torch.randn(b, Hkv, 1, hd, generator=g)
+    acc0 = torch.rand(B, Hkv, C, generator=g)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plain = native.attend_one(q, k, v, kc.clone(), vc.clone(), idx, slots, 0.2)
+        acc = acc0.clone()
+        got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.2, acc=acc)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(got, plain)
+    ref = acc0.double()
+    keys = kc.double()  # the call wrote the new keys (rounded to the cache's dtype) into kc
+    for i in range(b):
+        for h in range(H):
+            s = 0.2 * keys[idx[i], h // (H // Hkv), :slots[i] + 1] @ q[i, h, 0].double()
+            ref[idx[i], h // (H // Hkv), :slots[i] + 1] += torch.softmax(s, 0)
+    assert (acc.double() - ref).abs().max() < 2e-6 * ref.max()  # fp32 sums of up to 9 weights per entry
+    assert torch.equal(acc[2], acc0[2]) and torch.equal(acc[0, :, 651:], acc0[0, :, 651:])
+    assert (acc - acc0).sum() == pytest.approx(b * H, rel=1e-5)  # every query's weights sum to one
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_attention_of_a_query_does_not_depend_on_its_call(isa, threads):
     """A query's attention output is the same, bit for bit, whether it runs alone (a one-token decode step) or next

@@ -463,14 +463,9 @@ class Decoder:
         self._indicators: dict[tuple[bool, ...], torch.Tensor] = {}  # previous-skip inputs by pattern (gate_prev_skip)
         self._seg_gated: dict[range, list[bool]] = {}   # per run of layers, which of them this call gates
         #: every decision is the gate logit against a threshold or forced (plan, force_compute), for the whole
-        #: layer, with no baseline policy and no cache policy that reads attention weights: what a kernel that
-        #: decides inside its call can compute
+        #: layer, with no baseline policy: what a kernel that decides inside its call can compute (a cache policy
+        #: that reads attention weights, H2O, gets them from that kernel's attention too)
         self.hard_decisions = self.skipper is None and not opts.gate_sampling and self.granularity == "layer"
-        if self.kv is not None and self.kv.scores:  # the whole-layer kernel does not return attention weights
-            if self.hard_decisions and getattr(self.ops, "native_layers", None) is not None:
-                logger.info("kv_cache=%r reads attention weights: each layer runs as the native halves of its kernel "
-                            "(one call each, adding the weights), not the whole-layer kernel", self.kv.name)
-            self.hard_decisions = False
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty KV cache of this call's rows, ``capacity`` slots each, under its cache policy."""

@@ -527,11 +527,18 @@ class FusedOps(LayerByLayer):
         out = native.run_layers([self.native_layers[l] for l in layers], x, x_prev, ps,
                                 None if zterms is None else zterms.flat, *self._rope_of(ctx),
                                 ctx.cache.k[layers.start:layers.stop], ctx.cache.v[layers.start:layers.stop],
-                                ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped)
+                                ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped,
+                                self._scores_of(layers, ctx))
         run = out[4]
         for k, l in enumerate(layers):
             ctx.book(l, None if write_skipped else run[k * b:(k + 1) * b])
         return out
+
+    @staticmethod
+    def _scores_of(layers: range, ctx) -> list | None:
+        """The layers' accumulated attention buffers when the cache policy keeps them (H2O), else None."""
+        accs = [ctx.attention_scores(l) for l in layers]
+        return None if accs[0] is None else accs
 
     def native_span(self, layers: range, x: torch.Tensor, ctx) -> torch.Tensor:
         """Consecutive layers ``layers`` (each in :attr:`native_layers`) at full depth over T new tokens per row,

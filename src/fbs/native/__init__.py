@@ -293,12 +293,15 @@ def _isa_code() -> int:
 
 # --------------------------------------------------------------------------- one-query attention
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-               idx: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+               idx: torch.Tensor, slots: torch.Tensor, scale: float,
+               acc: torch.Tensor | None = None) -> torch.Tensor:
     """A one-token step's attention over the static cache (what :func:`fbs.engine.fused._block_step` does with index
     writes and SDPA over the masked buffers): writes each row's ``k``/``v`` (b, Hkv, 1, hd) at ``slots`` (b,) of
     cache rows ``idx`` (b,) in ``kc``/``vc`` (B, Hkv, C, hd), then attends ``q`` (b, H, 1, hd) over slots
-    0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them."""
-    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale, _isa_code())
+    0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them.
+    ``acc`` (B, Hkv, C) fp32: each query's attention weights are added to it, summed over the query heads of each KV
+    head (H2O's accumulated attention), from the same pass over the keys."""
+    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale, _isa_code(), acc)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -339,11 +342,13 @@ def h2o_evict(kc: torch.Tensor, vc: torch.Tensor, acc: torch.Tensor, pos: torch.
 def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_skip: list[float],
                zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
                idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
-               policy: int, write_skipped: bool):
+               policy: int, write_skipped: bool, accs: list | None = None):
     """Consecutive :class:`NativeLayer` s of a one-token step in one call (see
-    :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes)."""
+    :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes). ``accs``: per layer its
+    accumulated attention (B, Hkv, C) fp32, to which the rows that run the layer add their attention weights (H2O),
+    from the attention's own pass."""
     return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
-                              thresholds, policy, write_skipped, _isa_code())
+                              thresholds, policy, write_skipped, accs or [], _isa_code())
 
 
 def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,

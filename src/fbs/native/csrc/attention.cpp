@@ -14,6 +14,13 @@ void check_kv_type(at::ScalarType t, const char* who) {
               ": KV caches must be float32, float16 or bfloat16 (kv_dtype fp32 / fp16 / bf16), got ", t);
 }
 
+float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.device().is_cpu() && acc.is_contiguous() && acc.dim() == 3 &&
+                  acc.size(0) == kc.size(0) && acc.size(1) == kc.size(1) && acc.size(2) == kc.size(2),
+              who, ": accumulated attention (B, Hkv, C) contiguous fp32, the cache's shape");
+  return acc.data_ptr<float>();
+}
+
 template <class T>
 void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o) {
   for (int64_t j = 0; j < n; ++j) {
@@ -78,7 +85,8 @@ namespace {
 // attend() for hd a multiple of 64 with AVX-512: queries grouped by the K/V they read (attention.h).
 template <class T>
 void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m,
-                    int64_t H, const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* O) {
+                    int64_t H, const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* O,
+                    float* ACC) {
   const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
   // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h)
   std::vector<int64_t> cache_rows;
@@ -113,8 +121,11 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
   for (int64_t u = 0; u < G; ++u) longest = std::max(longest, last[u] + 1);
   const int64_t span = kKeyRange, splits = std::max<int64_t>(1, (longest + span - 1) / span);
   std::vector<float> part(splits * nq * ps);
+  // with ACC: every range's softmax numerators kept (query i of range sp at ex + (sp * nq + i) * span, its range's
+  // k1 - k0 values), then scaled by the merged softmax and added to ACC: the weights come from this pass
+  std::vector<float> ex(ACC ? splits * nq * span : 0);
   at::parallel_for(0, G * splits, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s;
+    std::vector<float> scratch;
     std::vector<const float*> qp;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t u = t / splits, sp = t % splits, n = start[u + 1] - start[u];
@@ -127,14 +138,21 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
         }
         continue;
       }
-      s.resize(n * (k1 - k0));
+      float* s = nullptr;
+      if (ACC) {
+        s = ex.data() + (sp * nq + start[u]) * span;
+      } else {
+        scratch.resize(n * (k1 - k0));
+        s = scratch.data();
+      }
       qp.resize(n);
       for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
       const int64_t kv = cache_rows[u / Hkv] * rs + (u % Hkv) * hs;
-      group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s.data(), pt);
+      group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt);
     }
   });
   // merge the ranges: o = sum_s acc_s e^(m_s - M) / sum_s z_s e^(m_s - M), M = max_s m_s
+  std::vector<float> qm(ACC ? nq : 0), qz(ACC ? nq : 0);  // per query: M and the merged sum z
   for (int64_t i = 0; i < nq; ++i) {
     float M = -INFINITY;
     for (int64_t sp = 0; sp < splits; ++sp) M = std::max(M, part[(sp * nq + i) * ps]);
@@ -150,17 +168,41 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
     }
     const float iz = 1.f / z;
     for (int64_t d = 0; d < hd; ++d) o[d] *= iz;
+    if (ACC) {
+      qm[i] = M;
+      qz[i] = z;
+    }
   }
+  if (!ACC) return;
+  // ACC[row, g, k] += the weight each query of the group gave key k: e^(s - m_s) e^(m_s - M) / z, one task per
+  // group (its ACC row), its queries in order
+  at::parallel_for(0, G, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      float* acc = ACC + (cache_rows[u / Hkv] * Hkv + u % Hkv) * C;
+      for (int64_t i = start[u]; i < start[u + 1]; ++i)
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t k0 = sp * span, kn = std::min(qlast[i] + 1, k0 + span) - k0;
+          const float* pt = part.data() + (sp * nq + i) * ps;
+          if (kn <= 0 || pt[1] == 0.f) continue;
+          const float w = std::exp(pt[0] - qm[i]) / qz[i];
+          // the range's values of query i: stride k1 - k0 of its group's call
+          const int64_t gk = std::min(last[u] + 1, k0 + span) - k0;
+          const float* e = ex.data() + (sp * nq + start[u]) * span + (i - start[u]) * gk;
+          for (int64_t k = 0; k < kn; ++k) acc[k0 + k] += e[k] * w;
+        }
+    }
+  });
 }
 #endif
 
 template <class T>
 void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-              const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O) {
+              const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O,
+              float* ACC) {
   auto head = head_scalar<T>;
 #ifdef FBS_X86
   if (isa == fbs::kIsaAvx512 && hd % 64 == 0 && hd <= kMaxHd) {
-    attend_grouped(Q, qs0, qs1, I, L, m, H, KC, VC, Hkv, C, hd, scale, O);
+    attend_grouped(Q, qs0, qs1, I, L, m, H, KC, VC, Hkv, C, hd, scale, O, ACC);
     return;
   }
   if (isa == fbs::kIsaAvx512 && hd % 16 == 0 && hd <= kMaxHd)
@@ -169,67 +211,36 @@ void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const 
     head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*)>(head_avx2);
 #endif
   const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
-  at::parallel_for(0, m * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(C);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = t / H, h = t % H;
-      const int64_t kv = I[j] * rs + (h / group) * hs;
-      head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, L[j] + 1, hd, scale, p.data(), O + j * H * hd + h * hd);
-    }
-  });
-}
-}  // namespace
-
-void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-            const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
-            int64_t isa, float* O) {
-  check_kv_type(kt, "fbs attention kernel");
-  if (kt == at::kFloat)
-    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const float*>(KC), static_cast<const float*>(VC), Hkv, C, hd, scale,
-             isa, O);
-  else if (kt == at::kHalf)
-    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::Half*>(KC), static_cast<const at::Half*>(VC), Hkv, C, hd,
-             scale, isa, O);
-  else
-    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), static_cast<const at::BFloat16*>(VC), Hkv,
-             C, hd, scale, isa, O);
-}
-}  // namespace fbs_attn
-
-namespace fbs_attn {
-namespace {
-template <class T>
-void accumulate_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-                  const T* KC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* ACC) {
-  const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
-  std::vector<int64_t> cache_rows;  // one task per (cache row, KV head): the queries that add to its ACC row
+  if (!ACC) {
+    at::parallel_for(0, m * H, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> p(C);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j = t / H, h = t % H;
+        const int64_t kv = I[j] * rs + (h / group) * hs;
+        head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, L[j] + 1, hd, scale, p.data(), O + j * H * hd + h * hd);
+      }
+    });
+    return;
+  }
+  // with ACC: one task per (cache row, KV head), which owns that ACC row; each head's softmax numerators (left in
+  // p by the head kernel) divided by their sum are its weights
+  std::vector<int64_t> cache_rows;
   for (int64_t j = 0; j < m; ++j)
     if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
-  const int64_t tasks = int64_t(cache_rows.size()) * Hkv;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(C), keys;  // keys: a half-precision cache's keys in fp32, converted once per query
+  at::parallel_for(0, int64_t(cache_rows.size()) * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(C);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = cache_rows[t / Hkv], g = t % Hkv;
-      const T* K = KC + r * rs + g * hs;
+      const int64_t r = cache_rows[t / Hkv], g = t % Hkv, kv = r * rs + g * hs;
       float* acc = ACC + (r * Hkv + g) * C;
       for (int64_t j = 0; j < m; ++j) {
         if (I[j] != r) continue;
         const int64_t n = L[j] + 1;
-        const float* kf = nullptr;
-        if constexpr (std::is_same_v<T, float>) {
-          kf = K;
-        } else {
-          keys.resize(n * hd);
-          for (int64_t e = 0; e < n * hd; ++e) keys[e] = float(K[e]);
-          kf = keys.data();
-        }
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const float* q = Q + j * qs0 + h * qs1;
-          for (int64_t s = 0; s < n; ++s) p[s] = fbs_norm::dot(q, kf + s * hd, hd) * scale;
-          float z;
-          softmax_(p.data(), n, &z);
+          head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, n, hd, scale, p.data(), O + j * H * hd + h * hd);
+          float z = 0.f;
+          for (int64_t k = 0; k < n; ++k) z += p[k];
           const float iz = 1.f / z;
-          for (int64_t s = 0; s < n; ++s) acc[s] += p[s] * iz;
+          for (int64_t k = 0; k < n; ++k) acc[k] += p[k] * iz;
         }
       }
     }
@@ -237,20 +248,25 @@ void accumulate_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, co
 }
 }  // namespace
 
-void accumulate(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-                const void* KC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale, float* ACC) {
+void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
+            const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
+            int64_t isa, float* O, float* ACC) {
   check_kv_type(kt, "fbs attention kernel");
   if (kt == at::kFloat)
-    accumulate_t(Q, qs0, qs1, I, L, m, H, static_cast<const float*>(KC), Hkv, C, hd, scale, ACC);
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const float*>(KC), static_cast<const float*>(VC), Hkv, C, hd, scale,
+             isa, O, ACC);
   else if (kt == at::kHalf)
-    accumulate_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::Half*>(KC), Hkv, C, hd, scale, ACC);
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::Half*>(KC), static_cast<const at::Half*>(VC), Hkv, C, hd,
+             scale, isa, O, ACC);
   else
-    accumulate_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), Hkv, C, hd, scale, ACC);
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), static_cast<const at::BFloat16*>(VC), Hkv,
+             C, hd, scale, isa, O, ACC);
 }
 }  // namespace fbs_attn
 
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
-                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa) {
+                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa,
+                      const std::optional<at::Tensor>& acc) {
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(-1) == 1 && t->device().is_cpu(),
                 "fbs attention kernel: q, k, v 4-d fp32 CPU tensors with a unit last stride");
@@ -267,8 +283,9 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && L[i] >= 0 && L[i] < C, "fbs attention kernel: slot out of range");
   fbs_attn::write_kv(k.data_ptr<float>(), k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), b, I,
                      L, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), Hkv, C, hd);
+  float* ACC = acc ? fbs_attn::acc_data(*acc, kc, "fbs attention kernel") : nullptr;
   auto out = at::empty({b, 1, H * hd}, q.options());
   fbs_attn::attend(q.data_ptr<float>(), q.stride(0), q.stride(1), I, L, b, H, kc.data_ptr(), vc.data_ptr(),
-                   kc.scalar_type(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>());
+                   kc.scalar_type(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>(), ACC);
   return out;
 }

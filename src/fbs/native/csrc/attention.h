@@ -67,19 +67,22 @@ void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t 
 // n fp32 values stored at dst, an array of type kt
 void store(const float* src, int64_t n, void* dst, at::ScalarType kt);
 
-// m queries (row j, head h at Q + j * qs0 + h * qs1) attend over slots 0..L[j] of cache row I[j] (GQA), one task
-// per (row, head); O (m, H * hd), the heads side by side; KC / VC of element type kt
+// An accumulated-attention buffer's data, checked: (B, Hkv, C) contiguous fp32 on the CPU, the shape of the cache kc
+// (B, Hkv, C, hd); otherwise an error naming ``who``.
+float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who);
+
+// m queries (row j, head h at Q + j * qs0 + h * qs1) attend over slots 0..L[j] of cache row I[j] (GQA); O (m, H * hd),
+// the heads side by side; KC / VC of element type kt. ACC (B, Hkv, C) fp32, or null: each query's attention weights
+// (softmax(scale q . K) over slots 0..L[j]) are added to ACC[I[j], g(h), slot], summed over the queries and the
+// query heads of each KV head: what a cache policy that keeps accumulated attention reads (H2O,
+// fbs.engine.kvpolicy.attend_scored). The weights are the softmax numerators of this same pass, kept per key range
+// and scaled by the merged softmax (no second pass over the keys); tasks are then per (cache row, KV head).
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
             const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
-            int64_t isa, float* O);
-// The attention weights of the same m queries (softmax(scale q . K) over slots 0..L[j] of cache row I[j]) added to
-// ACC (B, Hkv, C) fp32 at [I[j], g(h), slot], summed over the queries and the query heads of each KV head: what a
-// cache policy that keeps accumulated attention (H2O, fbs.engine.kvpolicy.attend_scored) reads. Scores recomputed
-// here (a second pass over the keys), so the attention kernels above stay as they are.
-void accumulate(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
-                const void* KC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale, float* ACC);
+            int64_t isa, float* O, float* ACC = nullptr);
 }  // namespace fbs_attn
 
 // See fbs.native.attend_one.
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
-                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa);
+                      const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa,
+                      const std::optional<at::Tensor>& acc);

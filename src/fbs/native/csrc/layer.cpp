@@ -129,10 +129,7 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
     lens[j] = SL[sel[j]];
   }
   fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr(), vc.data_ptr(),
-                   kc.scalar_type(), nkv, C, hd, scale, st.isa, att.data());
-  if (acc)
-    fbs_attn::accumulate(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr(), kc.scalar_type(), nkv,
-                         C, hd, scale, acc);
+                   kc.scalar_type(), nkv, C, hd, scale, st.isa, att.data(), acc);
   mm(att.data(), m, o, H, st.isa);
   for (int64_t j = 0; j < m; ++j) {
     const float* xi = X + sel[j] * d;
@@ -175,7 +172,7 @@ std::vector<int64_t> Layer::slots(const Step& st, const int64_t* SL, const bool*
 // and policy; else run_in. Fills logits (gated), skip and run (b each).
 int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                     const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-                    double* logits, bool* skip, bool* run) const {
+                    double* logits, bool* skip, bool* run, float* acc) const {
   const int64_t b = st.b, nk = kvg.n;
   std::vector<float> xn(b * d), y(b * nk);
   fbs_norm::rows(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
@@ -216,7 +213,7 @@ int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, 
   const int64_t m = sel.size();
   if (m == 0) return 0;
   std::vector<float> h(m * d);  // the running rows, compacted
-  attention_rows(st, X, xn.data(), sel, kc, vc, slot.data(), h.data());
+  attention_rows(st, X, xn.data(), sel, kc, vc, slot.data(), h.data(), acc);
   ffn_rows(h.data(), m, st.isa);
   for (int64_t i = 0; i < b; ++i)
     if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
@@ -256,15 +253,16 @@ void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
 // runs[k * b + i], or every row runs when runs is empty. x_prev / prev_skip: the previous layer's input and
 // skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
 // (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
-// ran). x out is the input of the last layer itself when no row ran it.
+// ran). x out is the input of the last layer itself when no row ran it. accs: see layer.h.
 std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
     const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
     const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
     const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
     const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
     const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
-    int64_t isa) {
+    const std::vector<at::Tensor>& accs, int64_t isa) {
   const int64_t n = layers.size();
+  TORCH_CHECK(accs.empty() || (int64_t)accs.size() == n, "fbs native layers: accumulated attention per layer");
   TORCH_CHECK(n > 0 && (int64_t)kcs.size() == n && (int64_t)vcs.size() == n && (int64_t)gated.size() == n,
               "fbs native layers: one cache pair and gate flag per layer");
   const Layer& L0 = *layers[0];
@@ -293,6 +291,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     TORCH_CHECK(L.d == d, "fbs native layers: layer widths differ");
     at::Tensor kc = kcs[k], vc = vcs[k];
     check_cache(L, kc, vc);
+    float* acc = nullptr;
+    if (!accs.empty()) acc = fbs_attn::acc_data(accs[k], kc, "fbs native layer");
     const float* terms = nullptr;
     if (gated[k]) {
       TORCH_CHECK(Z != nullptr && L.gated && (L.g_index + 1) * L.G <= z_stride && !thresholds.empty(),
@@ -308,7 +308,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     at::Tensor out = at::empty_like(cur);
     const int64_t m = L.step(st, cur.data_ptr<float>(), out.data_ptr<float>(), kc, vc, slots.data() + k * b, terms,
                              z_stride, prev.defined() ? prev.data_ptr<float>() : nullptr,
-                             ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(), rn.get());
+                             ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(), rn.get(),
+                             acc);
     bool every = true;
     for (int64_t i = 0; i < b; ++i) {
       skip_out[k * b + i] = sk[i];
@@ -365,13 +366,7 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
     L.write_kv(st, y.data(), write.get(), kc, vc, SL);
   }
   at::Tensor h = at::empty_like(x);
-  float* ACC = nullptr;
-  if (acc) {
-    TORCH_CHECK(acc->scalar_type() == at::kFloat && acc->is_contiguous() && acc->dim() == 3 &&
-                    acc->size(0) == kc.size(0) && acc->size(1) == L.nkv && acc->size(2) == kc.size(2),
-                "fbs native layer: accumulated attention (B, Hkv, C) contiguous fp32, the cache's shape");
-    ACC = acc->data_ptr<float>();
-  }
+  float* ACC = acc ? fbs_attn::acc_data(*acc, kc, "fbs native layer") : nullptr;
   L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>(), ACC);
   return h;
 }

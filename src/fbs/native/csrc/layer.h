@@ -64,10 +64,11 @@ struct Layer {
   // row runs (then OUT is not touched); returns the number of rows that ran. Gated (terms not null): the
   // decision from terms (row i at terms + i * t_stride), x_prev (null: no previous layer, the constant
   // rel_first), ps (per row 1.0 where the previous layer was skipped; null: none was) and the step's thresholds
-  // and policy; else run_in. Fills logits (gated), skip and run (b each).
+  // and policy; else run_in. Fills logits (gated), skip and run (b each). acc: as attention_rows' (the rows that
+  // run add their attention weights), or null.
   int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-               double* logits, bool* skip, bool* run) const;
+               double* logits, bool* skip, bool* run, float* acc = nullptr) const;
 };
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
@@ -75,19 +76,20 @@ struct Layer {
 // runs[k * b + i], or every row runs when runs is empty. x_prev / prev_skip: the previous layer's input and
 // skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
 // (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
-// ran). x out is the input of the last layer itself when no row ran it.
+// ran). x out is the input of the last layer itself when no row ran it. accs: empty, or per layer its accumulated
+// attention (B, Hkv, C) fp32, to which the rows that run the layer add their attention weights (H2O).
 std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
     const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
     const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
     const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
     const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
     const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
-    int64_t isa);
+    const std::vector<at::Tensor>& accs, int64_t isa);
 
 // The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
 // step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
 // ffn_layer returns h + FFN(h). attend_layer's ``acc`` (B, Hkv, C) fp32, when given, receives the attention weights
-// (fbs_attn::accumulate: a cache policy that keeps accumulated attention, H2O).
+// (fbs_attn::attend's ACC, from the same pass: a cache policy that keeps accumulated attention, H2O).
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
