@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_cpp_ppl import held_out_text  # noqa: E402  (the same held-out text)
+from llama_cpp_ppl import held_out_chunks  # noqa: E402  (the same held-out text and chunks)
 from weights_ppl import block_nll  # noqa: E402  (the teacher-forced scoring, one token per step)
 
 from fbs import native  # noqa: E402
@@ -44,11 +44,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = load_fbs(args.model, shipped=args.shipped).eval()
     tok = model.tokenizer
-    text, source = held_out_text(tok, args.per_kind)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(len(ids) // args.ctx)]
-    if not chunks:
-        raise SystemExit(f"the text has {len(ids)} tokens, fewer than one chunk of {args.ctx}: raise --per-kind")
+    text, source, ids, chunks = held_out_chunks(tok, args.per_kind, args.ctx)
     kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
     if "fp32" not in kv_dtypes:
         kv_dtypes.insert(0, "fp32")

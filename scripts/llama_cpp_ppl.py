@@ -47,6 +47,17 @@ def held_out_text(tokenizer, per_kind: int) -> tuple[str, list[str]]:
     return "\n\n".join(tokenizer.decode(b.input_ids.tolist()) for b in blocks), [b.id for b in blocks]
 
 
+def held_out_chunks(tokenizer, per_kind: int, ctx: int) -> tuple[str, list[str], list[int], list[list[int]]]:
+    """:func:`held_out_text`, its token ids and their chunks of ``ctx`` tokens (llama-perplexity's); exits with a
+    message when the text is shorter than one chunk."""
+    text, source = held_out_text(tokenizer, per_kind)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    chunks = [ids[i * ctx:(i + 1) * ctx] for i in range(len(ids) // ctx)]
+    if not chunks:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than one chunk of {ctx}: raise --per-kind")
+    return text, source, ids, chunks
+
+
 def llama_rows(root: Path, base: str, formats: list[str], text_file: Path, ctx: int, threads: int,
                check_tokens: bool) -> tuple[dict, list[int] | None]:
     """Each format's llama-perplexity result; the scored chunks' token ids from the first format (or None)."""

@@ -24,11 +24,14 @@ from fbs.model.loading import load_fbs
 from fbs.provenance import provenance
 
 
-def block_nll(model, ids: list[int], weights: str, gate_from: int, kv_dtype: str = "fp32") -> float:
-    """Mean NLL of ids[gate_from:] under the engine with ``weights`` (and the KV cache stored as ``kv_dtype``)."""
+def block_nll(model, ids: list[int], weights: str, gate_from: int, kv_dtype: str = "fp32",
+              prefill: str = "fp32") -> float:
+    """Mean NLL of ids[gate_from:] under the engine with ``weights`` (the KV cache stored as ``kv_dtype``, the
+    prompt's products as ``prefill``)."""
     n = len(ids) - gate_from
     dec = start(model, [ids[:gate_from]], None, None,
-                 dict(max_new_tokens=n, weights=weights, force_compute=True, ignore_eos=True, kv_dtype=kv_dtype))
+                 dict(max_new_tokens=n, weights=weights, force_compute=True, ignore_eos=True, kv_dtype=kv_dtype,
+                      prefill=prefill))
     total = 0.0
     with torch.inference_mode():
         logits = torch.stack(dec.prefill())  # (1, V): the prediction of token gate_from

@@ -278,7 +278,8 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights int8, KV cache fp16, 2 slots, "
+    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights int8, KV cache fp16, "
+                           "prefill fp32, 2 slots, "
                            "context 100 tokens) at http://127.0.0.2:8123/v1")
     assert (captured["host"], captured["port"], captured["log_level"]) == ("127.0.0.2", 8123, "warning")
     with ServerThread(captured["app"]) as srv:

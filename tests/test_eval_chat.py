@@ -219,6 +219,6 @@ def test_reference_weights_decode_the_base_with_other_engine_weights(tmp_path, m
                                batch_size=4, weights="int8", kv_dtype="bf16")
     assert [it["tokens"] for it in recs["base, int8 weights, bf16 KV cache"]["items"]] == [a.tokens for a in half]
     assert [a.tokens for a in half] != [a.tokens for a in want]  # the bf16 cache moved some answers: it was used
-    for bad in ("int4", "int8:fp8"):
-        with pytest.raises(SystemExit, match="is not W or W:KV"):
+    for bad in ("int4", "int8:fp8", "int8:fp16:int4", "int8:fp16:int8:x"):
+        with pytest.raises(SystemExit, match="is not W, W:KV or W:KV:P"):
             main(argv[:8] + [bad] + argv[9:])

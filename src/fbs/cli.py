@@ -35,16 +35,18 @@ def cmd_info(args) -> int:
     ]
     from .engine.quant import native_kernels
 
-    from .engine.defaults import default_kv_dtype, default_weights
+    from .engine.defaults import default_kv_dtype, default_prefill, default_weights
 
     kernels = native_kernels()
     rows += [(f"weights {fmt}", kernel or "PyTorch ops") for fmt, kernel in kernels.items() if fmt != "fp32-onednn"]
     default = default_weights(kernels)
     rows.append(("default weights", f"{default} (fbs generate / fbs serve without --weights)"))
     rows.append(("default KV cache", f"{default_kv_dtype(default)} (without --kv-dtype)"))
+    rows.append(("default prefill", f"{default_prefill(default)} products (without --prefill)"))
     if args.json:
         print(json.dumps({**counts, "config": cfg.to_dict(), "native_kernels": kernels, "default_weights": default,
-                          "default_kv_dtype": default_kv_dtype(default)}, indent=2))
+                          "default_kv_dtype": default_kv_dtype(default), "default_prefill": default_prefill(default)},
+                         indent=2))
     else:
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
@@ -110,6 +112,7 @@ def cmd_generate(args) -> int:
         "tau": model.config.tau, "kv_policy": model.config.kv_policy, "fallback": res.trace.fallback[0],
         "weights": opts.get("weights"),
         "kv_cache": args.kv_cache, "kv_budget": args.kv_budget, "kv_dtype": opts.get("kv_dtype", "fp32"),
+        "prefill": opts.get("prefill", "fp32"),
     }
     if res.speculative is not None:
         st = res.speculative
@@ -126,7 +129,7 @@ def cmd_generate(args) -> int:
         print(f"[{len(new)} tokens | decode {tps:.1f} tok/s | skip {100 * res.trace.skip_ratio:.1f}% | "
               f"TFLOPs(rel) {res.trace.tflops_rel:.3f} (exact {res.trace.tflops_rel_exact:.3f}) | "
               f"tau {model.config.tau} | kv {model.config.kv_policy} | weights {opts.get('weights')} | "
-              f"KV cache {summary['kv_dtype']}]")
+              f"KV cache {summary['kv_dtype']} | prefill {summary['prefill']}]")
         if res.speculative is not None:
             st = res.speculative
             print(f"[lossless ({st.drafter} draft): acceptance {st.acceptance_rate or 0:.3f} | "

@@ -54,7 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
                        prefill_chunk=args.prefill_chunk,
-                       kv_dtypes=args.kv_dtypes,
+                       kv_dtypes=args.kv_dtypes, prefills=args.prefills,
                        group_a_paths={"specdec": args.specdec, "medusa": args.medusa, "eagle": args.eagle})
         check_prompt_set(bench, spec)
     except ValueError as e:
@@ -156,6 +156,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage of the FBS systems, comma list from auto, fp32, fp16, bf16 (each system "
                         "once per dtype; half precision halves the cache's bytes, attention accumulates in fp32; "
                         "auto (default): fp16 under q4, q8, int8 weights, else fp32)")
+    p.add_argument("--prefill", dest="prefills", type=_strs, default=s.prefills,
+                   help="how the FBS systems run a prompt's products, comma list from auto, fp32, int8 (each system "
+                        "once per choice; int8: int8 weights per channel x int8 activations per token, an int8 GEMM; "
+                        "auto (default): each weight format's default, fbs.engine.defaults.default_prefill)")
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 

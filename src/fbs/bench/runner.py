@@ -32,7 +32,7 @@ from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine, s
 from fbs.bench.systems import (GROUP_A, FBSSystem, SpeculativeSystem, ffn_skip_systems, flexidepth_systems,
                                forced_plan, group_a_systems, hf_assisted, hf_early_exit, hf_greedy, hf_prompt_lookup,
                                lossless_systems)
-from fbs.engine.defaults import AUTO, resolve_kv_dtype
+from fbs.engine.defaults import AUTO, PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
 from fbs.engine.flops import LayerCost
 from fbs.engine.fused import WEIGHTS
 from fbs.engine.cache import kv_storage_dtype
@@ -124,6 +124,10 @@ class RunSpec:
     """KV cache storage dtypes of the FBS systems (auto, fp32, fp16, bf16; :data:`fbs.engine.cache.KV_DTYPES`; auto:
     each format's default, :func:`fbs.engine.defaults.default_kv_dtype`): each FBS system runs once per dtype;
     dtypes other than fp32 add ``-kv<dtype>``."""
+    prefills: tuple[str, ...] = ("auto",)
+    """How the FBS systems run a prompt's products (auto, fp32, int8; :mod:`fbs.engine.prefill`; auto: each format's
+    default, :func:`fbs.engine.defaults.default_prefill`): each FBS system runs once per choice; int8 adds
+    ``-int8prefill``."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}
@@ -149,6 +153,8 @@ class RunSpec:
         for kvd in self.kv_dtypes:
             if kvd != AUTO:
                 kv_storage_dtype(kvd, torch.float32)
+        if not self.prefills or set(self.prefills) - set(PREFILL_CHOICES) or len(set(self.prefills)) != len(self.prefills):
+            raise ValueError(f"prefills must name distinct choices from {', '.join(PREFILL_CHOICES)}, got {self.prefills}")
         if self.draft_runs is not None and self.draft_runs < 1:
             raise ValueError(f"draft_runs must be >= 1, got {self.draft_runs}")
 
@@ -227,7 +233,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
 
 #: knobs :func:`_decode_variants` adds to every FBS system
 ENGINE_VARIANT_KNOBS = frozenset({"weights", "compile", "batch_policy", "kv_cache", "kv_budget", "prefill_chunk",
-                                  "kv_dtype"})
+                                  "kv_dtype", "prefill"})
 
 
 def _decode_variants(systems: list, spec: RunSpec) -> list:
@@ -246,19 +252,23 @@ def _decode_variants(systems: list, spec: RunSpec) -> list:
                     # lossless systems roll drafts back, which an evicting cache cannot: full cache only
                     for kv in ("full",) if isinstance(s, SpeculativeSystem) else spec.kv_caches:
                         for kvd in dict.fromkeys(resolve_kv_dtype(k, w) for k in spec.kv_dtypes):
-                            name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
-                                    + ("" if policy == "gather" else f"-{policy}")
-                                    + ("" if kv == "full" else f"-{kv}{spec.kv_budget}")
-                                    + ("" if kvd == "fp32" else f"-kv{kvd}"))
-                            knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
-                            if kv != "full":
-                                knobs.update(kv_cache=kv, kv_budget=spec.kv_budget)
-                            if kvd != "fp32":
-                                knobs.update(kv_dtype=kvd)
-                            if spec.prefill_chunk is not None and not isinstance(s, SpeculativeSystem):
-                                name += f"-prefill{spec.prefill_chunk}"
-                                knobs["prefill_chunk"] = spec.prefill_chunk
-                            out.append(dataclasses.replace(s, name=name, knobs=knobs))
+                            for pre in dict.fromkeys(resolve_prefill(p, w) for p in spec.prefills):
+                                name = (s.name + ("" if w == "fp32" else f"-{w}") + ("-compiled" if comp else "")
+                                        + ("" if policy == "gather" else f"-{policy}")
+                                        + ("" if kv == "full" else f"-{kv}{spec.kv_budget}")
+                                        + ("" if kvd == "fp32" else f"-kv{kvd}")
+                                        + ("" if pre == "fp32" else f"-{pre}prefill"))
+                                knobs = {**s.knobs, "weights": w, "compile": comp, "batch_policy": policy}
+                                if kv != "full":
+                                    knobs.update(kv_cache=kv, kv_budget=spec.kv_budget)
+                                if kvd != "fp32":
+                                    knobs.update(kv_dtype=kvd)
+                                if pre != "fp32":
+                                    knobs.update(prefill=pre)
+                                if spec.prefill_chunk is not None and not isinstance(s, SpeculativeSystem):
+                                    name += f"-prefill{spec.prefill_chunk}"
+                                    knobs["prefill_chunk"] = spec.prefill_chunk
+                                out.append(dataclasses.replace(s, name=name, knobs=knobs))
     return out
 
 
@@ -313,7 +323,7 @@ def skip_saving(res: SystemResult, results: list[SystemResult]) -> dict[str, Any
     if (res.status != "ok" or res.family != "fbs" or res.name.startswith("fbs-full-compute")
             or (res.probe or {}).get("layer_skip_ratio") is None):
         return None
-    same = ("weights", "batch_policy", "compile", "kv_cache", "kv_budget", "kv_dtype")
+    same = ("weights", "batch_policy", "compile", "kv_cache", "kv_budget", "kv_dtype", "prefill")
     full = next((r for r in results if r.name.startswith("fbs-full-compute") and r.status == "ok"
                  and all(r.params.get(k) == res.params.get(k) for k in same)), None)
     mine, ref = (res.probe or {}).get("bytes_rel"), ((full.probe or {}) if full else {}).get("bytes_rel")

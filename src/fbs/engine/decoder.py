@@ -39,10 +39,11 @@ from typing import Any
 import torch
 
 from .cache import CacheContext, KVCache, kv_storage_dtype
-from .defaults import resolve_kv_dtype
+from .defaults import PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
+from .prefill import int8_prefill
 from ..model.chunk import ChunkState
 from ..model.layer import COMPUTE, Mix, layer_step
 from .. import native
@@ -78,6 +79,8 @@ class DecodeOptions:
                                              # whole prompt under the full cache; 0: the whole prompt)
     kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
                                              # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
+    prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
+                                             # per channel x int8 activations per token, fbs.engine.prefill) | auto
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -139,6 +142,9 @@ class DecodeOptions:
         if self.skip_policy is not None and self.skip_plan is not None:
             raise ValueError("skip_policy and skip_plan both decide the skips; pass one")
         self.kv_dtype = resolve_kv_dtype(self.kv_dtype, self.weights)
+        if self.prefill not in PREFILL_CHOICES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_CHOICES)}, got {self.prefill!r}")
+        self.prefill = resolve_prefill(self.prefill, self.weights)
         kv_storage_dtype(self.kv_dtype, torch.float32)  # checks the name
         policy = make_policy(self.kv_cache, self.kv_budget)  # checks the name and the budget
         if policy is not None and self.lossless:
@@ -445,6 +451,8 @@ class Decoder:
                     self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
         self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
         self.ops = decode_ops(model, opts.weights, opts.compile)
+        #: what a prompt runs with: the decode ops, or their int8 products (prefill="int8")
+        self.prefill_ops = int8_prefill(self.ops) if opts.prefill == "int8" else self.ops
         self.granularity = cfg.skip_granularity
         eos = opts.eos_token_id
         if eos is None and not opts.ignore_eos:
@@ -500,7 +508,7 @@ class Decoder:
         for r, p in enumerate(self.prompts):
             groups.setdefault(len(p), []).append(r)
         logits = [None] * self.B
-        ops = self.ops
+        ops = self.prefill_ops
         for length, rows in groups.items():
             # rows of equal length run as one batch (rows need not be contiguous for the cache)
             prompt = torch.tensor([self.prompts[r] for r in rows], device=self.dev)

@@ -29,6 +29,10 @@ FALLBACK = "fp32"
 #: ``kv_dtype`` / ``--kv-dtype`` accept: one of them or ``auto`` (:func:`default_kv_dtype`)
 KV_STORAGE = ("fp32", "fp16", "bf16")
 KV_DTYPE_CHOICES = (AUTO, *KV_STORAGE)
+#: how a prompt's products run (``prefill`` / ``--prefill``; fbs.engine.prefill): fp32 (the HF modules' GEMMs) or
+#: int8, or ``auto`` (:func:`default_prefill`)
+PREFILL = ("fp32", "int8")
+PREFILL_CHOICES = (AUTO, *PREFILL)
 
 
 def default_weights(kernels: Mapping[str, str | None] | None = None) -> str:
@@ -54,6 +58,16 @@ def default_kv_dtype(weights: str) -> str:
 def resolve_kv_dtype(kv_dtype: str, weights: str) -> str:
     """``auto`` -> :func:`default_kv_dtype` of ``weights``; any other value unchanged."""
     return default_kv_dtype(weights) if kv_dtype == AUTO else kv_dtype
+
+
+def default_prefill(weights: str) -> str:
+    """The prompt products ``prefill="auto"`` stands for under ``weights`` (already resolved)."""
+    return "fp32"
+
+
+def resolve_prefill(prefill: str, weights: str) -> str:
+    """``auto`` -> :func:`default_prefill` of ``weights``; any other value unchanged."""
+    return default_prefill(weights) if prefill == AUTO else prefill
 
 
 def resolve_weights(weights: str | None) -> str | None:

@@ -69,6 +69,7 @@ class ChatSystem:
     checkpoint: str | None = None
     weights: str | None = None   # engine weights (fp32 | bf16 | int8); None: the engine's default
     kv_dtype: str | None = None  # the KV cache's storage (fp32 | fp16 | bf16); None: the engine's default
+    prefill: str | None = None   # the prompt's products (fp32 | int8); None: the engine's default
 
 
 @dataclasses.dataclass
@@ -119,16 +120,19 @@ def eos_ids(model, tokenizer) -> list[int]:
 def generate_answers(model, tokenizer, items: Sequence[ChatItem], prompts: Sequence[list[int]], tau: float | None,
                      eos: Sequence[int], max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = BATCH_SIZE,
                      progress: Callable[[int], None] | None = None,
-                     weights: str | None = None, kv_dtype: str | None = None) -> tuple[list[Answer], DecodeStats]:
+                     weights: str | None = None, kv_dtype: str | None = None,
+                     prefill: str | None = None) -> tuple[list[Answer], DecodeStats]:
     """Greedy answers of ``model`` to ``prompts`` (token ids), ``batch_size`` prompts per engine call, in order;
     ``tau=None`` runs every layer (``force_compute``); ``weights``: the engine's weight format; ``kv_dtype``: the
-    KV cache's storage."""
+    KV cache's storage; ``prefill``: the prompt's products."""
     model.eval()
     kw = {"force_compute": True} if tau is None else {"tau": float(tau)}
     if weights is not None:
         kw["weights"] = weights
     if kv_dtype is not None:
         kw["kv_dtype"] = kv_dtype
+    if prefill is not None:
+        kw["prefill"] = prefill
     answers, stats, eos_set = [], DecodeStats(), set(eos)
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start:start + batch_size])
@@ -332,12 +336,12 @@ def run_chat_eval(base_model, tokenizer, items: Sequence[ChatItem], systems: Seq
             answers, stats = base, base_stats
         else:
             answers, stats = generate_answers(model, tokenizer, items, prompts, sysm.tau, eos, max_new_tokens,
-                                              batch_size, bar.update, sysm.weights, sysm.kv_dtype)
+                                              batch_size, bar.update, sysm.weights, sysm.kv_dtype, sysm.prefill)
             for a, v in zip(answers, answer_nll(base_model, prompts, answers, eos)):
                 a.base_nll = v
         if demo is not None:
             (d,), _ = generate_answers(model, tokenizer, [demo], [demo_prompt_ids], sysm.tau, eos, max_new_tokens, 1,
-                                       weights=sysm.weights, kv_dtype=sysm.kv_dtype)
+                                       weights=sysm.weights, kv_dtype=sysm.kv_dtype, prefill=sysm.prefill)
             demos[sysm.name] = d.text
         rec = system_record(sysm, answers, base, stats, seed)
         records.append(rec)

@@ -507,20 +507,22 @@ def _load_chat_models(args):
 
 
 def reference_systems(spec: str | None) -> list:
-    """The ``--reference-weights`` systems: the base model in each listed engine format, ``W`` or ``W:KV`` with a KV
-    cache storage dtype (``q4:fp16``)."""
+    """The ``--reference-weights`` systems: the base model in each listed engine format, ``W``, ``W:KV`` with a KV
+    cache storage dtype (``q4:fp16``) or ``W:KV:P`` with the prompt's products too (``q4:fp16:int8``)."""
     from fbs.engine.cache import KV_DTYPES
+    from fbs.engine.defaults import PREFILL
     from fbs.engine.quant import FORMATS
     from fbs.eval.chat import ChatSystem
 
     out = []
     for entry in (e for e in (spec or "").split(",") if e):
-        w, _, kv = entry.partition(":")
-        if w not in FORMATS or (kv and kv not in KV_DTYPES):
-            raise SystemExit(f"--reference-weights: {entry!r} is not W or W:KV with W one of {', '.join(FORMATS)} "
-                             f"and KV one of {', '.join(KV_DTYPES)}")
-        name = f"base, {w} weights" + (f", {kv} KV cache" if kv else "")
-        out.append(ChatSystem(name, "reference", "base", None, "base", w, kv or None))
+        w, kv, pre = (entry.split(":") + ["", ""])[:3]
+        if w not in FORMATS or (kv and kv not in KV_DTYPES) or (pre and pre not in PREFILL) \
+                or entry.count(":") > 2:
+            raise SystemExit(f"--reference-weights: {entry!r} is not W, W:KV or W:KV:P with W one of "
+                             f"{', '.join(FORMATS)}, KV one of {', '.join(KV_DTYPES)} and P one of {', '.join(PREFILL)}")
+        name = f"base, {w} weights" + (f", {kv} KV cache" if kv else "") + (f", {pre} prefill" if pre else "")
+        out.append(ChatSystem(name, "reference", "base", None, "base", w, kv or None, pre or None))
     return out
 
 
@@ -780,8 +782,8 @@ def register(subparsers) -> None:
     ch.add_argument("--no-full", action="store_true", help="skip the checkpoint at full depth")
     ch.add_argument("--reference-weights", metavar="W[,W]",
                     help="also decode the base model with these engine weights (bf16, int8, q4, ...; W:KV adds a KV "
-                         "cache storage, e.g. q4:fp16): how far the answers move when only rounding changes, the "
-                         "floor of ROUGE-L / EOS / loop differences")
+                         "cache storage, e.g. q4:fp16, W:KV:P the prompt's products, e.g. q4:fp16:int8): how far the "
+                         "answers move when only rounding changes, the floor of ROUGE-L / EOS / loop differences")
     ch.add_argument("--items", help="held-out items JSONL from `fbs data chat` (default: computed from the archive)")
     ch.add_argument("--limit", type=int, help="the first N held-out prompts of each language")
     ch.add_argument("--max-new-tokens", type=int, default=256)

@@ -25,6 +25,8 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
   :mod:`fbs.native.quant`); every product of a layer goes through it.
 * ``chunk.cpp``: **the chunk head's online step** (:func:`chunk_step`), in place on the engine's chunk state.
 * ``evict.cpp``: **H2O's one-token eviction** (:func:`h2o_evict`), in place on the cache, its scores and positions.
+* ``rowquant.cpp``: **a prompt's int8 products around the int8 GEMM** (:func:`quantize_rows`, :func:`scale_rows`):
+  activations quantized per row, the int32 sums scaled back (:mod:`fbs.engine.prefill`).
 
 The extension is built with ``torch.utils.cpp_extension.load`` the first time it is needed, once per machine:
 the build lives under ``$FBS_CACHE_DIR/native/fbs-<hash>`` (default ``~/.cache/fbs/native``), the hash taken over
@@ -326,6 +328,26 @@ def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool =
                                           state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
                                           head.query.weight, head.out.weight, head.scale, LABEL_I, attend)
     return (c if attend else None), logits, torch.tensor(start, dtype=torch.bool)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x (M, K) fp32 -> (q (M, K) int8, s (M, 1) fp32): s = max |x| / 127 per row (1 for a zero row), q = round(x / s)
+    to nearest even, in one pass (:func:`fbs.engine.prefill.int8_linear`'s reference, bit for bit); None without the
+    extension or for inputs it does not take (non-CPU)."""
+    mod = module()
+    if mod is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return mod.quantize_rows(x.contiguous())
+
+
+def scale_rows(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """acc (M, N) int32 -> float(acc) * sx[m] * sw[n] (+ bias[n]) fp32 (M, N), in one pass; None where
+    :func:`quantize_rows` is."""
+    mod = module()
+    if mod is None or acc.device.type != "cpu":
+        return None
+    return mod.scale_rows(acc, sx, sw, bias)
 
 
 def h2o_evict(kc: torch.Tensor, vc: torch.Tensor, acc: torch.Tensor, pos: torch.Tensor, idx: torch.Tensor,

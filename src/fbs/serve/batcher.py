@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 #: DecodeOptions fields that must agree within one batch (the rest are per request).
 BATCH_FIELDS = ("batch_policy", "force_compute", "gate_sampling", "never_skip", "weights", "kv_cache", "kv_budget",
-                "kv_dtype")
+                "kv_dtype", "prefill")
 #: Names of the per-step records of :class:`fbs.engine.TraceRecorder`.
 _RECORDS = TraceRecorder.FIELDS
 
@@ -329,7 +329,7 @@ class Scheduler:
         o = dec.opts
         never = tuple(sorted({l % dec.L for l in o.never_skip}))
         key = (dec.policy, o.batch_policy, o.force_compute, o.gate_sampling, never, o.weights, o.kv_cache, o.kv_budget,
-               o.kv_dtype)
+               o.kv_dtype, o.prefill)
         batch = self._batches.get(key)
         if batch is None:
             fields = {name: getattr(o, name) for name in BATCH_FIELDS}
@@ -400,7 +400,7 @@ class Scheduler:
         summary = {"skip_ratio": tr.skip_ratio, "tflops_rel": tr.tflops_rel, "tflops_rel_exact": tr.tflops_rel_exact,
                    "tau": dec.tau, "kv_policy": dec.policy, "batch_policy": dec.opts.batch_policy,
                    "kv_cache": dec.opts.kv_cache, "kv_budget": dec.opts.kv_budget, "kv_dtype": dec.opts.kv_dtype,
-                   "fallback": req.fallback, "queue_s": req.queued_s,
+                   "prefill": dec.opts.prefill, "fallback": req.fallback, "queue_s": req.queued_s,
                    **{k: result.timings[k] for k in ("prefill_s", "decode_s")}}
         if result.speculative is not None:  # lossless: acceptance, tokens per verify pass, the draft's skip share
             summary["lossless"] = result.speculative.to_dict()

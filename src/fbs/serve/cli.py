@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..engine.defaults import AUTO, KV_DTYPE_CHOICES, resolve_kv_dtype, resolve_weights
+from ..engine.defaults import AUTO, KV_DTYPE_CHOICES, PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill, resolve_weights
 from ..engine.fused import WEIGHTS
 from ..cli_args import add_model_arguments, load_from_args
 from .batcher import Limits
@@ -40,10 +40,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     weights = resolve_weights(args.weights)
     app = create_app(model, model.tokenizer, name, limits,
                      defaults={"batch_policy": args.batch_policy, "weights": weights,
-                               "kv_dtype": args.kv_dtype})
+                               "kv_dtype": args.kv_dtype, "prefill": args.prefill})
     cfg, context = model.config, min(limits.context_length, model.base.spec.max_positions)
     print(f"fbs serve: {name} (tau {cfg.tau}, kv {cfg.kv_policy}, batch policy {args.batch_policy}, "
-          f"weights {weights}, KV cache {resolve_kv_dtype(args.kv_dtype, weights)}, {limits.max_concurrent} slots, "
+          f"weights {weights}, KV cache {resolve_kv_dtype(args.kv_dtype, weights)}, "
+          f"prefill {resolve_prefill(args.prefill, weights)}, {limits.max_concurrent} slots, "
           f"context {context} tokens) at http://{args.host}:{args.port}/v1", flush=True)
     run(app, args.host, args.port, args.log_level)
     return 0
@@ -71,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=AUTO,
                    help="default KV cache storage (requests may set their own): auto: fp16 under the quantized "
                         "weights, else fp32 (fbs.engine.defaults)")
+    p.add_argument("--prefill", choices=PREFILL_CHOICES, default=AUTO,
+                   help="default for how a prompt's products run (requests may set their own): fp32 or int8 "
+                        "(an int8 GEMM); auto: each weight format's default (fbs.engine.defaults)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 

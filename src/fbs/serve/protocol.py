@@ -5,7 +5,8 @@ Validation names the offending field in an OpenAI-style error body
 (with the ``openai`` client: ``extra_body={...}``): the FBS decoding options ``tau``, ``kv_policy``,
 ``batch_policy``, ``force_compute``, ``never_skip``, ``protect_structure``, ``structure_tau``, ``validator``,
 ``fallback_tau``, ``gate_sampling``, ``kv_cache`` / ``kv_budget`` (a KV cache policy under a budget), ``kv_dtype``
-(the cache's storage: fp32, fp16, bf16), ``prefill_chunk`` (prompt tokens per prefill chunk), and vLLM's ``top_k``,
+(the cache's storage: fp32, fp16, bf16), ``prefill_chunk`` (prompt tokens per prefill chunk), ``prefill`` (the
+prompt's products: fp32, int8), and vLLM's ``top_k``,
 ``min_tokens``, ``ignore_eos``.
 """
 
@@ -16,7 +17,7 @@ import time
 import uuid
 
 from ..engine import VALIDATORS, DecodeOptions
-from ..engine.defaults import KV_DTYPE_CHOICES
+from ..engine.defaults import KV_DTYPE_CHOICES, PREFILL_CHOICES
 from ..engine.kvpolicy import POLICIES, make_policy
 
 
@@ -67,7 +68,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stream", "stream_options", "stop", "seed",
            "tau", "kv_policy", "batch_policy", "force_compute", "never_skip", "protect_structure", "structure_tau",
            "validator", "fallback_tau", "gate_sampling", "top_k", "min_tokens", "ignore_eos", "lossless",
-           "kv_cache", "kv_budget", "kv_dtype", "prefill_chunk"}
+           "kv_cache", "kv_budget", "kv_dtype", "prefill_chunk", "prefill"}
 _FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages", "max_completion_tokens", "response_format"}}
 
 
@@ -273,6 +274,9 @@ def _options(body: dict, ctx: ServeContext, max_tokens: int, stream: bool) -> di
     kv_dtype = _choice(body, "kv_dtype", list(KV_DTYPE_CHOICES))
     if kv_dtype is not None:
         opts["kv_dtype"] = kv_dtype
+    prefill = _choice(body, "prefill", list(PREFILL_CHOICES))
+    if prefill is not None:
+        opts["prefill"] = prefill
     chunk = _number(body, "prefill_chunk", None, 0, integer=True)
     if chunk is not None:
         opts["prefill_chunk"] = chunk

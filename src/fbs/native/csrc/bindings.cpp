@@ -10,6 +10,7 @@
 #include "norm.h"
 #include "packed.h"
 #include "quant.h"
+#include "rowquant.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_logits", &gate_logits);
@@ -23,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear);
   m.def("chunk_step", &chunk_step);
   m.def("h2o_evict", &h2o_evict);
+  m.def("quantize_rows", &quantize_rows);
+  m.def("scale_rows", &scale_rows);
   pybind11::class_<fbs_packed::Packed>(m, "PackedWeight")
       .def(pybind11::init(&fbs_packed::make))
       .def_readonly("kind", &fbs_packed::Packed::kind)

@@ -1,0 +1,176 @@
+"""A prompt's products in int8 (``prefill="int8"``): int8 weights per output channel times int8 activations per token.
+
+The decode step streams each weight once per token, so its formats (q4, q8, int8 in fbs.engine.quant) are chosen
+for bytes. A prompt of T tokens reads each weight once for T rows: it is bound by arithmetic, where fp32 GEMMs
+(``prefill="fp32"``, the HF modules themselves) reach the fp32 peak and the block formats' per-32 scales cost
+several instructions per multiply-accumulate. With one scale per weight row and one per activation row, a product
+is an int8 GEMM with int32 sums (``torch._int_mm``: oneDNN's VNNI kernels on x86) and one scaling of the result:
+
+    y[t, n] = (sum_k xq[t, k] wq[n, k]) * sx[t] * sw[n] (+ bias[n]),
+    xq = round(x / sx), sx[t] = max_k |x[t, k]| / 127;   wq = round(w / sw), sw[n] = max_k |w[n, k]| / 127
+
+Each row's result depends on that row alone (the int32 sums are exact whatever the GEMM's blocking), so a prompt
+prefilled in chunks gets the bits of the whole-prompt prefill. Everything between the products stays fp32 and
+HF's: the norms, RoPE, SDPA, the activation, the residual adds. The weights are quantized once per model from its
+fp32 source weights (adapters merged), 1 byte a weight. docs/engine.md, "Prefill", has the perplexity check.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import native
+from ..model.hf_adapter import apply_rope
+from ..model.layer import HFOps
+
+class Int8Weight(NamedTuple):
+    """An int8 product's weight: ``wt`` (K, N) int8 (the transposed view of the (N, K) rows ``torch._int_mm``
+    reads), ``scale`` (N,) fp32 per output channel, ``bias`` (N,) or None."""
+
+    wt: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
+    """(N, K) float weight rows -> :class:`Int8Weight`, symmetric per row (a zero row gets scale 1: its codes are 0)."""
+    w = w.detach().float()
+    amax = w.abs().amax(1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q.t(), scale, None if bias is None else bias.detach().float())
+
+
+def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """(..., K) fp32 -> (..., N) fp32: the activations quantized per row (symmetric, max |x| -> 127), one int8
+    GEMM, its int32 sums scaled by the row's and the channel's scales (module doc)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    fast = native.quantize_rows(x2)  # the same arithmetic in one pass each way (fbs.native)
+    if fast is None:
+        xq, sx = quantize_rows(x2)
+    else:
+        xq, sx = fast
+    acc = torch._int_mm(xq, w.wt)
+    y = native.scale_rows(acc, sx, w.scale, w.bias) if fast is not None else None
+    if y is None:
+        y = acc.float().mul_(sx).mul_(w.scale)
+        if w.bias is not None:
+            y.add_(w.bias)
+    return y.view(*lead, -1)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (int8 codes (M, K), scales (M, 1)): symmetric per row, max |x| -> 127 (a zero row: scale 1),
+    rounded to nearest even. The reference of the native kernel (:func:`fbs.native.quantize_rows`)."""
+    amax = x.abs().amax(1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / sx).to(torch.int8), sx
+
+
+class _Layer(NamedTuple):
+    qkv: Int8Weight   # [W_q; W_k; W_v] with their biases (Qwen2)
+    o: Int8Weight
+    gu: Int8Weight    # [W_gate; W_up]
+    down: Int8Weight
+
+
+class Int8Prefill(HFOps):
+    """The ops a prompt runs with under ``prefill="int8"``: :class:`fbs.model.layer.HFOps`' layer pieces with the
+    products in int8 (:func:`int8_linear`); the rest (embedding, RoPE tables, norms, the LM head of the last
+    position, PAW / CH, the cache) is the decode ops' (``ops``), whatever format they decode in."""
+
+    def __init__(self, ops):
+        super().__init__(ops.base)
+        self.ops = ops
+        self.layers = [self._layer(layer) for layer in self.base.layers]
+
+    @staticmethod
+    def _layer(layer) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = None
+        if any(p.bias is not None for p in projs):
+            bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.weight.shape[0])
+                              for p in projs])
+        return _Layer(
+            qkv=quantize_weight(torch.cat([p.weight.detach() for p in projs]), bias),
+            o=quantize_weight(attn.o_proj.weight, attn.o_proj.bias),
+            gu=quantize_weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+            down=quantize_weight(mlp.down_proj.weight, mlp.down_proj.bias),
+        )
+
+    def __getattr__(self, name):  # embed, rope, head, norm1, preview_terms, native_chunk, ...: the decode ops'
+        return getattr(self.__dict__["ops"], name)
+
+    def embed(self, ids):
+        return self.ops.embed(ids)
+
+    def rope(self, x, positions):
+        return self.ops.rope(x, positions)
+
+    def head(self, x):
+        return self.ops.head(x)
+
+    def norm1(self, l, x):
+        return self.base.norm1(l, x)
+
+    # ---- the layer's products in int8 -------------------------------------------
+    def _heads(self, y: torch.Tensor, norm) -> torch.Tensor:
+        b, t, _ = y.shape
+        y = y.view(b, t, -1, self.base.spec.head_dim)
+        return (y if norm is None else norm(y)).transpose(1, 2)
+
+    def _qkv(self, l: int, xn: torch.Tensor, ctx, need_q: bool):
+        spec, attn = self.base.spec, self.base.layers[l].self_attn
+        y = int8_linear(xn, self.layers[l].qkv)
+        nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        k = apply_rope(self._heads(y[..., nq:nq + nk], getattr(attn, "k_norm", None)), ctx.cos, ctx.sin)
+        v = self._heads(y[..., nq + nk:], None)
+        q = apply_rope(self._heads(y[..., :nq], getattr(attn, "q_norm", None)), ctx.cos, ctx.sin) if need_q else None
+        return q, k, v
+
+    def kv(self, l, xn, ctx):
+        _, k, v = self._qkv(l, xn, ctx, need_q=False)
+        return k, v
+
+    def attention(self, l, x, xn, ctx, hole=None, kv=None):
+        q, k, v = self._qkv(l, xn, ctx, need_q=True)
+        if kv is not None:  # K/V given by the caller (projected already): its own
+            k, v = kv
+        o = ctx.attend(l, q, k, v, hole)
+        b, _, t, _ = o.shape
+        return x + int8_linear(o.transpose(1, 2).reshape(b, t, -1), self.layers[l].o)
+
+    def ffn_delta(self, l, h):
+        w = self.layers[l]
+        gu = int8_linear(self.base.norm2(l, h), w.gu)
+        g, u = gu.chunk(2, -1)
+        return int8_linear(self.base.layers[l].mlp.act_fn(g) * u, w.down)
+
+    def ffn(self, l, h):
+        return h + self.ffn_delta(l, h)
+
+    def block(self, l, x, xn, ctx, kv=None):
+        return self.ffn(l, self.attention(l, x, xn, ctx, None, kv))
+
+
+def int8_prefill(ops) -> Int8Prefill:
+    """The :class:`Int8Prefill` of the decode ops ``ops``, built on first use and kept with them (rebuilt with them
+    when the model's weights change)."""
+    pre = getattr(ops, "_int8_prefill", None)
+    if pre is None:
+        pre = ops._int8_prefill = Int8Prefill(ops)
+    return pre
+
+
+def int8_available() -> bool:
+    """Whether this torch has the int8 GEMM (``torch._int_mm``) on the CPU."""
+    try:
+        torch._int_mm(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+

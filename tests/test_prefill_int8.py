@@ -1,0 +1,137 @@
+"""A prompt's products in int8 (``prefill="int8"``, fbs.engine.prefill).
+
+Oracles: the quantization rule computed by hand (float64 products of the dequantized codes), the HF model with its
+Linear layers replaced by that rule in float64 (an independent W8A8 forward), and the property that each row's
+result depends on that row alone (a prompt prefilled in chunks gets the whole prompt's bits).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from conftest import fbs_tiny, randomize, tiny_hf
+from fbs import FBSForCausalLM, native
+from fbs.engine.decoder import DecodeOptions
+from fbs.engine.defaults import resolve_prefill
+from fbs.engine.loop import start
+from fbs.engine.prefill import int8_linear, quantize_rows, quantize_weight
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    g = random.Random(seed)
+    return [g.randrange(3, 250) for _ in range(n)]
+
+
+def test_options():
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        DecodeOptions(prefill="int4")
+    assert DecodeOptions(prefill="int8").prefill == "int8"
+    assert resolve_prefill("fp32", "q4") == "fp32" and resolve_prefill("int8", "fp32") == "int8"
+
+
+def test_row_quantization_by_hand():
+    x = torch.tensor([[0.5, -1.27, 0.0, 0.635], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 0.0]])
+    q, s = quantize_rows(x)
+    assert torch.allclose(s[:, 0], torch.tensor([0.01, 1.0, 3.0 / 127]))
+    assert q.tolist() == [[50, -127, 0, 64], [0, 0, 0, 0], [127, 64, -32, 0]]  # 63.5 -> 64 (to even), 31.75 -> 32
+    w = quantize_weight(torch.tensor([[2.54, -1.0], [0.0, 0.0]]))
+    assert w.wt.t().tolist() == [[127, -50], [0, 0]] and w.scale.tolist() == pytest.approx([0.02, 1.0])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_the_product_of_the_dequantized_codes(bias):
+    """y = (codes_x * s_x) @ (codes_w * s_w)^T (+ b): the int32 sums are exact, so only the final scaling rounds."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 96, generator=g) * torch.linspace(0.1, 4, 96)  # channels of different ranges
+    w = torch.randn(40, 96, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    qw = quantize_weight(w, b)
+    y = int8_linear(x, qw)
+    xq, sx = quantize_rows(x)
+    ref = (xq.double() * sx.double()) @ (qw.wt.double() * qw.scale.double()).to(torch.float64)
+    if bias:
+        ref = ref + b.double()
+    assert (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert (y - torch.nn.functional.linear(x, w, b)).abs().max() > 1e-3  # it is not the fp32 product
+
+
+def test_native_row_kernels_equal_the_reference():
+    """The one-pass native quantization and scaling compute the PyTorch reference's values, bit for bit."""
+    if native.module() is None:
+        pytest.skip("no native extension here")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(33, 200, generator=g) * 3
+    x[5] = 0.0
+    x[7, 3] = 127 * 0.5  # ties at .5 after division
+    q, s = native.quantize_rows(x)
+    rq, rs = quantize_rows(x)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    acc = torch.randint(-2 ** 20, 2 ** 20, (33, 50), generator=g, dtype=torch.int32)
+    sw, b = torch.rand(50, generator=g), torch.randn(50, generator=g)
+    assert torch.equal(native.scale_rows(acc, s, sw, b), acc.float().mul_(s).mul_(sw).add_(b))
+    assert torch.equal(native.scale_rows(acc, s, sw), acc.float().mul_(s).mul_(sw))
+
+
+def _w8a8_reference(hf):
+    """The HF model with every decoder Linear computing the int8 rule in float64 (the LM head stays fp32)."""
+    ref = copy.deepcopy(hf).double()
+
+    class W8A8(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            w = lin.weight.detach().float()
+            self.qw = quantize_weight(w, None if lin.bias is None else lin.bias.detach().float())
+
+        def forward(self, x):
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1]).float()  # the engine quantizes fp32 activations
+            xq, sx = quantize_rows(x2)
+            y = (xq.double() * sx.double()) @ (self.qw.wt.double() * self.qw.scale.double())
+            if self.qw.bias is not None:
+                y = y + self.qw.bias.double()
+            return y.view(*shape[:-1], -1)
+
+    for layer in ref.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in list(parent.named_children()):
+                if isinstance(mod, torch.nn.Linear):
+                    setattr(parent, name, W8A8(mod))
+    return ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_int8_prefill_gives_the_w8a8_reference_logits(family, one_thread):
+    """Fresh FBS modules add nothing: the int8 prefill's next-token logits are those of the HF model whose decoder
+    products follow the int8 rule in float64, and they differ from the fp32 model's (the rule ran)."""
+    hf = tiny_hf(family)
+    m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
+    ids = prompt(40, 3)
+    with torch.no_grad():
+        fp32 = hf(torch.tensor([ids])).logits[0, -1]
+        ref = _w8a8_reference(hf)(torch.tensor([ids])).logits[0, -1].float()
+        dec = start(m, [ids], None, None, dict(max_new_tokens=1, weights="fp32", prefill="int8"))
+        got = dec.prefill()[0]
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() < 2e-4 * scale
+    assert (fp32 - ref).abs().max() > 20 * 2e-4 * scale
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_int8_prefill_in_chunks_equals_the_whole_prompt(weights, one_thread):
+    """Each row's products depend on that row alone, so a prompt prefilled in chunks gets the whole prompt's
+    logits bit for bit, with PAW, CH and skipping; the greedy continuations are equal too."""
+    m = randomize(fbs_tiny())
+    ids = [prompt(70, 1), prompt(45, 2)]
+    kw = dict(max_new_tokens=10, weights=weights, output_scores=True, ignore_eos=True, prefill="int8")
+    whole = m.generate(ids, **kw)
+    chunked = m.generate(ids, prefill_chunk=16, **kw)
+    assert chunked.new_tokens == whole.new_tokens
+    assert torch.equal(chunked.trace.executed, whole.trace.executed)
+    for a, b in zip(chunked.scores, whole.scores):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    fp32 = m.generate(ids, **{**kw, "prefill": "fp32"})
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(fp32.scores, whole.scores))  # a different prefill ran
