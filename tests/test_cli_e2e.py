@@ -241,7 +241,11 @@ def test_generate_stream_prints_the_non_streamed_text(saved, capsys):
 def test_generate_weights_equal_the_api(saved, capsys, weights):
     if weights == "fp32-onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("needs torch built with oneDNN")
-    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, weights=weights)
+    from fbs.engine.defaults import default_kv_dtype, default_prefill
+
+    # the CLI's auto KV cache and prefill, as the API names them
+    auto = {} if weights == "hf" else dict(kv_dtype=default_kv_dtype(weights), prefill=default_prefill(weights))
+    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, weights=weights, **auto)
     code, out, _ = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
                                     "--weights", weights])
     doc = json.loads(out)

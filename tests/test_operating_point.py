@@ -281,19 +281,21 @@ def test_generate_defaults_to_the_rule_and_fp32_without_kernels(tmp_path, capsys
             "--max-new-tokens", "12", "--json", "--no-chat-template"]
     ids = model.tokenizer("Where do rivers go?")["input_ids"]
 
-    def api(weights, kv_dtype):
-        res = model.generate([ids], max_new_tokens=12, weights=weights, kv_dtype=kv_dtype)
+    def api(weights, kv_dtype, prefill):
+        res = model.generate([ids], max_new_tokens=12, weights=weights, kv_dtype=kv_dtype, prefill=prefill)
         return model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
 
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     w = defaults.default_weights()
     assert doc["weights"] == w and doc["kv_dtype"] == defaults.default_kv_dtype(w)
-    assert doc["text"] == api(w, doc["kv_dtype"])
+    assert doc["prefill"] == defaults.default_prefill(w)
+    assert doc["text"] == api(w, doc["kv_dtype"], doc["prefill"])
     monkeypatch.setattr(fbs.engine.quant, "native_kernels", lambda: dict.fromkeys(fbs.engine.quant.FORMATS))
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["weights"] == "fp32" and doc["kv_dtype"] == "fp32" and doc["text"] == api("fp32", "fp32")
+    assert doc["weights"] == "fp32" and doc["kv_dtype"] == "fp32" and doc["prefill"] == "fp32"
+    assert doc["text"] == api("fp32", "fp32", "fp32")
 
 
 def test_default_kv_cache_is_half_precision_under_the_quantized_formats_only():
@@ -309,8 +311,8 @@ def test_default_kv_cache_is_half_precision_under_the_quantized_formats_only():
 
 
 def test_api_auto_weights_decode_with_the_default_kv_cache():
-    """``generate(weights="auto")`` equals the rule's format with its default cache, score for score; where that
-    cache is fp16 the scores differ from the same format's fp32 cache (so the storage really changed)."""
+    """``generate(weights="auto")`` equals the rule's format with its default cache and prefill, score for score;
+    where that cache is fp16 the scores differ from the same format's fp32 cache (so the storage really changed)."""
     from test_serve import tiny_model
 
     model = tiny_model(positions=128)
@@ -318,11 +320,14 @@ def test_api_auto_weights_decode_with_the_default_kv_cache():
     run = lambda **kw: model.generate([ids], max_new_tokens=8, ignore_eos=True, output_scores=True, **kw)  # noqa: E731
     w = defaults.default_weights()
     auto = run(weights="auto")
-    same = run(weights=w, kv_dtype=defaults.default_kv_dtype(w))
+    pre = defaults.default_prefill(w)
+    same = run(weights=w, kv_dtype=defaults.default_kv_dtype(w), prefill=pre)
     assert auto.new_tokens == same.new_tokens and torch.equal(auto.scores[0], same.scores[0])
     if defaults.default_kv_dtype(w) == "fp16":
-        assert not torch.equal(auto.scores[0], run(weights=w, kv_dtype="fp32").scores[0])
-        assert torch.equal(run(weights="auto", kv_dtype="fp32").scores[0], run(weights=w).scores[0])
+        assert not torch.equal(auto.scores[0], run(weights=w, kv_dtype="fp32", prefill=pre).scores[0])
+        assert torch.equal(run(weights="auto", kv_dtype="fp32", prefill="fp32").scores[0], run(weights=w).scores[0])
+    if pre == "int8":
+        assert not torch.equal(auto.scores[0], run(weights=w, kv_dtype=defaults.default_kv_dtype(w)).scores[0])
 
 
 def test_default_kv_cache_stays_within_the_tolerance_in_the_measured_records():
@@ -334,3 +339,27 @@ def test_default_kv_cache_stays_within_the_tolerance_in_the_measured_records():
         rel = ppl[f]["ppl"] / ppl["fp32"]["ppl"] - 1
         half = kv[f]["fp16"]["ppl"] / kv[f]["fp32"]["ppl"] - 1
         assert (1 + rel) * (1 + half) - 1 <= defaults.PPL_TOLERANCE, (f, rel, half)
+
+
+def test_default_prefill_is_fp32_because_int8_moves_free_running_answers():
+    """The default prefill is fp32 everywhere. The int8 prefill passes the perplexity tolerance in q4 (its change
+    over the fp32 weights with the fp16 cache and int8 prefill: llama_cpp_ppl.json, kv_half_ppl.json,
+    prefill_ppl.json) but its free-running answers move beyond q4's own rounding: the ROUGE-L CI against the fp32
+    base lies below the q4 + fp16 cache row's (chat_prefill_int8.json vs chat_kv_fp16.json, the same prompts and
+    base answers). Should either record change, this test says the default needs a new look."""
+    assert {w: defaults.default_prefill(w) for w in ("q4", "q8", "int8", "fp32", "bf16", "hf")} == dict.fromkeys(
+        ("q4", "q8", "int8", "fp32", "bf16", "hf"), "fp32")
+    ppl = json.loads((ROOT / "results" / "llama_cpp_ppl.json").read_text())["ours"]
+    kv = json.loads((ROOT / "results" / "kv_half_ppl.json").read_text())["rows"]
+    pre = json.loads((ROOT / "results" / "prefill_ppl.json").read_text())["rows"]
+    total = (ppl["q4"]["ppl"] / ppl["fp32"]["ppl"]) * (kv["q4"]["fp16"]["ppl"] / kv["q4"]["fp32"]["ppl"]) \
+        * (pre["q4"]["int8"]["ppl"] / pre["q4"]["fp32"]["ppl"]) - 1
+    assert total <= defaults.PPL_TOLERANCE
+
+    def rouge(path, name):
+        rec = json.loads((ROOT / "results" / path).read_text())
+        return next(s for s in rec["systems"] if s["name"] == name)["metrics"]["rouge_l"]
+
+    int8 = rouge("chat_prefill_int8.json", "base, q4 weights, fp16 KV cache, int8 prefill")
+    floor = rouge("chat_kv_fp16.json", "base, q4 weights, fp16 KV cache")
+    assert int8["ci"][1] < floor["ci"][0]

@@ -80,7 +80,8 @@ class DecodeOptions:
     kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
                                              # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
     prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
-                                             # per channel x int8 activations per token, fbs.engine.prefill) | auto
+                                             # per channel x int8 activations per token, fbs.engine.prefill);
+                                             # auto: int8 under q4, else fp32 (fbs.engine.defaults)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -508,11 +509,18 @@ class Decoder:
         for r, p in enumerate(self.prompts):
             groups.setdefault(len(p), []).append(r)
         logits = [None] * self.B
-        ops = self.prefill_ops
+        split = self.prefill_ops is not self.ops  # int8 products: the last token runs the decode step (below)
         for length, rows in groups.items():
             # rows of equal length run as one batch (rows need not be contiguous for the cache)
             prompt = torch.tensor([self.prompts[r] for r in rows], device=self.dev)
-            for s, e in prefill_chunks(length, self.prefill_chunk):
+            spans = prefill_chunks(length - 1 if split and length > 1 else length, self.prefill_chunk)
+            if split and length > 1:
+                # the prompt's last token, whose state predicts the first new token, runs as a one-token step in the
+                # decode format: the int8 products' rounding then reaches the answer only through the prompt's K/V
+                # (docs/eval.md, "Default prefill")
+                spans.append((length - 1, length))
+            for s, e in spans:
+                ops = self.ops if split and e == length and e - s == 1 else self.prefill_ops
                 pos = torch.arange(s, e, device=self.dev).expand(len(rows), e - s)
                 x = ops.embed(prompt[:, s:e])
                 cos, sin = ops.rope(x, pos)

@@ -11,6 +11,11 @@ docs/eval.md, "Operating point"); ``tests/test_operating_point.py`` checks the l
 KV cache: the quantized formats store it in fp16 (:func:`default_kv_dtype`): half the bytes a decode step reads from
 the cache, +0.12 % held-out PPL in q4 and 1.10x decode speed at 512 tokens of context (docs/eval.md, "Default KV
 cache"); fp32 and bf16 weights keep a cache of their own dtype (fp32 stays bit-faithful to HF).
+
+Prefill: fp32 GEMMs (the HF modules') in every format. The int8 prefill (:mod:`fbs.engine.prefill`, 1.8x faster
+at 512 tokens) passes the perplexity tolerance under q4 (+0.22 %, ``results/prefill_ppl.json``) but moves
+free-running answers far beyond q4's own rounding (ROUGE-L against the fp32 base 0.43 vs 0.67,
+``results/chat_prefill_int8.md``; docs/eval.md, "Default prefill"): it stays an option (``prefill="int8"``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ KV_DTYPE_CHOICES = (AUTO, *KV_STORAGE)
 #: int8, or ``auto`` (:func:`default_prefill`)
 PREFILL = ("fp32", "int8")
 PREFILL_CHOICES = (AUTO, *PREFILL)
+#: formats whose default prefill is int8: none (module doc)
+INT8_PREFILL: tuple[str, ...] = ()
 
 
 def default_weights(kernels: Mapping[str, str | None] | None = None) -> str:
@@ -61,8 +68,9 @@ def resolve_kv_dtype(kv_dtype: str, weights: str) -> str:
 
 
 def default_prefill(weights: str) -> str:
-    """The prompt products ``prefill="auto"`` stands for under ``weights`` (already resolved)."""
-    return "fp32"
+    """The prompt products ``prefill="auto"`` stands for under ``weights`` (already resolved): int8 under
+    :data:`INT8_PREFILL` (none), fp32 (the HF modules' GEMMs) otherwise."""
+    return "int8" if weights in INT8_PREFILL else "fp32"
 
 
 def resolve_prefill(prefill: str, weights: str) -> str:

@@ -9,10 +9,12 @@ is an int8 GEMM with int32 sums (``torch._int_mm``: oneDNN's VNNI kernels on x86
     y[t, n] = (sum_k xq[t, k] wq[n, k]) * sx[t] * sw[n] (+ bias[n]),
     xq = round(x / sx), sx[t] = max_k |x[t, k]| / 127;   wq = round(w / sw), sw[n] = max_k |w[n, k]| / 127
 
-Each row's result depends on that row alone (the int32 sums are exact whatever the GEMM's blocking), so a prompt
-prefilled in chunks gets the bits of the whole-prompt prefill. Everything between the products stays fp32 and
-HF's: the norms, RoPE, SDPA, the activation, the residual adds. The weights are quantized once per model from its
-fp32 source weights (adapters merged), 1 byte a weight. docs/engine.md, "Prefill", has the perplexity check.
+Each row's result depends on that row alone (the int32 sums are exact whatever the GEMM's blocking). Everything
+between the products stays fp32 and HF's: the norms, RoPE, SDPA, the activation, the residual adds. The prompt's
+last token, whose state predicts the first new token, runs as a one-token step in the decode format instead
+(:meth:`fbs.engine.decoder.Decoder.prefill`): with it in int8 too, free-running answers moved far more than the
+perplexity through decode steps suggested (docs/eval.md, "Default prefill"). The weights are quantized once per model from its
+fp32 source weights (adapters merged), 1 byte a weight. docs/eval.md, "Default prefill", has the perplexity and chat checks.
 """
 
 from __future__ import annotations

@@ -351,9 +351,9 @@ class FBSForCausalLM(nn.Module):
 
 def _resolve_auto(kwargs: dict) -> dict:
     """``weights="auto"`` -> the default format (:func:`fbs.engine.defaults.resolve_weights`), and then, unless the
-    call names a ``kv_dtype``, that format's default KV cache storage (``kv_dtype="auto"``)."""
+    call names them, that format's default KV cache storage (``kv_dtype="auto"``) and prefill (``prefill="auto"``)."""
     from ..engine.defaults import AUTO, resolve_weights
 
     if kwargs.get("weights") == AUTO:
-        kwargs = {"kv_dtype": AUTO, **kwargs, "weights": resolve_weights(AUTO)}
+        kwargs = {"kv_dtype": AUTO, "prefill": AUTO, **kwargs, "weights": resolve_weights(AUTO)}
     return kwargs
