@@ -12,7 +12,7 @@ KV cache: the quantized formats store it in fp16 (:func:`default_kv_dtype`): hal
 the cache, +0.12 % held-out PPL in q4 and 1.10x decode speed at 512 tokens of context (docs/eval.md, "Default KV
 cache"); fp32 and bf16 weights keep a cache of their own dtype (fp32 stays bit-faithful to HF).
 
-Prefill: fp32 GEMMs (the HF modules') in every format. The int8 prefill (:mod:`fbs.engine.prefill`, 1.8x faster
+Prefill: fp32 GEMMs (the HF modules') in every format. The int8 prefill (:mod:`fbs.engine.prefill`, 1.7x faster
 at 512 tokens) passes the perplexity tolerance under q4 (+0.22 %, ``results/prefill_ppl.json``) but moves
 free-running answers far beyond q4's own rounding (ROUGE-L against the fp32 base 0.43 vs 0.67,
 ``results/chat_prefill_int8.md``; docs/eval.md, "Default prefill"): it stays an option (``prefill="int8"``).
