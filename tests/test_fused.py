@@ -143,6 +143,13 @@ def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
                                 "kv_dtype": "fp16"}
     with pytest.raises(ValueError, match="weights"):
         RunSpec(weights=("fp16",))
+    # prefill choices: auto (fp32 GEMMs) keeps the name, int8 adds -int8prefill and the knob
+    spec = RunSpec(systems=("fbs-full",), weights=("q4",), prefills=("auto", "int8"))
+    systems = build_systems(model.base.hf, None, model, spec)
+    assert [s.name for s in systems] == ["fbs-full-compute-q4-kvfp16", "fbs-full-compute-q4-kvfp16-int8prefill"]
+    assert systems[1].knobs["prefill"] == "int8" and "prefill" not in systems[0].knobs
+    with pytest.raises(ValueError, match="prefills"):
+        RunSpec(prefills=("int4",))
 
 
 def test_bench_runs_each_fbs_system_eager_and_compiled_side_by_side():

@@ -211,6 +211,18 @@ def test_kv_dtype_and_prefill_chunk_request_fields_reach_the_engine(model, clien
     assert not torch.equal(plain.scores[0], ref.scores[0])  # the options changed the logits: equality means something
 
 
+def test_prefill_request_field_reaches_the_engine(model, client):
+    """``prefill: int8``: the server's text is the engine's with the int8 prefill (whose logits differ from the fp32
+    prefill's), and the usage names it."""
+    ids = _ids(5, 30)
+    opts = dict(ignore_eos=True, prefill="int8")
+    ref, text = _reference(model, ids, 12, output_scores=True, **opts)
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, extra_body=opts)
+    assert out.choices[0].text == text and out.usage.model_extra["fbs"]["prefill"] == "int8"
+    plain = model.generate([ids], max_new_tokens=12, ignore_eos=True, output_scores=True)
+    assert not torch.equal(plain.scores[0], ref.scores[0])
+
+
 def test_text_stream_holds_back_partial_stop_strings():
     tok = char_tokenizer()
     ts = TextStream(tok, ["xyz"])
@@ -352,6 +364,7 @@ def _raw_post(url: str, data: bytes) -> tuple[int, dict]:
     (dict(extra_body={"kv_cache": "h2o", "kv_budget": 8, "lossless": True}), 400, "kv_cache"),
     (dict(extra_body={"kv_dtype": "fp8"}), 400, "kv_dtype"),
     (dict(extra_body={"prefill_chunk": -1}), 400, "prefill_chunk"),
+    (dict(extra_body={"prefill": "int4"}), 400, "prefill"),
     (dict(extra_body={"no_such_option": 1}), 400, "no_such_option"),
     (dict(n=2), 400, "n"),
     (dict(temperature=3), 400, "temperature"),
