@@ -12,9 +12,12 @@ is an int8 GEMM with int32 sums (``torch._int_mm``: oneDNN's VNNI kernels on x86
 Each row's result depends on that row alone (the int32 sums are exact whatever the GEMM's blocking). Everything
 between the products stays fp32 and HF's: the norms, RoPE, SDPA, the activation, the residual adds. The prompt's
 last token, whose state predicts the first new token, runs as a one-token step in the decode format instead
-(:meth:`fbs.engine.decoder.Decoder.prefill`): with it in int8 too, free-running answers moved far more than the
-perplexity through decode steps suggested (docs/eval.md, "Default prefill"). The weights are quantized once per model from its
-fp32 source weights (adapters merged), 1 byte a weight. docs/eval.md, "Default prefill", has the perplexity and chat checks.
+(:meth:`fbs.engine.decoder.Decoder.prefill`). The weights are quantized once per model from its fp32 source weights
+(adapters merged), 1 byte a weight, kept with the decode ops.
+
+Not the default (:func:`fbs.engine.defaults.default_prefill`): one scale per token is coarser than the decode
+formats' one per 32 activations, and although perplexity through decode steps barely moves, free-running answers
+move far more than q4's own rounding moves them (docs/eval.md, "Default prefill", has the perplexity and chat checks).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from .. import native
 from ..model.hf_adapter import apply_rope
 from ..model.layer import HFOps
+
 
 class Int8Weight(NamedTuple):
     """An int8 product's weight: ``wt`` (K, N) int8 (the transposed view of the (N, K) rows ``torch._int_mm``

@@ -19,9 +19,8 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float quantize_row(
 }
 
 // the product and the bias add rounded apart, as the reference's mul_ / add_ (no fused multiply-add)
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off"))) void scale_row(const int32_t* a, float sx,
-                                                                           const float* sw, const float* b,
-                                                                           int64_t n, float* y) {
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off"))) void scale_row(
+    const int32_t* a, float sx, const float* sw, const float* b, int64_t n, float* y) {
   if (b) {
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) y[j] = float(a[j]) * sx * sw[j] + b[j];
@@ -52,8 +51,8 @@ at::Tensor scale_rows(const at::Tensor& acc, const at::Tensor& sx, const at::Ten
   TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous() && acc.device().is_cpu(),
               "fbs scale_rows: acc (M, N) contiguous int32 CPU");
   const int64_t M = acc.size(0), N = acc.size(1);
-  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M && sw.scalar_type() == at::kFloat &&
-                  sw.is_contiguous() && sw.numel() == N,
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == M &&
+                  sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == N,
               "fbs scale_rows: sx (M, 1) and sw (N,) contiguous fp32");
   const float* B = nullptr;
   if (bias) {
