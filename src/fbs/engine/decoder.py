@@ -81,7 +81,7 @@ class DecodeOptions:
                                              # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
     prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
                                              # per channel x int8 activations per token, fbs.engine.prefill);
-                                             # auto: int8 under q4, else fp32 (fbs.engine.defaults)
+                                             # auto: fp32 (fbs.engine.defaults.default_prefill)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates

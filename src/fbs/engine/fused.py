@@ -537,8 +537,9 @@ class FusedOps(LayerByLayer):
     @staticmethod
     def _scores_of(layers: range, ctx) -> list | None:
         """The layers' accumulated attention buffers when the cache policy keeps them (H2O), else None."""
-        accs = [ctx.attention_scores(l) for l in layers]
-        return None if accs[0] is None else accs
+        if ctx.attention_scores(layers.start) is None:  # one look per call on the decode path
+            return None
+        return [ctx.attention_scores(l) for l in layers]
 
     def native_span(self, layers: range, x: torch.Tensor, ctx) -> torch.Tensor:
         """Consecutive layers ``layers`` (each in :attr:`native_layers`) at full depth over T new tokens per row,

@@ -41,12 +41,9 @@ class Int8Weight(NamedTuple):
 
 
 def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
-    """(N, K) float weight rows -> :class:`Int8Weight`, symmetric per row (a zero row gets scale 1: its codes are 0)."""
-    w = w.detach().float()
-    amax = w.abs().amax(1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q.t(), scale, None if bias is None else bias.detach().float())
+    """(N, K) float weight rows -> :class:`Int8Weight`: the activations' rule (:func:`quantize_rows`) per weight row."""
+    q, scale = quantize_rows(w.detach().float())
+    return Int8Weight(q.t(), scale[:, 0], None if bias is None else bias.detach().float())
 
 
 def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -155,12 +152,7 @@ class Int8Prefill(HFOps):
         gu = int8_linear(self.base.norm2(l, h), w.gu)
         g, u = gu.chunk(2, -1)
         return int8_linear(self.base.layers[l].mlp.act_fn(g) * u, w.down)
-
-    def ffn(self, l, h):
-        return h + self.ffn_delta(l, h)
-
-    def block(self, l, x, xn, ctx, kv=None):
-        return self.ffn(l, self.attention(l, x, xn, ctx, None, kv))
+    # ffn and block: HFOps' own, over the int8 attention and ffn_delta above
 
 
 def int8_prefill(ops) -> Int8Prefill:
