@@ -1,4 +1,4 @@
-"""Perplexity with the prompt's products in fp32 against int8 (``prefill``), per weight format.
+"""Perplexity with the prompt's products in fp32 against int8 and blocks (``prefill``), per weight format.
 
 The text, chunks and scored tokens are scripts/llama_cpp_ppl.py's (llama-perplexity's protocol): the held-out OOD
 blocks joined into one text, cut into chunks of CTX tokens; the first CTX/2 + 1 tokens of a chunk are prefilled
@@ -30,7 +30,7 @@ from fbs.engine.defaults import default_kv_dtype  # noqa: E402
 from fbs.model.loading import load_fbs  # noqa: E402
 from fbs.provenance import provenance  # noqa: E402
 
-PREFILLS = ("fp32", "int8")
+PREFILLS = ("fp32", "int8", "blocks")
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
 def write(args, source, text, ids, chunks, rows, complete: bool) -> None:
     doc = {"command": "python scripts/prefill_ppl.py " + " ".join(sys.argv[1:]), "model": args.model,
            "ctx": args.ctx, "threads": args.threads,
-           "protocol": "llama-perplexity's chunks: first ctx/2+1 tokens prefilled (fp32 or int8 products), the rest "
+           "protocol": "llama-perplexity's chunks: first ctx/2+1 tokens prefilled (fp32, int8 or block products), the rest "
                        "teacher-forced through one-token decode steps (every layer run) that read the KV cache",
            "text": {"source": source, "chars": len(text), "sha256": hashlib.sha256(text.encode()).hexdigest()},
            "tokens": {"total": len(ids), "chunks": len(chunks), "scored": len(chunks) * (args.ctx - args.ctx // 2 - 1)},

@@ -491,3 +491,32 @@ def test_native_attention_of_a_query_does_not_depend_on_its_call(isa, threads):
             assert torch.equal(part[(row == i).nonzero().item()], got[i]), i
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_causal_attention_equals_float64_sdpa(threads):
+    """A prompt's causal attention in one flash-style pass (fbs.native.causal_attention) against float64 SDPA: GQA
+    groups of 1, 3 and 7 query heads, head dims 16 to 128, lengths not a multiple of the query or key blocks (1, 37,
+    100, 130), two rows, strided queries; the result does not depend on the thread count (bit for bit)."""
+    require_native("avx512")
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(3)
+    try:
+        for b, h, hkv, t, hd in [(1, 9, 3, 130, 64), (2, 4, 4, 37, 16), (1, 14, 2, 100, 128), (1, 3, 1, 1, 32)]:
+            q = torch.randn(b, t, h, hd, generator=g).transpose(1, 2)  # as a projection's heads: strided
+            k, v = torch.randn(b, hkv, t, hd, generator=g) * 2, torch.randn(b, hkv, t, hd, generator=g)
+            torch.set_num_threads(threads)
+            got = native.causal_attention(q, k, v, hd ** -0.5)
+            torch.set_num_threads(3 - threads)
+            other = native.causal_attention(q, k, v, hd ** -0.5)
+            ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                                   enable_gqa=True, scale=hd ** -0.5)
+            assert got.shape == (b, h, t, hd) and torch.equal(got, other)
+            assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    finally:
+        torch.set_num_threads(before)
+    assert native.causal_attention(torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24),
+                                   1.0) is None  # a head dim it does not take: the caller keeps SDPA
+    with pytest.raises(RuntimeError, match="k and v"):
+        native.module().causal_attention(torch.randn(1, 4, 8, 16), torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16),
+                                         1.0)

@@ -15,7 +15,8 @@ import torch
 from conftest import require_native
 from fbs.native import quant
 
-SHAPES = [(1, 576, 576), (3, 1000, 1536), (8, 4099, 576), (2, 30, 70), (13, 49, 1000), (5, 17, 33), (1, 9, 8960)]
+SHAPES = [(1, 576, 576), (3, 1000, 1536), (8, 4099, 576), (2, 30, 70), (13, 49, 1000), (5, 17, 33), (1, 9, 8960),
+          (16, 48, 96), (77, 33, 100), (133, 70, 600)]  # >= 16 rows: a prompt's path (q4 on VNNI: many rows a tile)
 
 
 @pytest.fixture(params=["avx512-vnni", "avx2"])
@@ -78,6 +79,24 @@ def test_products_equal_the_float64_reference(quant_isa, kind, m, n, k, one_thre
     # fp32 activations give a clearly different product: the reference's quantization is the one the kernel did
     exact = x.double() @ deq.T
     assert (exact - ref).abs().max() > 1e-3 * scale
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prompts_rows_get_their_one_row_products(quant_isa, threads):
+    """A prompt's products (many rows, split across threads) give each row exactly the bits of its one-row product,
+    the decode step's: the block prefill (fbs.engine.prefill) relies on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(11)
+        for kind in ("q4_1", "q8_0"):
+            packed, scales, _ = weights(kind, 50, 1000, g)
+            x = torch.randn(141, 1000, generator=g) * torch.rand(1, 1000, generator=g) * 3
+            y = quant.linear(x, packed, kind, 50, scales)
+            one = torch.cat([quant.linear(x[i:i + 1], packed, kind, 50, scales) for i in range(141)])
+            assert torch.equal(y, one), kind
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_strided_rows_and_batched_shape(quant_isa):

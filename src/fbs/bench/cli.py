@@ -157,9 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "once per dtype; half precision halves the cache's bytes, attention accumulates in fp32; "
                         "auto (default): fp16 under q4, q8, int8 weights, else fp32)")
     p.add_argument("--prefill", dest="prefills", type=_strs, default=s.prefills,
-                   help="how the FBS systems run a prompt's products, comma list from auto, fp32, int8 (each system "
-                        "once per choice; int8: int8 weights per channel x int8 activations per token, an int8 GEMM; "
-                        "auto (default): each weight format's default, fbs.engine.defaults.default_prefill)")
+                   help="how the FBS systems run a prompt's products, comma list from auto, fp32, int8, blocks (each "
+                        "system once per choice; blocks: the q4 / q8 decode kernels, activations per 32 values; int8: "
+                        "int8 weights per channel x int8 activations per token, an int8 GEMM; auto (default): each "
+                        "weight format's default, fbs.engine.defaults.default_prefill)")
     p.add_argument("--out-dir", default="bench-results", help="where bench.json, bench.md, bench.png go")
 
 

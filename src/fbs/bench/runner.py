@@ -125,9 +125,9 @@ class RunSpec:
     each format's default, :func:`fbs.engine.defaults.default_kv_dtype`): each FBS system runs once per dtype;
     dtypes other than fp32 add ``-kv<dtype>``."""
     prefills: tuple[str, ...] = ("auto",)
-    """How the FBS systems run a prompt's products (auto, fp32, int8; :mod:`fbs.engine.prefill`; auto: each format's
-    default, :func:`fbs.engine.defaults.default_prefill`): each FBS system runs once per choice; int8 adds
-    ``-int8prefill``."""
+    """How the FBS systems run a prompt's products (auto, fp32, int8, blocks; :mod:`fbs.engine.prefill`; auto: each
+    format's default, :func:`fbs.engine.defaults.default_prefill`): each FBS system runs once per choice; a choice
+    other than fp32 adds ``-<choice>prefill`` (``-int8prefill``, ``-blocksprefill``)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}

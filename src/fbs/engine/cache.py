@@ -28,7 +28,7 @@ import torch
 from .. import native
 from ..model.chunk import ChunkOut, ChunkState
 from .defaults import KV_STORAGE
-from .kvpolicy import CachePolicy, attend_scored
+from .kvpolicy import CachePolicy, attend_scored, prompt_attention
 
 
 #: the storage dtypes of ``kv_dtype`` (fp16 is the half-precision choice: three more mantissa bits than bf16 and one
@@ -173,6 +173,9 @@ class CacheContext:
     #: several new tokens per row run the native layers of the decode format (a speculative verifier sets it;
     #: :func:`fbs.engine.fused.full_depth`), not the HF modules' GEMMs of a prefill
     native_many = False
+    #: a prompt's attention over an empty cache runs :func:`fbs.native.causal_attention` (the decoder sets it under the
+    #: native formats; the fp32 and bf16 formats keep SDPA, HF's own)
+    native_causal = False
     #: the row-independent product PAW computes with (:func:`fbs.native.linear_rows`; the decoder sets it for its
     #: steps and a verifier's passes, so that a position gets the same bits alone or among T). None: torch's
     linear = None
@@ -211,12 +214,12 @@ class CacheContext:
         if t > 1 and evictor is not None:  # a prompt (or a prefill chunk after kept entries) under a cache policy:
             #                                 it attends, then the policy keeps its budget
             if fresh:
-                return evictor.prefill(l, self.rows, q, k, v, self.positions, self.scaling)
+                return evictor.prefill(l, self.rows, q, k, v, self.positions, self.scaling, self.native_causal)
             return evictor.extend(l, self.rows, q, k, v, self.positions, self.scaling)
         self.cache.write(l, self.rows, k, v, self.positions)
         gqa = k.shape[1] != q.shape[1]
         if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
-            return sdpa(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=gqa)
+            return prompt_attention(q, k, v, self.scaling, self.native_causal)
         kk, vv, mask = self.cache.view(l, self.rows)
         if t > 1:  # tokens after cached ones (a verified draft): causal among them, each row up to its own length
             n = kk.shape[2]

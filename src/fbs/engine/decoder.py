@@ -43,7 +43,8 @@ from .defaults import PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
 from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
-from .prefill import int8_prefill
+from .prefill import prefill_ops
+from .quant import BLOCK_FORMATS
 from ..model.chunk import ChunkState
 from ..model.layer import COMPUTE, Mix, layer_step
 from .. import native
@@ -80,8 +81,9 @@ class DecodeOptions:
     kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
                                              # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
     prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
-                                             # per channel x int8 activations per token, fbs.engine.prefill);
-                                             # auto: fp32 (fbs.engine.defaults.default_prefill)
+                                             # per channel x int8 activations per token) | blocks (q4 / q8: the
+                                             # decode kernels), fbs.engine.prefill; auto: each format's default
+                                             # (fbs.engine.defaults.default_prefill)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -146,6 +148,9 @@ class DecodeOptions:
         if self.prefill not in PREFILL_CHOICES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_CHOICES)}, got {self.prefill!r}")
         self.prefill = resolve_prefill(self.prefill, self.weights)
+        if self.prefill == "blocks" and self.weights not in BLOCK_FORMATS:
+            raise ValueError(f"prefill='blocks' runs a prompt through the block weights of the decode format, and "
+                             f"weights={self.weights!r} has none: pass weights='q4' or 'q8', or prefill='fp32'")
         kv_storage_dtype(self.kv_dtype, torch.float32)  # checks the name
         policy = make_policy(self.kv_cache, self.kv_budget)  # checks the name and the budget
         if policy is not None and self.lossless:
@@ -452,8 +457,8 @@ class Decoder:
                     self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
         self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
         self.ops = decode_ops(model, opts.weights, opts.compile)
-        #: what a prompt runs with: the decode ops, or their int8 products (prefill="int8")
-        self.prefill_ops = int8_prefill(self.ops) if opts.prefill == "int8" else self.ops
+        #: what a prompt runs with: the decode ops, or their integer products (prefill="int8" / "blocks")
+        self.prefill_ops = prefill_ops(self.ops, opts.prefill)
         self.granularity = cfg.skip_granularity
         eos = opts.eos_token_id
         if eos is None and not opts.ignore_eos:
@@ -487,12 +492,14 @@ class Decoder:
     def context(self, rows: list[int], positions: list[list[int]], cos, sin, prefill: bool = False) -> CacheContext:
         """The cache context of a step (or, ``prefill``, of a prompt chunk) of ``rows`` at ``positions``. Where the
         ops run native layers, the chunk head steps natively and PAW computes row by row (decoding and a verifier's
-        passes then give a position the same bits, whatever else shares the call); a prefill keeps torch's GEMMs."""
+        passes then give a position the same bits, whatever else shares the call); a prefill keeps torch's GEMMs (or
+        the integer products of ``prefill``), its attention over an empty cache natively in the native formats."""
         ctx = CacheContext(self.cache, self.chunks, rows, positions, cos, sin, self.policy, self.emb_v, self.keys_v,
                            self.m.base.scaling)
         ctx.native_chunk = self.ops.native_chunk
         if ctx.native_chunk and not prefill:
             ctx.linear = native.linear_rows
+        ctx.native_causal = prefill and getattr(self.ops, "native_layers", None) is not None
         return ctx
 
     # ---- prefill ------------------------------------------------------------
@@ -509,7 +516,7 @@ class Decoder:
         for r, p in enumerate(self.prompts):
             groups.setdefault(len(p), []).append(r)
         logits = [None] * self.B
-        split = self.prefill_ops is not self.ops  # int8 products: the last token runs the decode step (below)
+        split = self.prefill_ops is not self.ops  # integer products: the last token runs the decode step (below)
         for length, rows in groups.items():
             # rows of equal length run as one batch (rows need not be contiguous for the cache)
             prompt = torch.tensor([self.prompts[r] for r in rows], device=self.dev)

@@ -34,9 +34,9 @@ FALLBACK = "fp32"
 #: ``kv_dtype`` / ``--kv-dtype`` accept: one of them or ``auto`` (:func:`default_kv_dtype`)
 KV_STORAGE = ("fp32", "fp16", "bf16")
 KV_DTYPE_CHOICES = (AUTO, *KV_STORAGE)
-#: how a prompt's products run (``prefill`` / ``--prefill``; fbs.engine.prefill): fp32 (the HF modules' GEMMs) or
-#: int8, or ``auto`` (:func:`default_prefill`)
-PREFILL = ("fp32", "int8")
+#: how a prompt's products run (``prefill`` / ``--prefill``; fbs.engine.prefill): fp32 (the HF modules' GEMMs), int8
+#: (per-token int8 activations), blocks (the decode format's own block kernels), or ``auto`` (:func:`default_prefill`)
+PREFILL = ("fp32", "int8", "blocks")
 PREFILL_CHOICES = (AUTO, *PREFILL)
 #: formats whose default prefill is int8: none (module doc)
 INT8_PREFILL: tuple[str, ...] = ()

@@ -724,6 +724,11 @@ class FusedOps(LayerByLayer):
     def ffn_delta(self, l: int, h: torch.Tensor) -> torch.Tensor:
         return self.ffn(l, h) - h
 
+    def native_ffn(self, l: int, h: torch.Tensor) -> torch.Tensor | None:
+        """Layer l's FFN over h (b, T, d), any T, through its native half (a decode step's arithmetic, row by row),
+        or None where layer l has none (:meth:`attends_natively`)."""
+        return native.ffn_layer(self._native_all[l], h.contiguous()) if self.attends_natively(l) else None
+
     def block(self, l: int, x, xn, ctx, kv=None) -> torch.Tensor:
         if self._one_token(x, ctx):
             return self._cached(l, x, xn, ctx, kv, ffn=True)

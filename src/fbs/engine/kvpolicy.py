@@ -121,6 +121,17 @@ def prefill_chunk_size(prefill_chunk: int | None, policy: CachePolicy | None) ->
     return int(prefill_chunk)
 
 
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     native_causal: bool = False) -> torch.Tensor:
+    """A fresh prompt's causal attention over itself, q (b, H, T, hd), k / v (b, Hkv, T, hd) -> (b, H, T, hd):
+    :func:`fbs.native.causal_attention` with ``native_causal`` where it runs (the engine asks for it under the native
+    formats), else SDPA."""
+    o = native.causal_attention(q, k, v, scale) if native_causal else None
+    if o is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return o
+
+
 def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     """(start, end) of the prefill chunks of a prompt of ``length`` tokens: chunks of ``chunk`` tokens aligned to the
     prompt's end (the last chunk is a full one, so SnapKV's last observation window is the prompt's last tokens); the
@@ -151,12 +162,13 @@ def add_kv_cache_arguments(p) -> None:
 
 
 def add_prefill_argument(p) -> None:
-    """``--prefill {auto,fp32,int8}`` on an argparse parser."""
+    """``--prefill {auto,fp32,int8,blocks}`` on an argparse parser."""
     p.add_argument("--prefill", choices=PREFILL_CHOICES, default=AUTO,
-                   help="how a prompt's products run: fp32 (the HF modules' GEMMs) or int8 (int8 weights per channel "
-                        "x int8 activations per token: int8 GEMMs, 1.7x faster 512-token prefill with VNNI; moves "
-                        "free-running answers more than q4 does, docs/eval.md); auto (default): fp32 "
-                        "(fbs.engine.defaults)")
+                   help="how a prompt's products run: fp32 (the HF modules' GEMMs), blocks (q4 / q8: the decode "
+                        "format's own weights and kernels, activations per 32 values, as decode steps compute them) "
+                        "or int8 (int8 weights per channel x int8 activations per token: int8 GEMMs); both integer "
+                        "prefills are faster on long prompts and move free-running answers more than q4 does "
+                        "(blocks a third as much as int8; docs/eval.md); auto (default): fp32 (fbs.engine.defaults)")
 
 
 def add_prefill_chunk_argument(p) -> None:
@@ -287,10 +299,11 @@ class Evictor:
                 t[idx[:, None], heads[None, :], dst] = t[idx, :, src]
 
     # ---- prefill --------------------------------------------------------------
-    def prefill(self, l: int, rows: list[int], q, k, v, positions: list[list[int]], scale: float) -> torch.Tensor:
-        """Attention of a fresh prompt (q (b, H, T, hd), rotated k / v (b, Hkv, T, hd)) over itself; stores the
-        kept entries (all of them when T <= budget). Returns (b, H, T, hd)."""
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    def prefill(self, l: int, rows: list[int], q, k, v, positions: list[list[int]], scale: float,
+                native_causal: bool = False) -> torch.Tensor:
+        """Attention of a fresh prompt (q (b, H, T, hd), rotated k / v (b, Hkv, T, hd)) over itself
+        (:func:`prompt_attention`); stores the kept entries (all of them when T <= budget). Returns (b, H, T, hd)."""
+        o = prompt_attention(q, k, v, scale, native_causal)
         self._store(l, rows, k, v, positions, self._select(k, positions) if k.shape[2] > self.budget else None)
         return o
 
@@ -514,7 +527,7 @@ class H2O(_PerHead):
         self._move((c.k[l], c.v[l], acc, self.pos[l]), idx, torch.full_like(old, self.budget), old)
         acc[idx, :, self.budget] = 0  # the tail slot's next entry starts with no attention received
 
-    def prefill(self, l, rows, q, k, v, positions, scale):
+    def prefill(self, l, rows, q, k, v, positions, scale, native_causal=False):
         """Explicit attention over the prompt in query chunks (its weights are the first accumulated scores)."""
         b, h, t, _ = q.shape
         acc = torch.zeros(b, k.shape[1], t, dtype=torch.float32, device=q.device)
@@ -577,8 +590,8 @@ class SnapKV(_PerHead):
     def settle(self, l, rows):
         pass
 
-    def prefill(self, l, rows, q, k, v, positions, scale):
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    def prefill(self, l, rows, q, k, v, positions, scale, native_causal=False):
+        o = prompt_attention(q, k, v, scale, native_causal)
         keep = self.votes_keep(q, k, scale) if k.shape[2] > self.budget else None
         self._store(l, rows, k, v, positions, keep)
         return o

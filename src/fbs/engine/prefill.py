@@ -1,23 +1,33 @@
-"""A prompt's products in int8 (``prefill="int8"``): int8 weights per output channel times int8 activations per token.
+"""A prompt's products in the integer formats: ``prefill="blocks"`` (the decode weights' own blocks) and
+``prefill="int8"`` (int8 weights per channel, int8 activations per token).
 
 The decode step streams each weight once per token, so its formats (q4, q8, int8 in fbs.engine.quant) are chosen
-for bytes. A prompt of T tokens reads each weight once for T rows: it is bound by arithmetic, where fp32 GEMMs
-(``prefill="fp32"``, the HF modules themselves) reach the fp32 peak and the block formats' per-32 scales cost
-several instructions per multiply-accumulate. With one scale per weight row and one per activation row, a product
-is an int8 GEMM with int32 sums (``torch._int_mm``: oneDNN's VNNI kernels on x86) and one scaling of the result:
+for bytes. A prompt of T tokens reads each weight once for T rows: it is bound by arithmetic. fp32 GEMMs
+(``prefill="fp32"``, the HF modules themselves) reach the fp32 peak; integer dot products (VNNI's u8 x s8) do four
+times the multiply-accumulates per instruction.
+
+``blocks`` runs a prompt's products through the decode format's own packed weights (q4 / q8 blocks) and its own
+native kernels, the activations quantized per 32-value block as in a decode step (:mod:`fbs.native.quant`; a prompt's
+rows take the kernel's many-row path, which unpacks a q4 tile once for all rows and gives each row the bits of its
+one-row product). A prompt's products are then exactly the products its tokens would get one by one, at integer
+GEMM speed, with no second copy of the weights.
+
+``int8``: one scale per weight row and one per activation row, so a product is an int8 GEMM with int32 sums
+(``torch._int_mm``: oneDNN's VNNI kernels on x86) and one scaling of the result:
 
     y[t, n] = (sum_k xq[t, k] wq[n, k]) * sx[t] * sw[n] (+ bias[n]),
     xq = round(x / sx), sx[t] = max_k |x[t, k]| / 127;   wq = round(w / sw), sw[n] = max_k |w[n, k]| / 127
 
-Each row's result depends on that row alone (the int32 sums are exact whatever the GEMM's blocking). Everything
-between the products stays fp32 and HF's: the norms, RoPE, SDPA, the activation, the residual adds. The prompt's
-last token, whose state predicts the first new token, runs as a one-token step in the decode format instead
-(:meth:`fbs.engine.decoder.Decoder.prefill`). The weights are quantized once per model from its fp32 source weights
-(adapters merged), 1 byte a weight, kept with the decode ops.
+Each row's result depends on that row alone (the int32 sums are exact whatever the GEMM's blocking). The weights
+are quantized once per model from its fp32 source weights (adapters merged), 1 byte a weight, kept with the decode
+ops. One scale per token is coarser than the decode formats' one per 32 activations: perplexity through decode
+steps barely moves, but free-running answers move far more than q4's own rounding moves them (docs/eval.md,
+"Default prefill", has the perplexity and chat checks), so it is never a default.
 
-Not the default (:func:`fbs.engine.defaults.default_prefill`): one scale per token is coarser than the decode
-formats' one per 32 activations, and although perplexity through decode steps barely moves, free-running answers
-move far more than q4's own rounding moves them (docs/eval.md, "Default prefill", has the perplexity and chat checks).
+Between the products everything stays fp32: HF's norms, RoPE, SDPA, activation and residual adds under int8; under
+blocks the same, except that the FFN is the decode step's own native half (RMSNorm_2, products, SiLU, residual; row
+by row) where the layer has one. In both, the prompt's last token, whose state predicts the first new token, runs as
+a one-token step in the decode format (:meth:`fbs.engine.decoder.Decoder.prefill`).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 from .. import native
 from ..model.hf_adapter import apply_rope
 from ..model.layer import HFOps
+from .quant import BLOCK_FORMATS, matmul
 
 
 class Int8Weight(NamedTuple):
@@ -80,14 +91,80 @@ class _Layer(NamedTuple):
     down: Int8Weight
 
 
-class Int8Prefill(HFOps):
-    """The ops a prompt runs with under ``prefill="int8"``: :class:`fbs.model.layer.HFOps`' layer pieces with the
-    products in int8 (:func:`int8_linear`); the rest (embedding, RoPE tables, norms, the LM head of the last
-    position, PAW / CH, the cache) is the decode ops' (``ops``), whatever format they decode in."""
+class _ProductPrefill(HFOps):
+    """The ops a prompt runs with when its products are not the HF modules': :class:`fbs.model.layer.HFOps`' layer
+    pieces with each layer's four products (:meth:`_qkv_flat`, :meth:`_o`, :meth:`_gu`, :meth:`_down`) left to a
+    subclass; the rest (embedding, RoPE tables, the LM head of the last position, PAW / CH, the cache) is the decode
+    ops' (``ops``), whatever format they decode in."""
 
     def __init__(self, ops):
         super().__init__(ops.base)
         self.ops = ops
+
+    def __getattr__(self, name):  # embed, rope, head, norm1, preview_terms, native_chunk, ...: the decode ops'
+        return getattr(self.__dict__["ops"], name)
+
+    def embed(self, ids):
+        return self.ops.embed(ids)
+
+    def rope(self, x, positions):
+        return self.ops.rope(x, positions)
+
+    def head(self, x):
+        return self.ops.head(x)
+
+    def _qkv_flat(self, l: int, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, t, d) -> q, k, v projections (b, t, heads * hd) with their biases, before the heads' norms."""
+        raise NotImplementedError
+
+    def _o(self, l: int, o: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gu(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        """(b, t, d) -> [gate | up] (b, t, 2 * inter)"""
+        raise NotImplementedError
+
+    def _down(self, l: int, a: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- a layer over its products ------------------------------------------
+    def _heads(self, y: torch.Tensor, norm) -> torch.Tensor:
+        b, t, _ = y.shape
+        y = y.view(b, t, -1, self.base.spec.head_dim)
+        return (y if norm is None else norm(y)).transpose(1, 2)
+
+    def _qkv(self, l: int, xn: torch.Tensor, ctx, need_q: bool):
+        attn = self.base.layers[l].self_attn
+        q, k, v = self._qkv_flat(l, xn)
+        k = apply_rope(self._heads(k, getattr(attn, "k_norm", None)), ctx.cos, ctx.sin)
+        v = self._heads(v, None)
+        q = apply_rope(self._heads(q, getattr(attn, "q_norm", None)), ctx.cos, ctx.sin) if need_q else None
+        return q, k, v
+
+    def kv(self, l, xn, ctx):
+        _, k, v = self._qkv(l, xn, ctx, need_q=False)
+        return k, v
+
+    def attention(self, l, x, xn, ctx, hole=None, kv=None):
+        q, k, v = self._qkv(l, xn, ctx, need_q=True)
+        if kv is not None:  # K/V given by the caller (projected already): its own
+            k, v = kv
+        o = ctx.attend(l, q, k, v, hole)
+        b, _, t, _ = o.shape
+        return x + self._o(l, o.transpose(1, 2).reshape(b, t, -1))
+
+    def ffn_delta(self, l, h):
+        g, u = self._gu(l, self.base.norm2(l, h)).chunk(2, -1)
+        return self._down(l, self.base.layers[l].mlp.act_fn(g) * u)
+    # ffn and block: HFOps' own, over attention and ffn_delta above
+
+
+class Int8Prefill(_ProductPrefill):
+    """``prefill="int8"``: the products in int8 (:func:`int8_linear`) on int8 copies of the fp32 source weights;
+    RMSNorm_1 is HF's."""
+
+    def __init__(self, ops):
+        super().__init__(ops)
         self.layers = [self._layer(layer) for layer in self.base.layers]
 
     @staticmethod
@@ -105,63 +182,76 @@ class Int8Prefill(HFOps):
             down=quantize_weight(mlp.down_proj.weight, mlp.down_proj.bias),
         )
 
-    def __getattr__(self, name):  # embed, rope, head, norm1, preview_terms, native_chunk, ...: the decode ops'
-        return getattr(self.__dict__["ops"], name)
-
-    def embed(self, ids):
-        return self.ops.embed(ids)
-
-    def rope(self, x, positions):
-        return self.ops.rope(x, positions)
-
-    def head(self, x):
-        return self.ops.head(x)
-
     def norm1(self, l, x):
         return self.base.norm1(l, x)
 
-    # ---- the layer's products in int8 -------------------------------------------
-    def _heads(self, y: torch.Tensor, norm) -> torch.Tensor:
-        b, t, _ = y.shape
-        y = y.view(b, t, -1, self.base.spec.head_dim)
-        return (y if norm is None else norm(y)).transpose(1, 2)
-
-    def _qkv(self, l: int, xn: torch.Tensor, ctx, need_q: bool):
-        spec, attn = self.base.spec, self.base.layers[l].self_attn
+    def _qkv_flat(self, l, xn):
+        spec = self.base.spec
         y = int8_linear(xn, self.layers[l].qkv)
         nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        k = apply_rope(self._heads(y[..., nq:nq + nk], getattr(attn, "k_norm", None)), ctx.cos, ctx.sin)
-        v = self._heads(y[..., nq + nk:], None)
-        q = apply_rope(self._heads(y[..., :nq], getattr(attn, "q_norm", None)), ctx.cos, ctx.sin) if need_q else None
-        return q, k, v
+        return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
 
-    def kv(self, l, xn, ctx):
-        _, k, v = self._qkv(l, xn, ctx, need_q=False)
-        return k, v
+    def _o(self, l, o):
+        return int8_linear(o, self.layers[l].o)
 
-    def attention(self, l, x, xn, ctx, hole=None, kv=None):
-        q, k, v = self._qkv(l, xn, ctx, need_q=True)
-        if kv is not None:  # K/V given by the caller (projected already): its own
-            k, v = kv
-        o = ctx.attend(l, q, k, v, hole)
-        b, _, t, _ = o.shape
-        return x + int8_linear(o.transpose(1, 2).reshape(b, t, -1), self.layers[l].o)
+    def _gu(self, l, h):
+        return int8_linear(h, self.layers[l].gu)
 
-    def ffn_delta(self, l, h):
-        w = self.layers[l]
-        gu = int8_linear(self.base.norm2(l, h), w.gu)
-        g, u = gu.chunk(2, -1)
-        return int8_linear(self.base.layers[l].mlp.act_fn(g) * u, w.down)
-    # ffn and block: HFOps' own, over the int8 attention and ffn_delta above
+    def _down(self, l, a):
+        return int8_linear(a, self.layers[l].down)
 
 
-def int8_prefill(ops) -> Int8Prefill:
-    """The :class:`Int8Prefill` of the decode ops ``ops``, built on first use and kept with them (rebuilt with them
-    when the model's weights change)."""
-    pre = getattr(ops, "_int8_prefill", None)
-    if pre is None:
-        pre = ops._int8_prefill = Int8Prefill(ops)
-    return pre
+class BlockPrefill(_ProductPrefill):
+    """``prefill="blocks"``: the products of the decode ops' own fused weights (:class:`fbs.engine.fused.FusedOps`,
+    a block format: q4 / q8 packed for the native kernels) through :func:`fbs.engine.quant.matmul`, as a decode
+    step computes them; RMSNorm_1 is the decode ops' (row by row, as a decode step normalizes) and the FFN their
+    native half (:meth:`fbs.engine.fused.FusedOps.native_ffn`) where the layer has one."""
+
+    def __init__(self, ops):
+        super().__init__(ops)
+        self.layers = ops.layers
+
+    def _qkv_flat(self, l, xn):
+        spec, w = self.base.spec, self.layers[l]
+        nk = spec.num_kv_heads * spec.head_dim
+        q = matmul(xn, *w.q.tensors)
+        kvg = matmul(xn, *w.kvg.tensors)  # [K | V | the gate's input columns, unused here]
+        if w.q_b is not None:
+            q = q + w.q_b
+        if w.kvg_b is not None:
+            kvg = kvg + w.kvg_b
+        return q, kvg[..., :nk], kvg[..., nk:2 * nk]
+
+    def _o(self, l, o):
+        return matmul(o, *self.layers[l].o.tensors)
+
+    def _gu(self, l, h):
+        return matmul(h, *self.layers[l].gu.tensors)
+
+    def _down(self, l, a):
+        return matmul(a, *self.layers[l].down.tensors)
+
+    def ffn(self, l, h):
+        out = self.ops.native_ffn(l, h)  # the decode step's native FFN half (RMSNorm_2, products, SiLU, residual)
+        return super().ffn(l, h) if out is None else out
+
+
+def prefill_ops(ops, prefill: str):
+    """The ops a prompt runs with under ``prefill`` (resolved: fp32, int8 or blocks) over the decode ops ``ops``:
+    ``ops`` itself for fp32; the :class:`Int8Prefill` (built on first use and kept with ``ops``, rebuilt with them
+    when the model's weights change) for int8; a :class:`BlockPrefill` for blocks."""
+    if prefill == "int8":
+        pre = getattr(ops, "_int8_prefill", None)
+        if pre is None:
+            pre = ops._int8_prefill = Int8Prefill(ops)
+        return pre
+    if prefill == "blocks":
+        if getattr(ops, "fmt", None) not in BLOCK_FORMATS:
+            raise ValueError(f"prefill='blocks' runs a prompt through the block weights of the decode format (q4, q8), "
+                             f"and weights={getattr(ops, 'fmt', 'fp32')!r} has none: pass prefill='fp32' (or 'int8'), "
+                             f"or weights='q4' / 'q8'")
+        return BlockPrefill(ops)
+    return ops
 
 
 def int8_available() -> bool:

@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default KV cache storage (requests may set their own): auto: fp16 under the quantized "
                         "weights, else fp32 (fbs.engine.defaults)")
     p.add_argument("--prefill", choices=PREFILL_CHOICES, default=AUTO,
-                   help="default for how a prompt's products run (requests may set their own): fp32 or int8 "
-                        "(an int8 GEMM); auto: each weight format's default (fbs.engine.defaults)")
+                   help="default for how a prompt's products run (requests may set their own): fp32, blocks (the "
+                        "q4 / q8 decode kernels) or int8 (an int8 GEMM); auto: each weight format's default "
+                        "(fbs.engine.defaults)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 

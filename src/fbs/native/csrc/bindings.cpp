@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "attention.h"
+#include "causal.h"
 #include "chunk.h"
 #include "evict.h"
 #include "gate.h"
@@ -17,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear);
   m.def("int8_isa", &int8_isa);
   m.def("attend_one", &attend_one);
+  m.def("causal_attention", &causal_attention);
+  m.def("causal_available", &causal_available);
   m.def("rms_norm", &rms_norm);
   m.def("linear_rows", &linear_rows);
   m.def("quant_isa", &quant_isa);

@@ -5,7 +5,10 @@
 #include "attention.h"
 #include "gate.h"
 #include "norm.h"
+#include "quant.h"
 #include "skip.h"
+
+#include <ATen/Parallel.h>
 
 namespace fbs_layer {
 namespace {
@@ -141,14 +144,22 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
 // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
 void Layer::ffn_rows(float* H, int64_t m, int64_t isa) const {
   std::vector<float> hn(m * d), ff(m * 2 * inter), act(m * inter), dv(m * d);
-  fbs_norm::rows(H, ln2.data_ptr<float>(), eps, hn.data(), m, d);
+  // row-wise steps over row ranges: split across threads for a prompt's rows, each row's values unchanged
+  const int64_t grain = m >= fbs_quant::kManyMin ? 8 : m;
+  at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
+    fbs_norm::rows(H + j0 * d, ln2.data_ptr<float>(), eps, hn.data() + j0 * d, j1 - j0, d);
+  });
   mm(hn.data(), m, gu, ff.data(), isa);
-  for (int64_t j = 0; j < m; ++j) {
-    const float* gj = ff.data() + j * 2 * inter;
-    fbs_act::silu_mul(gj, gj + inter, act.data() + j * inter, inter);
-  }
+  at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* gj = ff.data() + j * 2 * inter;
+      fbs_act::silu_mul(gj, gj + inter, act.data() + j * inter, inter);
+    }
+  });
   mm(act.data(), m, dn, dv.data(), isa);
-  for (int64_t c = 0; c < m * d; ++c) H[c] += dv[c];
+  at::parallel_for(0, m, grain, [&](int64_t j0, int64_t j1) {
+    for (int64_t c = j0 * d; c < j1 * d; ++c) H[c] += dv[c];
+  });
 }
 
 // Each row's cache slot. Rows of a step that share a cache row are consecutive positions of one sequence (a

@@ -7,6 +7,13 @@ namespace fbs_quant {
 int64_t block_bytes(int64_t kind) { return kind == kI8Channel ? 512 : kind == kQ8Block ? 512 + 32 : 256 + 64; }
 
 void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds, float* c) {
+  if (M >= kManyMin && at::get_num_threads() > 1 && !at::in_parallel_region()) {  // a prompt: rows split across threads
+    const int64_t Kp = (K + kBlock - 1) / kBlock * kBlock, Kb = Kp / kBlock;
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      quantize(x + m0 * ldx, m1 - m0, K, ldx, q + m0 * Kp, d + m0 * Kb, ds + m0 * Kb, c + m0);
+    });
+    return;
+  }
 #ifdef FBS_X86
   static const bool wide = fbs::best_isa() >= fbs::kIsaAvx512;
   if (wide && K % kBlock == 0) {
@@ -40,6 +47,30 @@ void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, floa
 void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa) {
 #ifdef FBS_X86
   const int64_t T = (N + kTile - 1) / kTile, tile = (a.Kp / kBlock) * block_bytes(kind);
+  if (isa == fbs::kIsaAvx512Vnni && kind == kQ4Block && a.M >= kManyMin) {  // a prompt (one-row results unchanged)
+    const int64_t Kb = a.Kp / kBlock, G = (a.M + kManyRows - 1) / kManyRows, gs = Kb * kManyRows;
+    std::vector<int8_t> q(G * gs * kBlock, 0);
+    std::vector<float> d(G * gs, 0.f), ds(G * gs, 0.f);
+    at::parallel_for(0, a.M, kManyRows, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t o = (r / kManyRows) * gs + r % kManyRows;
+        for (int64_t b = 0; b < Kb; ++b) {
+          std::memcpy(q.data() + (o + b * kManyRows) * kBlock, a.q + r * a.Kp + b * kBlock, kBlock);
+          d[o + b * kManyRows] = a.d[r * Kb + b];
+          ds[o + b * kManyRows] = a.ds[r * Kb + b];
+        }
+      }
+    });
+    const Rows8 rows{q.data(), d.data(), ds.data(), a.M, Kb};
+    const int64_t pairs = (T + 1) / 2;  // tiles two at a time (the last alone when T is odd)
+    at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t m0 = 0; m0 < a.M; m0 += kManyChunk)
+        for (int64_t i = p0; i < p1; ++i)
+          tile_many_vnni512(rows, P + 2 * i * tile, std::min<int64_t>(2, T - 2 * i), tile, Y, ldy, N, 2 * i * kTile,
+                            m0, std::min(a.M, m0 + kManyChunk));
+    });
+    return;
+  }
   const auto run = isa == fbs::kIsaAvx512Vnni ? tile_vnni512 : tile_avx2;
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) run(a, P + t * tile, S, kind, Y, ldy, N, t * kTile);

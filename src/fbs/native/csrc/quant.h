@@ -62,6 +62,25 @@ void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, 
                   int64_t n0);
 void tile_avx2(const Act& a, const uint8_t* p, const float* S, int64_t kind, float* Y, int64_t ldy, int64_t N,
                int64_t n0);
+// A prompt's rows for the many-row kernel: groups of kManyRows rows interleaved per block, so that one pointer
+// reaches every row of a group: q (G, Kb, kManyRows, 32) int8, d and ds (G, Kb, kManyRows) fp32, the last group's
+// missing rows zero (G = ceil(M / kManyRows)).
+constexpr int64_t kManyRows = 8;
+struct Rows8 {
+  const int8_t* q;
+  const float* d;
+  const float* ds;
+  int64_t M, Kb;
+};
+// The fewest rows for which mm() takes the many-row kernel (a prompt, not a decode step), and the rows it runs
+// over every tile before the next (their codes stay in L2 across the tiles); a multiple of kManyRows.
+constexpr int64_t kManyMin = 16, kManyChunk = 64;
+// nt (1 or 2) consecutive q4 tiles (kQ4Block; p the first, tb bytes apart; channels n0 ..) for rows m0 .. m1 - 1
+// (m0 a multiple of kManyRows) of a: the nibbles unpacked once, then every kManyRows rows stream that copy from L1,
+// each activation broadcast feeding both tiles. Each row's result is bit for bit tile()'s (the same integer sums,
+// the same fp32 updates in the same order).
+void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t nt, int64_t tb, float* Y, int64_t ldy, int64_t N,
+                       int64_t n0, int64_t m0, int64_t m1);
 #endif
 }  // namespace fbs_quant
 

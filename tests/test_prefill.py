@@ -1,8 +1,9 @@
-"""A prompt's products in int8 (``prefill="int8"``, fbs.engine.prefill).
+"""A prompt's integer products (``prefill="int8"`` and ``prefill="blocks"``, fbs.engine.prefill).
 
 Oracles: the quantization rule computed by hand (float64 products of the dequantized codes), the HF model with its
-Linear layers replaced by that rule in float64 (an independent W8A8 forward), and chunking a prompt changing its
-output only by rounding (each row's products depend on that row alone).
+Linear layers replaced by that rule in float64 (an independent W8A8 forward; for blocks, the q4 weights times
+activations quantized per 32 values: an independent W4A8 forward), and chunking a prompt changing its output only
+by rounding (each row's products depend on that row alone).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from fbs.engine.decoder import DecodeOptions
 from fbs.engine.defaults import resolve_prefill
 from fbs.engine.loop import start
 from fbs.engine.prefill import int8_linear, quantize_rows, quantize_weight
+from fbs.engine.quant import dequantize_blocks, quantize_blocks
+from fbs.native import quant as native_quant
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -30,6 +33,10 @@ def test_options():
     with pytest.raises(ValueError, match="prefill must be one of"):
         DecodeOptions(prefill="int4")
     assert DecodeOptions(prefill="int8").prefill == "int8"
+    assert DecodeOptions(prefill="blocks", weights="q4").prefill == "blocks"
+    for weights in ("fp32", "int8", "hf"):  # no block weights: the error names the fix
+        with pytest.raises(ValueError, match="prefill='blocks'.*weights='q4'"):
+            DecodeOptions(prefill="blocks", weights=weights)
     assert resolve_prefill("fp32", "q4") == "fp32" and resolve_prefill("int8", "fp32") == "int8"
 
 
@@ -76,6 +83,16 @@ def test_native_row_kernels_equal_the_reference():
     assert torch.equal(native.scale_rows(acc, s, sw), acc.float().mul_(s).mul_(sw))
 
 
+def _replace_linears(ref, make):
+    """``ref`` with every Linear of its decoder layers' attention and MLP replaced by ``make(linear)``."""
+    for layer in ref.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in list(parent.named_children()):
+                if isinstance(mod, torch.nn.Linear):
+                    setattr(parent, name, make(mod))
+    return ref
+
+
 def _w8a8_reference(hf):
     """The HF model with every decoder Linear computing the int8 rule in float64 for all positions but the last,
     which keeps the float64 product (the engine runs the prompt's last token as a decode step); LM head fp32."""
@@ -98,12 +115,7 @@ def _w8a8_reference(hf):
             y[:, -1] = self.lin(x[:, -1])  # the last position: the plain product
             return y
 
-    for layer in ref.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, mod in list(parent.named_children()):
-                if isinstance(mod, torch.nn.Linear):
-                    setattr(parent, name, W8A8(mod))
-    return ref
+    return _replace_linears(ref, W8A8)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -132,15 +144,76 @@ def test_int8_prefill_gives_the_w8a8_reference_logits(family, one_thread):
         assert (k_got - k_ref).abs().max() < tol and (k_fp32 - k_ref).abs().max() > 10 * tol
 
 
-@pytest.mark.parametrize("weights", ["fp32", "q4"])
-def test_int8_prefill_in_chunks_equals_the_whole_prompt(weights, one_thread):
+def _w4a8_reference(hf):
+    """The HF model (float64) with every decoder Linear computing the q4 decode product: its weight rounded to Q4_1
+    blocks, times the activations quantized per 32 values (fbs.native.quant.reference), at every position; the LM
+    head likewise with Q8_0 blocks (q4 keeps the head in q8, as SmolLM2's GGUF does)."""
+    ref = copy.deepcopy(hf).double()
+
+    class W4A8(torch.nn.Module):
+        def __init__(self, lin, kind="q4_1"):
+            super().__init__()
+            self.lin, self.w = lin, dequantize_blocks(*quantize_blocks(lin.weight, kind)).double()
+
+        def forward(self, x):
+            b, t, k = x.shape
+            y = native_quant.reference(x.reshape(-1, k).float(), self.w)  # the engine quantizes fp32 activations
+            if self.lin.bias is not None:
+                y = y + self.lin.bias
+            return y.view(b, t, -1)
+
+    ref = _replace_linears(ref, W4A8)
+    ref.lm_head = W4A8(ref.lm_head, "q8_0")
+    return ref
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_prefill_gives_the_w4a8_reference_logits(family, threads):
+    """With ``prefill="blocks"`` a q4 prompt's products are the decode step's (q4 weights, activations per 32): the
+    cached K/V and the next-token logits are those of the HF model whose decoder products follow that rule in
+    float64 at every position, and differ from the fp32 model's and from the int8 prefill's."""
+    if native_quant.isa() is None:
+        pytest.skip("the block kernels need the native build on an AVX2 or AVX-512 CPU")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        hf = tiny_hf(family)
+        m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
+        ids = prompt(40, 4)
+        with torch.no_grad():
+            plain = hf(torch.tensor([ids]), use_cache=True)
+            out = _w4a8_reference(hf)(torch.tensor([ids]), use_cache=True)
+            kw = dict(max_new_tokens=1, weights="q4", kv_dtype="fp32", prefill="blocks")
+            dec = start(m, [ids], None, None, kw)
+            got = dec.prefill()[0]
+            int8 = start(m, [ids], None, None, {**kw, "prefill": "int8"}).prefill()[0]
+    finally:
+        torch.set_num_threads(before)
+    ref, fp32 = out.logits[0, -1].float(), plain.logits[0, -1]
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() < 2e-4 * scale
+    assert (fp32 - ref).abs().max() > 10 * 2e-4 * scale and (int8 - ref).abs().max() > 10 * 2e-4 * scale
+    # an activation within float rounding of a code boundary rounds to the other code in float64: such a flip moves
+    # that position's later products by about a code step, so a few positions may differ by more than rounding
+    off = 0
+    for l in range(len(m.base.layers)):
+        k_ref = out.past_key_values.layers[l].keys[0].float()
+        err = (dec.cache.k[l][0, :, :len(ids)] - k_ref).abs().amax((0, 2))  # per position
+        assert err.max() < 1e-2 * k_ref.abs().max()
+        off += int((err > 2e-4 * k_ref.abs().max()).sum())
+    assert off <= 2, f"{off} of {len(ids) * len(m.base.layers)} cached positions beyond rounding"
+
+
+@pytest.mark.parametrize("weights,prefill", [("fp32", "int8"), ("q4", "int8"), ("q4", "blocks")])
+def test_integer_prefill_in_chunks_equals_the_whole_prompt(weights, prefill, one_thread):
     """Each row's products depend on that row alone, so a prompt prefilled in chunks differs from the whole prompt
     only where attention over the cache rounds differently (as with fp32 GEMMs), which an activation's int8 code can
     turn into one code step (~1 % of that row's largest value): the same greedy tokens and skip decisions, logits
     within half a percent of their range, with PAW, CH and skipping."""
     m = randomize(fbs_tiny())
     ids = [prompt(70, 1), prompt(45, 2)]
-    kw = dict(max_new_tokens=10, weights=weights, output_scores=True, ignore_eos=True, prefill="int8")
+    kw = dict(max_new_tokens=10, weights=weights, output_scores=True, ignore_eos=True, prefill=prefill)
     whole = m.generate(ids, **kw)
     chunked = m.generate(ids, prefill_chunk=16, **kw)
     assert chunked.new_tokens == whole.new_tokens
