@@ -497,19 +497,23 @@ def test_native_attention_of_a_query_does_not_depend_on_its_call(isa, threads):
 def test_causal_attention_equals_float64_sdpa(threads):
     """A prompt's causal attention in one flash-style pass (fbs.native.causal_attention) against float64 SDPA: GQA
     groups of 1, 3 and 7 query heads, head dims 16 to 128, lengths not a multiple of the query or key blocks (1, 37,
-    100, 130), two rows, strided queries; the result does not depend on the thread count (bit for bit)."""
+    100, 130), chunks after earlier entries (40 queries after 130 keys, 17 after 1), two rows, strided queries; the
+    result does not depend on the thread count (bit for bit)."""
     require_native("avx512")
     before = torch.get_num_threads()
     g = torch.Generator().manual_seed(3)
     try:
-        for b, h, hkv, t, hd in [(1, 9, 3, 130, 64), (2, 4, 4, 37, 16), (1, 14, 2, 100, 128), (1, 3, 1, 1, 32)]:
+        for b, h, hkv, t, s, hd in [(1, 9, 3, 130, 130, 64), (2, 4, 4, 37, 37, 16), (1, 14, 2, 100, 100, 128),
+                                    (1, 3, 1, 1, 1, 32), (1, 9, 3, 40, 170, 64), (2, 4, 2, 17, 18, 16)]:
             q = torch.randn(b, t, h, hd, generator=g).transpose(1, 2)  # as a projection's heads: strided
-            k, v = torch.randn(b, hkv, t, hd, generator=g) * 2, torch.randn(b, hkv, t, hd, generator=g)
+            k, v = torch.randn(b, hkv, s, hd, generator=g) * 2, torch.randn(b, hkv, s, hd, generator=g)
             torch.set_num_threads(threads)
             got = native.causal_attention(q, k, v, hd ** -0.5)
             torch.set_num_threads(3 - threads)
             other = native.causal_attention(q, k, v, hd ** -0.5)
-            ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+            # the queries are the last t of s positions: query i sees keys 0 .. s - t + i
+            mask = torch.arange(s) <= s - t + torch.arange(t)[:, None]
+            ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                                    enable_gqa=True, scale=hd ** -0.5)
             assert got.shape == (b, h, t, hd) and torch.equal(got, other)
             assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()

@@ -215,12 +215,18 @@ class CacheContext:
             #                                 it attends, then the policy keeps its budget
             if fresh:
                 return evictor.prefill(l, self.rows, q, k, v, self.positions, self.scaling, self.native_causal)
-            return evictor.extend(l, self.rows, q, k, v, self.positions, self.scaling)
+            return evictor.extend(l, self.rows, q, k, v, self.positions, self.scaling, self.native_causal)
         self.cache.write(l, self.rows, k, v, self.positions)
         gqa = k.shape[1] != q.shape[1]
         if t > 1 and fresh:  # prefill of an empty cache: plain causal attention over the new tokens (fast path)
             return prompt_attention(q, k, v, self.scaling, self.native_causal)
         kk, vv, mask = self.cache.view(l, self.rows)
+        if t > 1 and mask is None and hole is None and self.attention_scores(l) is None:
+            # a prompt chunk (or a verified draft) after as many cached entries in every row: the chunk's own causal
+            # attention over them and itself
+            o = prompt_attention(q, kk, vv, self.scaling, self.native_causal)
+            self.settle(l)
+            return o
         if t > 1:  # tokens after cached ones (a verified draft): causal among them, each row up to its own length
             n = kk.shape[2]
             lens = torch.tensor([self.cache.lengths[l][r] for r in self.rows], device=q.device)

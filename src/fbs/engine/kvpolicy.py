@@ -123,13 +123,19 @@ def prefill_chunk_size(prefill_chunk: int | None, policy: CachePolicy | None) ->
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      native_causal: bool = False) -> torch.Tensor:
-    """A fresh prompt's causal attention over itself, q (b, H, T, hd), k / v (b, Hkv, T, hd) -> (b, H, T, hd):
-    :func:`fbs.native.causal_attention` with ``native_causal`` where it runs (the engine asks for it under the native
-    formats), else SDPA."""
+    """A prompt's (or prompt chunk's) causal attention, q (b, H, T, hd), k / v (b, Hkv, S, hd) with the queries at
+    the last T of the S positions (S = T: a fresh prompt; S > T: a chunk after S - T entries every query sees) ->
+    (b, H, T, hd): :func:`fbs.native.causal_attention` with ``native_causal`` where it runs (the engine asks for it
+    under the native formats), else SDPA."""
     o = native.causal_attention(q, k, v, scale) if native_causal else None
-    if o is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return o
+    if o is not None:
+        return o
+    gqa = k.shape[1] != q.shape[1]
+    t, s = q.shape[2], k.shape[2]
+    if s == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    mask = (torch.arange(s, device=q.device) <= s - t + torch.arange(t, device=q.device)[:, None])[None, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -311,7 +317,8 @@ class Evictor:
         """(b, Hkv, budget) prompt slots kept (prompt longer than the budget)."""
         raise NotImplementedError
 
-    def extend(self, l: int, rows: list[int], q, k, v, positions: list[list[int]], scale: float) -> torch.Tensor:
+    def extend(self, l: int, rows: list[int], q, k, v, positions: list[list[int]], scale: float,
+               native_causal: bool = False) -> torch.Tensor:
         """A prefill chunk after earlier ones (chunked prefill): the chunk's queries (b, H, T, hd) attend over the
         rows' kept entries plus the chunk itself (causal among its tokens); then the kept entries and the chunk's
         (k, v) (b, Hkv, T, hd) are reduced to the budget by the policy's rule (:meth:`_select_extended`) and stored
@@ -326,19 +333,17 @@ class Evictor:
         kk = torch.cat((c.k[l][idx, :, :n], k), 2)
         vv = torch.cat((c.v[l][idx, :, :n], v), 2)
         # every kept entry precedes the chunk; the chunk is causal among its own tokens
-        mask = (torch.arange(n + t, device=q.device) <= n + torch.arange(t, device=q.device)[:, None])[None, None]
-        o, acc = self._attend_extended(l, idx, q, kk, vv, mask, scale, n)
+        o, acc = self._attend_extended(l, idx, q, kk, vv, scale, n, native_causal)
         new = torch.tensor(positions, device=k.device)[:, None, :].expand(-1, k.shape[1], -1)
         pos = torch.cat((self._held_positions(l, rows, idx, n), new), 2)          # (b, Hkv, n + T)
         keep = self._select_extended(q, kk, pos, acc, scale) if n + t > self.budget else None
         self._store(l, rows, self._pristine(l, rows, kk), vv, pos, keep, acc)
         return o
 
-    def _attend_extended(self, l, idx, q, kk, vv, mask, scale, n) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The chunk's attention over kept + chunk entries, and (H2O) the accumulated scores (b, Hkv, n + T)."""
-        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale,
-                                           enable_gqa=kk.shape[1] != q.shape[1])
-        return o, None
+    def _attend_extended(self, l, idx, q, kk, vv, scale, n, native_causal=False):
+        """The chunk's attention over kept + chunk entries (:func:`prompt_attention`), and (H2O) the accumulated
+        scores (b, Hkv, n + T); returns (output, scores or None)."""
+        return prompt_attention(q, kk, vv, scale, native_causal), None
 
     def _held_positions(self, l, rows, idx, n) -> torch.Tensor:
         """(b, Hkv, n) positions of the rows' kept entries at layer l, in slot order."""
@@ -546,11 +551,12 @@ class H2O(_PerHead):
         self._store(l, rows, k, v, positions, keep, acc)
         return torch.cat(outs, 2)
 
-    def _attend_extended(self, l, idx, q, kk, vv, mask, scale, n):
+    def _attend_extended(self, l, idx, q, kk, vv, scale, n, native_causal=False):
         """Explicit attention in query chunks; the kept entries carry their accumulated scores, the chunk's start at
         zero, and every query of the chunk adds its weights (what each could see: kept entries and the chunk up to
         itself)."""
         b, _, t, _ = q.shape
+        mask = (torch.arange(n + t, device=q.device) <= n + torch.arange(t, device=q.device)[:, None])[None, None]
         acc = torch.cat((self.acc[l][idx, :, :n], torch.zeros(b, kk.shape[1], t, dtype=torch.float32,
                                                                device=q.device)), 2)
         every = torch.arange(b, device=q.device)

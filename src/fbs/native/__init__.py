@@ -391,14 +391,15 @@ def ffn_layer(layer, h: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """A prompt's causal self-attention, q (B, H, T, hd), k and v (B, Hkv, T, hd) fp32 (any strides with a unit last
-    one; GQA when Hkv < H) -> softmax(scale q k^T, causal) v as (B, H, T, hd), a view of a (B, T, H, hd) contiguous
-    result (what the output projection reads), in one flash-style pass (``csrc/causal.h``); None where it does not
-    run (no native build, no AVX-512, head dim not a multiple of 16 up to 256, not fp32 CPU tensors)."""
+    """A prompt's causal self-attention, q (B, H, T, hd), k and v (B, Hkv, S, hd) with S >= T (the queries are the
+    last T of the S positions: S - T earlier entries, then the prompt or chunk itself), fp32 (any strides with a unit
+    last one; GQA when Hkv < H) -> softmax(scale q k^T, causal) v as (B, H, T, hd), a view of a (B, T, H, hd)
+    contiguous result (what the output projection reads), in one flash-style pass (``csrc/causal.h``); None where it
+    does not run (no native build, no AVX-512, head dim not a multiple of 16 up to 256, not fp32 CPU tensors)."""
     mod = module()
     hd = q.shape[-1]
-    if mod is None or not mod.causal_available() or hd % 16 or hd > 256 or q.dtype != torch.float32 \
-            or q.device.type != "cpu" or q.requires_grad:
+    if mod is None or not mod.causal_available() or hd % 16 or hd > 256 or q.requires_grad \
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v)):
         return None
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         q, k, v = (t.contiguous() for t in (q, k, v))
