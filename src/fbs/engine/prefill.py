@@ -8,8 +8,8 @@ times the multiply-accumulates per instruction.
 
 ``blocks`` runs a prompt's products through the decode format's own packed weights (q4 / q8 blocks) and its own
 native kernels, the activations quantized per 32-value block as in a decode step (:mod:`fbs.native.quant`; a prompt's
-rows take the kernel's many-row path, which unpacks a q4 tile once for all rows and gives each row the bits of its
-one-row product). A prompt's products are then exactly the products its tokens would get one by one, at integer
+rows take the kernel's many-row path, which unpacks a q4 / q8 tile once for all rows and gives each row the bits of
+its one-row product). A prompt's products are then exactly the products its tokens would get one by one, at integer
 GEMM speed, with no second copy of the weights.
 
 ``int8``: one scale per weight row and one per activation row, so a product is an int8 GEMM with int32 sums

@@ -47,7 +47,7 @@ void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, floa
 void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa) {
 #ifdef FBS_X86
   const int64_t T = (N + kTile - 1) / kTile, tile = (a.Kp / kBlock) * block_bytes(kind);
-  if (isa == fbs::kIsaAvx512Vnni && kind == kQ4Block && a.M >= kManyMin) {  // a prompt (one-row results unchanged)
+  if (isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && a.M >= kManyMin) {  // a prompt
     const int64_t Kb = a.Kp / kBlock, G = (a.M + kManyRows - 1) / kManyRows, gs = Kb * kManyRows;
     std::vector<int8_t> q(G * gs * kBlock, 0);
     std::vector<float> d(G * gs, 0.f), ds(G * gs, 0.f);
@@ -66,8 +66,8 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
     at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t m0 = 0; m0 < a.M; m0 += kManyChunk)
         for (int64_t i = p0; i < p1; ++i)
-          tile_many_vnni512(rows, P + 2 * i * tile, std::min<int64_t>(2, T - 2 * i), tile, Y, ldy, N, 2 * i * kTile,
-                            m0, std::min(a.M, m0 + kManyChunk));
+          tile_many_vnni512(rows, P + 2 * i * tile, kind, std::min<int64_t>(2, T - 2 * i), tile, Y, ldy, N,
+                            2 * i * kTile, m0, std::min(a.M, m0 + kManyChunk));
     });
     return;
   }

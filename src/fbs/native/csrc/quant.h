@@ -75,12 +75,12 @@ struct Rows8 {
 // The fewest rows for which mm() takes the many-row kernel (a prompt, not a decode step), and the rows it runs
 // over every tile before the next (their codes stay in L2 across the tiles); a multiple of kManyRows.
 constexpr int64_t kManyMin = 16, kManyChunk = 64;
-// nt (1 or 2) consecutive q4 tiles (kQ4Block; p the first, tb bytes apart; channels n0 ..) for rows m0 .. m1 - 1
-// (m0 a multiple of kManyRows) of a: the nibbles unpacked once, then every kManyRows rows stream that copy from L1,
-// each activation broadcast feeding both tiles. Each row's result is bit for bit tile()'s (the same integer sums,
-// the same fp32 updates in the same order).
-void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t nt, int64_t tb, float* Y, int64_t ldy, int64_t N,
-                       int64_t n0, int64_t m0, int64_t m1);
+// nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for rows
+// m0 .. m1 - 1 (m0 a multiple of kManyRows) of a: the weights unpacked once into the bytes vpdpbusd reads, then every
+// kManyRows rows stream that copy from L1, each activation broadcast feeding both tiles. Each row's result is bit
+// for bit tile()'s (the same integer sums, the same fp32 updates in the same order).
+void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
+                       int64_t N, int64_t n0, int64_t m0, int64_t m1);
 #endif
 }  // namespace fbs_quant
 

@@ -82,10 +82,19 @@ FBS_VNNI void tile(const Act& a, const uint8_t* p, const float* S, int64_t kind,
   }
 }
 
-// Many rows (a prompt): the tile's q4 nibbles are unpacked once into one byte a weight, with its scales and mins as
-// fp32 (u: Kb blocks of kUnpacked bytes), then MB rows at a time stream that copy from L1. The integer sums and the
-// fp32 updates per block are the ones tile() makes, in the same order: each row's result is bit for bit tile()'s.
-constexpr int64_t kUnpacked = 512 + 128;  // 8 groups of 64 u8, 16 fp32 d, 16 fp32 m
+// Many rows (a prompt): the tile's weights are unpacked once into the unsigned bytes vpdpbusd reads (q4: its nibbles;
+// q8: its int8 values + 128), with the block scales (and q4's mins) as fp32 (u: Kb blocks of kUnpacked bytes), then
+// MB rows at a time stream that copy from L1. The integer sums and the fp32 updates per block are the ones tile()
+// makes, in the same order: each row's result is bit for bit tile()'s.
+constexpr int64_t kUnpacked = 512 + 128;  // 8 groups of 64 u8, 16 fp32 d, 16 fp32 m (q4)
+
+FBS_VNNI void unpack_q8(const uint8_t* p, int64_t Kb, uint8_t* u) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t b = 0; b < Kb; ++b, p += 544, u += kUnpacked) {
+    for (int g = 0; g < 8; ++g) _mm512_store_si512(u + 64 * g, _mm512_xor_si512(_mm512_loadu_si512(p + 64 * g), flip));
+    _mm512_store_ps(u + 512, half16(p + 512));
+  }
+}
 
 FBS_VNNI void unpack_q4(const uint8_t* p, int64_t Kb, uint8_t* u) {
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
@@ -103,9 +112,9 @@ FBS_VNNI void unpack_q4(const uint8_t* p, int64_t Kb, uint8_t* u) {
 // Rows o .. o + MB - 1 of a Rows8 group against NT unpacked tiles (u, u + Kb * kUnpacked): each activation
 // broadcast feeds NT dot products, each row's scales NT updates. The first `rows` rows are stored; the last tile's
 // channels under `mask`.
-template <int NT, int MB>
-FBS_VNNI void rows_q4(const Rows8& a, int64_t g8, int o, const uint8_t* u, float* Y, int64_t ldy, __mmask16 mask,
-                      int64_t rows) {
+template <int NT, int MB, bool Q8>
+FBS_VNNI void rows_q(const Rows8& a, int64_t g8, int o, const uint8_t* u, float* Y, int64_t ldy, __mmask16 mask,
+                     int64_t rows) {
   const int64_t Kb = a.Kb;
   const int8_t* xq = a.q + (g8 * Kb * kManyRows + o) * kBlock;
   const float *d = a.d + g8 * Kb * kManyRows + o, *ds = a.ds + g8 * Kb * kManyRows + o;
@@ -126,10 +135,19 @@ FBS_VNNI void rows_q4(const Rows8& a, int64_t g8, int o, const uint8_t* u, float
     }
     for (int t = 0; t < NT; ++t) {
       const float* sc = reinterpret_cast<const float*>(u + t * Kb * kUnpacked + 512);
-      const __m512 dw = _mm512_load_ps(sc), mw = _mm512_load_ps(sc + 16);
-      for (int m = 0; m < MB; ++m) {  // tile()'s two updates, in its order
-        af[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t][m]), _mm512_mul_ps(dw, _mm512_set1_ps(d[m])), af[t][m]);
-        af[t][m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[m]), af[t][m]);
+      const __m512 dw = _mm512_load_ps(sc);
+      if (Q8) {  // tile()'s update: the +128 offset removed with the block's activation sum
+        for (int m = 0; m < MB; ++m) {
+          const __m512 x = _mm512_fmsub_ps(_mm512_cvtepi32_ps(ai[t][m]), _mm512_set1_ps(d[m]),
+                                           _mm512_set1_ps(128.f * ds[m]));
+          af[t][m] = _mm512_fmadd_ps(dw, x, af[t][m]);
+        }
+      } else {
+        const __m512 mw = _mm512_load_ps(sc + 16);
+        for (int m = 0; m < MB; ++m) {  // tile()'s two updates, in its order
+          af[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t][m]), _mm512_mul_ps(dw, _mm512_set1_ps(d[m])), af[t][m]);
+          af[t][m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[m]), af[t][m]);
+        }
       }
     }
   }
@@ -182,23 +200,25 @@ void tile_vnni512(const Act& a, const uint8_t* p, const float* S, int64_t kind, 
   }
 }
 
-void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t nt, int64_t tb, float* Y, int64_t ldy, int64_t N,
-                       int64_t n0, int64_t m0, int64_t m1) {
+void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
+                       int64_t N, int64_t n0, int64_t m0, int64_t m1) {
   const int64_t Kb = a.Kb;
   thread_local std::vector<uint8_t> buf;
   if (int64_t(buf.size()) < nt * Kb * kUnpacked + 64) buf.resize(nt * Kb * kUnpacked + 64);
   uint8_t* u = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-  for (int64_t t = 0; t < nt; ++t) unpack_q4(p + t * tb, Kb, u + t * Kb * kUnpacked);
+  const bool q8 = kind == kQ8Block;
+  for (int64_t t = 0; t < nt; ++t) (q8 ? unpack_q8 : unpack_q4)(p + t * tb, Kb, u + t * Kb * kUnpacked);
   const int64_t nl = N - n0 - (nt - 1) * kTile;  // channels of the last tile
   const __mmask16 mask = nl >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << nl) - 1);
   for (int64_t m = m0; m < m1; m += kManyRows) {
     const int64_t rows = std::min(kManyRows, a.M - m), g8 = m / kManyRows;
     float* y = Y + m * ldy + n0;
     if (nt == 2) {  // two tiles, rows in two halves of 4 (the registers of 2 x 4 x 2 accumulators)
-      rows_q4<2, 4>(a, g8, 0, u, y, ldy, mask, std::min<int64_t>(4, rows));
-      if (rows > 4) rows_q4<2, 4>(a, g8, 4, u, y + 4 * ldy, ldy, mask, rows - 4);
+      const auto run = q8 ? rows_q<2, 4, true> : rows_q<2, 4, false>;
+      run(a, g8, 0, u, y, ldy, mask, std::min<int64_t>(4, rows));
+      if (rows > 4) run(a, g8, 4, u, y + 4 * ldy, ldy, mask, rows - 4);
     } else {
-      rows_q4<1, kManyRows>(a, g8, 0, u, y, ldy, mask, rows);
+      (q8 ? rows_q<1, kManyRows, true> : rows_q<1, kManyRows, false>)(a, g8, 0, u, y, ldy, mask, rows);
     }
   }
 }
