@@ -82,18 +82,20 @@ def test_products_equal_the_float64_reference(quant_isa, kind, m, n, k, one_thre
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_prompts_rows_get_their_one_row_products(quant_isa, threads):
-    """A prompt's products (many rows, split across threads) give each row exactly the bits of its one-row product,
-    the decode step's: the block prefill (fbs.engine.prefill) relies on it."""
+@pytest.mark.parametrize("rows", [2, 5, 8, 13, 141])
+def test_several_rows_get_their_one_row_products(quant_isa, threads, rows):
+    """Several rows' products (a batch or a verified draft: 2-13 rows; a prompt: 141 rows, split across threads) give
+    each row exactly the bits of its one-row product, the decode step's: batching, verification and the block
+    prefill (fbs.engine.prefill) rely on it."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(11)
         for kind in ("q4_1", "q8_0"):
             packed, scales, _ = weights(kind, 50, 1000, g)
-            x = torch.randn(141, 1000, generator=g) * torch.rand(1, 1000, generator=g) * 3
+            x = torch.randn(rows, 1000, generator=g) * torch.rand(1, 1000, generator=g) * 3
             y = quant.linear(x, packed, kind, 50, scales)
-            one = torch.cat([quant.linear(x[i:i + 1], packed, kind, 50, scales) for i in range(141)])
+            one = torch.cat([quant.linear(x[i:i + 1], packed, kind, 50, scales) for i in range(rows)])
             assert torch.equal(y, one), kind
     finally:
         torch.set_num_threads(before)

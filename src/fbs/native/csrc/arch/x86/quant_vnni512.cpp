@@ -155,6 +155,38 @@ FBS_VNNI void rows_q(const Rows8& a, int64_t g8, int o, const uint8_t* u, float*
     for (int t = 0; t < NT; ++t)
       _mm512_mask_storeu_ps(Y + m * ldy + t * kTile, t == NT - 1 ? mask : __mmask16(0xFFFF), af[t][m]);
 }
+
+// tile<MB>'s q4 arithmetic (the same ops in the same order) over the MB rows of a Rows8 group starting at m0
+template <int MB>
+FBS_VNNI void tile_r8(const Rows8& a, const uint8_t* p, float* Y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
+  const int64_t Kb = a.Kb, bb = 320;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const int64_t g8 = m0 / kManyRows;
+  const int8_t* xq = a.q + g8 * Kb * kManyRows * kBlock;
+  const float *d = a.d + g8 * Kb * kManyRows, *ds = a.ds + g8 * Kb * kManyRows;
+  __m512 af[MB];
+  for (int m = 0; m < MB; ++m) af[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < Kb; ++b, p += bb, xq += kManyRows * kBlock, d += kManyRows, ds += kManyRows) {
+    prefetch_stream(p, bb);
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      const __m512i raw = _mm512_loadu_si512(p + 64 * v);
+      const __m512i wl = _mm512_and_si512(raw, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+      for (int m = 0; m < MB; ++m) {
+        ai[m] = _mm512_dpbusd_epi32(ai[m], wl, bcast4(xq + m * kBlock + 8 * v));
+        ai[m] = _mm512_dpbusd_epi32(ai[m], wh, bcast4(xq + m * kBlock + 8 * v + 4));
+      }
+    }
+    const __m512 dw = half16(p + 256), mw = half16(p + 288);
+    for (int m = 0; m < MB; ++m) {
+      af[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(dw, _mm512_set1_ps(d[m])), af[m]);
+      af[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[m]), af[m]);
+    }
+  }
+  const __mmask16 mask = N - n0 >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(Y + (m0 + m) * ldy + n0, mask, af[m]);
+}
 }  // namespace
 
 __attribute__((target("avx512f"))) void quantize_avx512(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
@@ -219,6 +251,21 @@ void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t n
       if (rows > 4) run(a, g8, 4, u, y + 4 * ldy, ldy, mask, rows - 4);
     } else {
       (q8 ? rows_q<1, kManyRows, true> : rows_q<1, kManyRows, false>)(a, g8, 0, u, y, ldy, mask, rows);
+    }
+  }
+}
+
+void tile_rows8_vnni512(const Rows8& a, const uint8_t* p, float* Y, int64_t ldy, int64_t N, int64_t n0) {
+  for (int64_t m = 0; m < a.M; m += kManyRows) {
+    switch (std::min<int64_t>(kManyRows, a.M - m)) {
+      case 8: tile_r8<8>(a, p, Y, ldy, N, n0, m); break;
+      case 7: tile_r8<7>(a, p, Y, ldy, N, n0, m); break;
+      case 6: tile_r8<6>(a, p, Y, ldy, N, n0, m); break;
+      case 5: tile_r8<5>(a, p, Y, ldy, N, n0, m); break;
+      case 4: tile_r8<4>(a, p, Y, ldy, N, n0, m); break;
+      case 3: tile_r8<3>(a, p, Y, ldy, N, n0, m); break;
+      case 2: tile_r8<2>(a, p, Y, ldy, N, n0, m); break;
+      default: tile_r8<1>(a, p, Y, ldy, N, n0, m); break;
     }
   }
 }
