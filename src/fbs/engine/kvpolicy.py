@@ -134,8 +134,12 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     t, s = q.shape[2], k.shape[2]
     if s == t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    mask = (torch.arange(s, device=q.device) <= s - t + torch.arange(t, device=q.device)[:, None])[None, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask(t, s, q.device), scale=scale, enable_gqa=gqa)
+
+
+def chunk_mask(t: int, s: int, device) -> torch.Tensor:
+    """(1, 1, t, s) bool: t queries at the last t of s positions, each seeing every position up to its own."""
+    return (torch.arange(s, device=device) <= s - t + torch.arange(t, device=device)[:, None])[None, None]
 
 
 def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
@@ -556,7 +560,7 @@ class H2O(_PerHead):
         zero, and every query of the chunk adds its weights (what each could see: kept entries and the chunk up to
         itself)."""
         b, _, t, _ = q.shape
-        mask = (torch.arange(n + t, device=q.device) <= n + torch.arange(t, device=q.device)[:, None])[None, None]
+        mask = chunk_mask(t, n + t, q.device)
         acc = torch.cat((self.acc[l][idx, :, :n], torch.zeros(b, kk.shape[1], t, dtype=torch.float32,
                                                                device=q.device)), 2)
         every = torch.arange(b, device=q.device)
