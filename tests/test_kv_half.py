@@ -27,11 +27,12 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 # --------------------------------------------------------------------------- options
 def test_kv_dtype_is_checked():
-    with pytest.raises(ValueError, match="kv_dtype must be one of fp32, fp16, bf16, got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_dtype must be one of fp32, fp16, bf16, int8, got 'fp8'"):
         DecodeOptions(kv_dtype="fp8")
     assert kv_storage_dtype("fp32", torch.bfloat16) is torch.bfloat16  # fp32: the model's own dtype
     assert kv_storage_dtype("fp16", torch.float32) is torch.float16
-    assert set(KV_DTYPES) == {"fp32", "fp16", "bf16"}
+    assert kv_storage_dtype("int8", torch.float32) is torch.int8
+    assert set(KV_DTYPES) == {"fp32", "fp16", "bf16", "int8"}
 
 
 def test_a_half_cache_stores_rounded_entries_and_reads_fp32():
@@ -91,7 +92,7 @@ def test_native_attention_refuses_other_cache_dtypes(isa):
     q = torch.randn(1, 2, 1, 16)
     k = v = torch.randn(1, 1, 1, 16)
     kc = torch.zeros(1, 1, 4, 16, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="KV caches must be float32, float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="KV caches must be float32, float16, bfloat16 or int8"):
         native.attend_one(q, k, v, kc, kc.clone(), torch.tensor([0]), torch.tensor([0]), 1.0)
     with pytest.raises(RuntimeError, match="one shape and dtype"):
         native.attend_one(q, k, v, kc.half(), kc.bfloat16(), torch.tensor([0]), torch.tensor([0]), 1.0)

@@ -8,9 +8,12 @@ Buffers are preallocated at full capacity (gpt-fast's static cache). A one-token
 row's entry at its own slot and attends over the whole buffer with a length mask, so every step has the
 same shapes (what a compiled layer step needs); prefill writes and reads views of the filled part.
 
-The entries may be stored in half precision (``kv_dtype`` fp16 or bf16, :data:`KV_DTYPES`): a write rounds them
-(keys after RoPE), and every read converts them back to the compute dtype (:meth:`KVCache.view`; the native
-attention converts in registers), so attention itself still runs and accumulates in fp32.
+The entries may be stored in half precision (``kv_dtype`` fp16 or bf16, :data:`KV_DTYPES`) or as int8 codes with a
+scale per entry (``int8``): a write rounds them (keys after RoPE; :func:`kv_store`), and every read converts them
+back to the compute dtype (:meth:`KVCache.view`, :func:`kv_load`; the native attention converts in registers), so
+attention itself still runs and accumulates in fp32. An int8 entry (one token's key or value at one KV head) is a
+row of ``hd + 4`` bytes: its ``hd`` codes, then its fp32 scale (max |x| / 127, :func:`fbs.engine.quant.quantize_rows`'
+rule), so an entry moves with its scale wherever entries move (eviction, rollback, a row's copy).
 
 With a cache policy (:mod:`fbs.engine.kvpolicy`: StreamingLLM, H2O, SnapKV under a budget) the cache holds only
 the kept entries, still as each row's filled prefix of every layer; the policy evicts once a step's entries are
@@ -29,11 +32,12 @@ from .. import native
 from ..model.chunk import ChunkOut, ChunkState
 from .defaults import KV_STORAGE
 from .kvpolicy import CachePolicy, attend_scored, prompt_attention
+from .quant import kv_load, kv_store, kv_width
 
 
 #: the storage dtypes of ``kv_dtype`` (fp16 is the half-precision choice: three more mantissa bits than bf16 and one
-#: conversion instruction each way; bf16 keeps fp32's exponent range)
-KV_DTYPES = dict(zip(KV_STORAGE, (torch.float32, torch.float16, torch.bfloat16)))
+#: conversion instruction each way; bf16 keeps fp32's exponent range; int8: codes and a scale per entry, module doc)
+KV_DTYPES = dict(zip(KV_STORAGE, (torch.float32, torch.float16, torch.bfloat16, torch.int8)))
 
 
 def kv_storage_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:
@@ -49,7 +53,8 @@ class KVCache:
                  device=None, dtype=torch.float32, policy: CachePolicy | None = None, rope=None,
                  compute_dtype: torch.dtype | None = None):
         """``dtype``: the entries' storage dtype; ``compute_dtype`` (default ``dtype``): what :meth:`view` returns."""
-        shape = (batch, num_kv_heads, capacity, head_dim)
+        shape = (batch, num_kv_heads, capacity, kv_width(head_dim, dtype))
+        self.head_dim = head_dim
         self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
@@ -97,9 +102,10 @@ class KVCache:
         starts = self.advance(layer, rows, positions)
         if len(set(starts)) == 1 and rows == list(range(rows[0], rows[0] + len(rows))):
             s, sl = starts[0], slice(rows[0], rows[0] + len(rows))
-            self.k[layer][sl, :, s:s + t] = k
-            self.v[layer][sl, :, s:s + t] = v
+            self.k[layer][sl, :, s:s + t] = kv_store(k, self.k[layer].dtype)
+            self.v[layer][sl, :, s:s + t] = kv_store(v, self.v[layer].dtype)
         else:
+            k, v = kv_store(k, self.k[layer].dtype), kv_store(v, self.v[layer].dtype)
             for i, r in enumerate(rows):
                 s = starts[i]
                 self.k[layer][r, :, s:s + t] = k[i]
@@ -126,8 +132,8 @@ class KVCache:
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         sl = slice(rows[0], rows[0] + len(rows)) if contiguous else rows
         k, v = self.k[layer][sl, :, :n], self.v[layer][sl, :, :n]
-        if k.dtype != self.compute_dtype:  # half-precision storage: attention reads fp32
-            k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
+        if k.dtype != self.compute_dtype:  # half-precision or int8 storage: attention reads fp32
+            k, v = kv_load(k, self.compute_dtype), kv_load(v, self.compute_dtype)
         if min(lens) == n:
             return k, v, None
         mask = torch.arange(n).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, n)

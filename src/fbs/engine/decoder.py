@@ -78,7 +78,7 @@ class DecodeOptions:
     kv_budget: int | None = None             # entries a cache policy keeps per layer, row and KV head
     prefill_chunk: int | None = None         # prompt tokens per prefill chunk (None: 512 under a cache policy, the
                                              # whole prompt under the full cache; 0: the whole prompt)
-    kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
+    kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16 | int8: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
                                              # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
     prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
                                              # per channel x int8 activations per token) | blocks (q4 / q8: the

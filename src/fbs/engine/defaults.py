@@ -32,7 +32,7 @@ AUTO = "auto"
 FALLBACK = "fp32"
 #: the KV cache storages (``kv_dtype``; their torch dtypes: :data:`fbs.engine.cache.KV_DTYPES`), and what
 #: ``kv_dtype`` / ``--kv-dtype`` accept: one of them or ``auto`` (:func:`default_kv_dtype`)
-KV_STORAGE = ("fp32", "fp16", "bf16")
+KV_STORAGE = ("fp32", "fp16", "bf16", "int8")
 KV_DTYPE_CHOICES = (AUTO, *KV_STORAGE)
 #: how a prompt's products run (``prefill`` / ``--prefill``; fbs.engine.prefill): fp32 (the HF modules' GEMMs), int8
 #: (per-token int8 activations), blocks (the decode format's own block kernels), or ``auto`` (:func:`default_prefill`)

@@ -44,7 +44,7 @@ from ..model.layer import HFOps, layer_step
 from ..model.gate import relative_update
 from ..model.lora import merged_lowrank
 from ..native import quant as native_quant
-from .quant import BLOCK_FORMATS, FORMATS, Weight, matmul
+from .quant import BLOCK_FORMATS, FORMATS, Weight, kv_load, kv_store, matmul
 
 logger = logging.getLogger(__name__)
 
@@ -239,11 +239,11 @@ def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s
     if native_step and scores is None:
         o = native.attend_one(q, k, v, kc, vc, idx, slots, scale)                 # (b, 1, H * hd)
     else:
-        kc[idx, :, slots] = k[:, :, 0].to(kc.dtype)  # a half-precision cache (kv_dtype) stores them rounded
-        vc[idx, :, slots] = v[:, :, 0].to(vc.dtype)
+        kc[idx, :, slots] = kv_store(k[:, :, 0], kc.dtype)  # a half-precision / int8 cache (kv_dtype) rounds them
+        vc[idx, :, slots] = kv_store(v[:, :, 0], vc.dtype)
         keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
         if keys.dtype != q.dtype:  # and attention reads them converted back
-            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+            keys, vals = kv_load(keys, q.dtype), kv_load(vals, q.dtype)
         if scores is None:
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
                                                enable_gqa=keys.shape[1] != heads)

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from .. import native
 from .defaults import AUTO, KV_DTYPE_CHOICES, PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
+from .quant import kv_load, kv_store
 
 #: the policies ``kv_cache=`` selects (``full``: no eviction)
 POLICIES = ("full", "streaming", "h2o", "snapkv")
@@ -334,8 +335,8 @@ class Evictor:
             raise RuntimeError(f"layer {l}: a prefill chunk's rows hold different numbers of entries")
         idx = torch.tensor(rows, device=k.device)
         t = k.shape[2]
-        kk = torch.cat((c.k[l][idx, :, :n], k), 2)
-        vv = torch.cat((c.v[l][idx, :, :n], v), 2)
+        kk = torch.cat((kv_load(c.k[l][idx, :, :n], k.dtype), k), 2)
+        vv = torch.cat((kv_load(c.v[l][idx, :, :n], v.dtype), v), 2)
         # every kept entry precedes the chunk; the chunk is causal among its own tokens
         o, acc = self._attend_extended(l, idx, q, kk, vv, scale, n, native_causal)
         new = torch.tensor(positions, device=k.device)[:, None, :].expand(-1, k.shape[1], -1)
@@ -372,8 +373,8 @@ class Evictor:
                 acc = _gather(acc, keep)
         n = k.shape[2]
         idx = torch.tensor(rows, device=k.device)
-        c.k[l][idx, :, :n] = k.to(c.k[l].dtype)  # a half-precision cache stores them rounded
-        c.v[l][idx, :, :n] = v.to(c.v[l].dtype)
+        c.k[l][idx, :, :n] = kv_store(k, c.k[l].dtype)  # a half-precision or int8 cache stores them rounded
+        c.v[l][idx, :, :n] = kv_store(v, c.v[l].dtype)
         if acc is not None:
             self.scores(l)[idx, :, :n] = acc
         pos = positions if isinstance(positions, torch.Tensor) else torch.tensor(
@@ -413,9 +414,10 @@ class Streaming(Evictor):
         super().__init__(policy, cache, rope)
         if rope is None:
             raise ValueError("the streaming policy re-rotates its sinks: bind it with the model's rope")
-        b, hkv, _, hd = cache.k[0].shape
-        #: per layer, the sinks' keys as first rotated (at ``sink_pos``), so re-rotations never compound rounding
-        self.sink_k = [torch.zeros(b, hkv, SINKS, hd, dtype=cache.k[0].dtype, device=cache.k[0].device)
+        b, hkv, _, w = cache.k[0].shape
+        #: per layer, the sinks' keys as first rotated (at ``sink_pos``) and stored, so re-rotations never compound
+        #: rounding
+        self.sink_k = [torch.zeros(b, hkv, SINKS, w, dtype=cache.k[0].dtype, device=cache.k[0].device)
                        for _ in cache.k]
         self.sink_pos: list[list[list[int]]] = [[[] for _ in range(b)] for _ in cache.k]
         self._memo: tuple = (None, None)
@@ -444,7 +446,7 @@ class Streaming(Evictor):
             self._memo = (deltas, (cos / s, sin / s))
         cos, sin = self._memo[1]
         k = self.cache.k[l]  # rotated in the tables' dtype (fp32), stored in the cache's
-        k[idx, :, :SINKS] = _rotate(self.sink_k[l][idx], cos, sin).to(k.dtype)
+        k[idx, :, :SINKS] = kv_store(_rotate(kv_load(self.sink_k[l][idx], cos.dtype), cos, sin), k.dtype)
 
     def _select(self, k, positions):
         t = k.shape[2]
@@ -458,7 +460,7 @@ class Streaming(Evictor):
             return kk
         kk = kk.clone()
         for i in evicted:
-            kk[i, :, :SINKS] = self.sink_k[l][rows[i]]
+            kk[i, :, :SINKS] = kv_load(self.sink_k[l][rows[i]], kk.dtype)
         return kk
 
     def _select_extended(self, q, kk, pos, acc, scale):

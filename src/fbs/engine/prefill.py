@@ -39,7 +39,7 @@ import torch
 from .. import native
 from ..model.hf_adapter import apply_rope
 from ..model.layer import HFOps
-from .quant import BLOCK_FORMATS, matmul
+from .quant import BLOCK_FORMATS, matmul, quantize_rows
 
 
 class Int8Weight(NamedTuple):
@@ -74,14 +74,6 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
         if w.bias is not None:
             y.add_(w.bias)
     return y.view(*lead, -1)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (int8 codes (M, K), scales (M, 1)): symmetric per row, max |x| -> 127 (a zero row: scale 1),
-    rounded to nearest even. The reference of the native kernel (:func:`fbs.native.quantize_rows`)."""
-    amax = x.abs().amax(1, keepdim=True)
-    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(x / sx).to(torch.int8), sx
 
 
 class _Layer(NamedTuple):

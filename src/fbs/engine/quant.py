@@ -5,7 +5,7 @@ int8 is symmetric per output channel: w ~= q * s with q in [-127, 127] (int8, (N
 output row. One-token steps run the native int8 kernel (:func:`fbs.native.int8_linear`: fp32 activations, the
 weights repacked once at load, ``packed=True``) where it is available (eager CPU decoding with AVX2 or AVX-512),
 else ``torch._weight_int8pack_mm`` with bf16 activations (its fast path on CPU; with fp32 activations that kernel
-is slow). The residual stream, norms, biases and the KV cache stay in the model's dtype.
+is slow). The residual stream, norms and biases stay in the model's dtype.
 
 ``q8`` and ``q4`` are GGUF's Q8_0 and Q4_1 blocks (:func:`quantize_blocks`): per output channel and 32 inputs,
 an fp16 scale d (q8: w ~= d q, q int8) or an fp16 scale d and min m (q4: w ~= d q + m, q in [0, 15]), rounded to
@@ -28,6 +28,11 @@ rounding).
 through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``). On this 2-core CPU its batch-1 GEMV reads
 weights faster than ``F.linear`` (``scripts/gemv_floor.py`` measures both). It is fp32 arithmetic with a different
 summation order: logits differ from ``fp32`` by float rounding (~1e-5 relative), not bit for bit. CPU only.
+
+The KV cache's entries (:mod:`fbs.engine.cache`) are stored as the cache's dtype says (:func:`kv_store`,
+:func:`kv_load`): fp32, fp16 or bf16 values, or int8 entries of ``hd + 4`` bytes, one per token and KV head: the
+entry's codes (:func:`quantize_rows`: symmetric, max |x| -> 127) followed by its fp32 scale, the layout the native
+attention reads (``fbs_attn::Entry`` in csrc/attention.h).
 """
 
 from __future__ import annotations
@@ -146,6 +151,45 @@ def native_kernels() -> dict[str, str | None]:
             "int8": None if i8 is None else f"int8 weights x fp32 activations ({i8})",
             "q8": None if blocks is None else f"q8_0 weights x int8 activations per 32 ({blocks})",
             "q4": None if blocks is None else f"q4_1 weights x int8 activations per 32, q8_0 head ({blocks})"}
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (int8 codes (M, K), scales (M, 1)): symmetric per row, max |x| -> 127 (a zero row: scale 1),
+    rounded to nearest even. The rule of a prompt's int8 activations (:mod:`fbs.engine.prefill`) and of an int8 KV
+    cache's entries (:func:`fbs.engine.cache.kv_store`); the reference of the native kernel
+    (:func:`fbs.native.quantize_rows`)."""
+    amax = x.abs().amax(1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / sx).to(torch.int8), sx
+
+
+#: bytes an int8 KV entry keeps after its codes: its fp32 scale (:func:`kv_store`)
+KV_SCALE_BYTES = 4
+
+
+def kv_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one stored KV entry (a token's key or value at one KV head): ``head_dim``, or with int8 its codes
+    and its scale's bytes."""
+    return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def kv_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Entries x (..., hd) as stored in a cache of ``dtype``: cast (half precision rounds to nearest even), or for int8
+    each entry's codes and scale (:func:`quantize_rows` per entry), (..., hd + 4) int8."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    lead, hd = x.shape[:-1], x.shape[-1]
+    q, s = quantize_rows(x.detach().reshape(-1, hd).float())
+    return torch.cat((q, s.view(torch.int8)), 1).view(*lead, hd + KV_SCALE_BYTES)
+
+
+def kv_load(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored entries ``e`` (:func:`kv_store`) as values of ``dtype`` (int8: codes times scale)."""
+    if e.dtype != torch.int8:
+        return e.to(dtype)
+    hd = e.shape[-1] - KV_SCALE_BYTES
+    scale = e[..., hd:].contiguous().view(torch.float32)                                      # (..., 1)
+    return (e[..., :hd].to(torch.float32) * scale).to(dtype)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

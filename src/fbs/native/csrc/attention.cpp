@@ -7,11 +7,18 @@
 #include <type_traits>
 
 #include "norm.h"
+#include "rowquant.h"
 
 namespace fbs_attn {
 void check_kv_type(at::ScalarType t, const char* who) {
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, who,
-              ": KV caches must be float32, float16 or bfloat16 (kv_dtype fp32 / fp16 / bf16), got ", t);
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kChar, who,
+              ": KV caches must be float32, float16, bfloat16 or int8 (kv_dtype fp32 / fp16 / bf16 / int8), got ", t);
+}
+
+int64_t entry_width(at::ScalarType kt, int64_t hd) {
+  int64_t w = 0;
+  with_kv_type(kt, "fbs attention kernel", [&](auto t) { w = Entry<decltype(t)>::width(hd); });
+  return w;
 }
 
 float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who) {
@@ -23,33 +30,44 @@ float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who) {
 
 template <class T>
 void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o) {
+  const int64_t w = Entry<T>::width(hd);
   for (int64_t j = 0; j < n; ++j) {
+    const T* k = K + j * w;
     float a = 0.f;
-    for (int64_t d = 0; d < hd; ++d) a += q[d] * float(K[j * hd + d]);
-    p[j] = a * scale;
+    for (int64_t d = 0; d < hd; ++d) a += q[d] * float(k[d]);
+    p[j] = a * Entry<T>::scale(k, hd) * scale;
   }
   float z;
   softmax_(p, n, &z);
   for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < hd; ++d) o[d] += p[j] * float(V[j * hd + d]);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = V + j * w;
+    const float pj = p[j] * Entry<T>::scale(v, hd);
+    for (int64_t d = 0; d < hd; ++d) o[d] += pj * float(v[d]);
+  }
   for (int64_t d = 0; d < hd; ++d) o[d] /= z;
 }
 
 namespace {
-// n fp32 values as T (c10's conversions: round to nearest even, what a PyTorch cast computes)
+// n fp32 values as an entry of T (c10's conversions: round to nearest even, what a PyTorch cast computes; int8:
+// the codes and their scale, Entry<int8_t>)
 template <class T>
 void store_t(const float* src, int64_t n, T* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  if constexpr (std::is_same_v<T, int8_t>) {
+    const float s = fbs_rowquant::quantize_row(src, n, dst);
+    std::memcpy(dst + n, &s, 4);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  }
 }
 
 template <class T>
 void write_kv_t(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
                 const int64_t* I, const int64_t* L, T* KC, T* VC, int64_t Hkv, int64_t C, int64_t hd) {
-  const int64_t rs = Hkv * C * hd, hs = C * hd;  // cache row and head strides
+  const int64_t w = Entry<T>::width(hd), rs = Hkv * C * w, hs = C * w;  // cache row and head strides
   for (int64_t i = 0; i < b; ++i)
     for (int64_t g = 0; g < Hkv; ++g) {
-      const int64_t at_ = I[i] * rs + g * hs + L[i] * hd;
+      const int64_t at_ = I[i] * rs + g * hs + L[i] * w;
       store_t(K + i * ks0 + g * ks1, hd, KC + at_);
       store_t(V + i * vs0 + g * vs1, hd, VC + at_);
     }
@@ -57,27 +75,16 @@ void write_kv_t(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_
 }  // namespace
 
 void store(const float* src, int64_t n, void* dst, at::ScalarType kt) {
-  check_kv_type(kt, "fbs attention kernel");
-  if (kt == at::kFloat)
-    std::copy_n(src, n, static_cast<float*>(dst));
-  else if (kt == at::kHalf)
-    store_t(src, n, static_cast<at::Half*>(dst));
-  else
-    store_t(src, n, static_cast<at::BFloat16*>(dst));
+  with_kv_type(kt, "fbs attention kernel", [&](auto t) { store_t(src, n, static_cast<decltype(t)*>(dst)); });
 }
 
 void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
               const int64_t* I, const int64_t* L, void* KC, void* VC, at::ScalarType kt, int64_t Hkv, int64_t C,
               int64_t hd) {
-  check_kv_type(kt, "fbs attention kernel");
-  if (kt == at::kFloat)
-    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<float*>(KC), static_cast<float*>(VC), Hkv, C, hd);
-  else if (kt == at::kHalf)
-    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<at::Half*>(KC), static_cast<at::Half*>(VC), Hkv, C,
-               hd);
-  else
-    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<at::BFloat16*>(KC), static_cast<at::BFloat16*>(VC),
-               Hkv, C, hd);
+  with_kv_type(kt, "fbs attention kernel", [&](auto t) {
+    using T = decltype(t);
+    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<T*>(KC), static_cast<T*>(VC), Hkv, C, hd);
+  });
 }
 
 namespace {
@@ -87,7 +94,7 @@ template <class T>
 void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m,
                     int64_t H, const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* O,
                     float* ACC) {
-  const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
+  const int64_t ew = Entry<T>::width(hd), rs = Hkv * C * ew, hs = C * ew, group = H / Hkv;
   // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h)
   std::vector<int64_t> cache_rows;
   for (int64_t j = 0; j < m; ++j)
@@ -210,7 +217,7 @@ void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const 
   else if (isa >= fbs::kIsaAvx2 && hd % 8 == 0 && hd <= kMaxHd)
     head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*)>(head_avx2);
 #endif
-  const int64_t rs = Hkv * C * hd, hs = C * hd, group = H / Hkv;
+  const int64_t ew = Entry<T>::width(hd), rs = Hkv * C * ew, hs = C * ew, group = H / Hkv;
   if (!ACC) {
     at::parallel_for(0, m * H, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> p(C);
@@ -251,16 +258,11 @@ void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const 
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
             const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
             int64_t isa, float* O, float* ACC) {
-  check_kv_type(kt, "fbs attention kernel");
-  if (kt == at::kFloat)
-    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const float*>(KC), static_cast<const float*>(VC), Hkv, C, hd, scale,
-             isa, O, ACC);
-  else if (kt == at::kHalf)
-    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::Half*>(KC), static_cast<const at::Half*>(VC), Hkv, C, hd,
-             scale, isa, O, ACC);
-  else
-    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const at::BFloat16*>(KC), static_cast<const at::BFloat16*>(VC), Hkv,
-             C, hd, scale, isa, O, ACC);
+  with_kv_type(kt, "fbs attention kernel", [&](auto t) {
+    using T = decltype(t);
+    attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const T*>(KC), static_cast<const T*>(VC), Hkv, C, hd, scale, isa, O,
+             ACC);
+  });
 }
 }  // namespace fbs_attn
 
@@ -273,10 +275,11 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   fbs_attn::check_kv_type(kc.scalar_type(), "fbs attention kernel");
   TORCH_CHECK(kc.dim() == 4 && kc.device().is_cpu() && kc.is_contiguous() && vc.is_contiguous() &&
                   kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(),
-              "fbs attention kernel: caches (B, Hkv, C, hd) contiguous CPU tensors of one shape and dtype");
+              "fbs attention kernel: caches (B, Hkv, C, W) contiguous CPU tensors of one shape and dtype");
   TORCH_CHECK(idx.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "fbs attention kernel: int64 rows");
   const int64_t b = q.size(0), H = q.size(1), hd = q.size(3), Hkv = kc.size(1), C = kc.size(2);
-  TORCH_CHECK(H % Hkv == 0 && k.size(1) == Hkv && kc.size(3) == hd, "fbs attention kernel: head shapes");
+  TORCH_CHECK(H % Hkv == 0 && k.size(1) == Hkv && kc.size(3) == fbs_attn::entry_width(kc.scalar_type(), hd),
+              "fbs attention kernel: head shapes (a cache entry is hd values; int8: hd codes and a 4-byte scale)");
   const int64_t* I = idx.data_ptr<int64_t>();
   const int64_t* L = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i)

@@ -1,9 +1,10 @@
 // One new token per row attends over its cache prefix (GQA), after writing its own K/V at its slot:
 //   kc[idx[i], g, slot[i]] = k[i, g, 0];  vc likewise
 //   out[i, 0, h*hd:(h+1)*hd] = softmax(scale * q[i, h] . kc[idx[i], g(h), 0..slot[i]]) @ vc[idx[i], g(h), 0..slot[i]]
-// with g(h) = h / (H / Hkv). Queries, new K/V and the output fp32; the caches contiguous (B, Hkv, C, hd) in fp32,
-// fp16 or bf16 (a half-precision cache: entries rounded to nearest even when written, converted to fp32 in
-// registers when read, every sum in fp32); every tensor's last dimension unit-strided.
+// with g(h) = h / (H / Hkv). Queries, new K/V and the output fp32; the caches contiguous (B, Hkv, C, W) in fp32,
+// fp16 or bf16 (W = hd; a half-precision cache: entries rounded to nearest even when written, converted to fp32
+// in registers when read, every sum in fp32), or int8 (W = hd + 4: an entry's hd codes, then its fp32 scale;
+// Entry<int8_t>); every tensor's last dimension unit-strided.
 // With AVX-512 and hd a multiple of 64, the queries that read the same cached K/V (the heads of one KV head, and
 // the positions of one sequence in a multi-token step) are one group: each cached key and value is loaded once
 // for all of them. A group's keys are split into ranges of kKeyRange keys at fixed offsets (tasks for every thread
@@ -31,22 +32,59 @@ inline void softmax_(float* p, int64_t n, float* z) {
   *z = s;
 }
 
-// A cache's elements are float, at::Half (fp16) or at::BFloat16 (bf16): scalar types kFloat, kHalf, kBFloat16;
-// any other fails here with an error naming ``who``.
+// A cache's elements are float, at::Half (fp16), at::BFloat16 (bf16) or int8_t: scalar types kFloat, kHalf,
+// kBFloat16, kChar; any other fails here with an error naming ``who``.
 void check_kv_type(at::ScalarType t, const char* who);
 
-// One query head q (hd) over n cached keys K and values V (n, hd): o (hd) = softmax(scale q . K) @ V; p: n floats
+// One cached entry (a key or a value of one token and KV head) of element type T: hd values, value d = e[d] * scale.
+// fp32 / fp16 / bf16 entries are the values (scale 1, a constant the compiler folds away). An int8 entry (kv_dtype
+// int8) is its hd codes followed by its scale, an fp32 in native byte order (4 bytes): the codes round(x / scale)
+// with scale = max |x| / 127 over the entry (fbs_rowquant::quantize_row's rule; fbs.engine.cache.kv_store is the
+// PyTorch side). So a slot of the cache is Entry<T>::width(hd) elements, and an entry moves as one row (eviction,
+// rollback, a row's copy) with its scale.
+template <class T>
+struct Entry {
+  static constexpr int64_t extra = 0;
+  static int64_t width(int64_t hd) { return hd; }
+  static float scale(const T*, int64_t) { return 1.f; }
+};
+template <>
+struct Entry<int8_t> {
+  static constexpr int64_t extra = 4;
+  static int64_t width(int64_t hd) { return hd + extra; }
+  static float scale(const int8_t* e, int64_t hd) {
+    float s;
+    std::memcpy(&s, e + hd, 4);
+    return s;
+  }
+};
+// Entry<T>::width(hd) for the cache's scalar type kt (checked)
+int64_t entry_width(at::ScalarType kt, int64_t hd);
+
+// f(T{}) for the element type T of scalar type kt (check_kv_type's, an error naming ``who`` otherwise)
+template <class F>
+void with_kv_type(at::ScalarType kt, const char* who, F&& f) {
+  check_kv_type(kt, who);
+  switch (kt) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default: f(int8_t{}); break;
+  }
+}
+
+// One query head q (hd) over n cached keys K and values V (n entries): o (hd) = softmax(scale q . K) @ V; p: n floats
 // of scratch. Portable, and per instruction set (arch/x86/attention_*.cpp: hd a multiple of 16 or 8, <= kMaxHd).
 template <class T>
 void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o);
 #ifdef FBS_X86
-// Overloads per cache element type: float, at::Half, at::BFloat16 (FBS_KV_OVERLOADS).
-#define FBS_KV_OVERLOADS(DECL) DECL(float) DECL(at::Half) DECL(at::BFloat16)
+// Overloads per cache element type: float, at::Half, at::BFloat16, int8_t (FBS_KV_OVERLOADS).
+#define FBS_KV_OVERLOADS(DECL) DECL(float) DECL(at::Half) DECL(at::BFloat16) DECL(int8_t)
 #define FBS_HEAD_DECL(T)                                                                                          \
   void head_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o); \
   void head_avx2(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o);
 // A group of nq queries (q[i], hd floats each, already multiplied by the softmax scale) over keys k0 .. k1 - 1 of
-// one cached K/V head (K, V (C, hd)), query i seeing keys up to last[i] only (hd a multiple of 64). Per query its
+// one cached K/V head (K, V: C entries), query i seeing keys up to last[i] only (hd a multiple of 64). Per query its
 // partial softmax: part[i] = (m, z, acc[hd]) with m the largest score seen, z = sum exp(s - m) and
 // acc = sum exp(s - m) v (m = -inf, z = 0, acc = 0 when it sees none of these keys). s: nq * (k1 - k0) floats of
 // scratch. (arch/x86/attention_avx512.cpp)
@@ -60,15 +98,15 @@ FBS_KV_OVERLOADS(FBS_GROUP_DECL)
 #endif
 
 // K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i] of
-// KC / VC, whose elements are of type kt (rounded to nearest even when half)
+// KC / VC, whose elements are of type kt (rounded to nearest even when half; int8: Entry<int8_t>)
 void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
               const int64_t* I, const int64_t* L, void* KC, void* VC, at::ScalarType kt, int64_t Hkv, int64_t C,
               int64_t hd);
-// n fp32 values stored at dst, an array of type kt
+// One entry of n fp32 values stored at dst as an entry of type kt (Entry: entry_width(kt, n) elements)
 void store(const float* src, int64_t n, void* dst, at::ScalarType kt);
 
 // An accumulated-attention buffer's data, checked: (B, Hkv, C) contiguous fp32 on the CPU, the shape of the cache kc
-// (B, Hkv, C, hd); otherwise an error naming ``who``.
+// (B, Hkv, C, W); otherwise an error naming ``who``.
 float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who);
 
 // m queries (row j, head h at Q + j * qs0 + h * qs1) attend over slots 0..L[j] of cache row I[j] (GQA); O (m, H * hd),

@@ -9,15 +9,16 @@ void h2o_evict(at::Tensor& kc, at::Tensor& vc, at::Tensor& acc, at::Tensor& pos,
   fbs_attn::check_kv_type(kc.scalar_type(), "fbs H2O eviction");
   TORCH_CHECK(kc.dim() == 4 && kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() &&
                   kc.scalar_type() == vc.scalar_type() && kc.device().is_cpu(),
-              "fbs H2O eviction: caches (B, Hkv, C, hd) contiguous CPU tensors of one shape and dtype");
-  const int64_t B = kc.size(0), Hkv = kc.size(1), C = kc.size(2), hd = kc.size(3);
+              "fbs H2O eviction: caches (B, Hkv, C, W) contiguous CPU tensors of one shape and dtype");
+  // an entry moves as one row of W elements (an int8 entry with its scale: attention.h, Entry)
+  const int64_t B = kc.size(0), Hkv = kc.size(1), C = kc.size(2), W = kc.size(3);
   TORCH_CHECK(acc.scalar_type() == at::kFloat && pos.scalar_type() == at::kLong && acc.is_contiguous() &&
                   pos.is_contiguous() && acc.sizes() == at::IntArrayRef({B, Hkv, C}) && acc.sizes() == pos.sizes(),
               "fbs H2O eviction: acc (fp32) and pos (int64) must be (B, Hkv, C) contiguous");
   TORCH_CHECK(idx.scalar_type() == at::kLong && old.scalar_type() == at::kLong && idx.numel() == old.numel(),
               "fbs H2O eviction: idx and old int64 of one length");
   TORCH_CHECK(h >= 0 && h < budget && budget < C, "fbs H2O eviction: need 0 <= h < budget < capacity");
-  const int64_t es = kc.element_size(), row = hd * es;
+  const int64_t es = kc.element_size(), row = W * es;
   auto* K = static_cast<char*>(kc.data_ptr());
   auto* V = static_cast<char*>(vc.data_ptr());
   float* A = acc.data_ptr<float>();

@@ -90,11 +90,13 @@ void Layer::set_gate(int64_t index, int64_t off, int64_t width, std::optional<at
 void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const { w.mm(X, M, Y, isa); }
 
 // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n). The
-// rotation is computed in fp32; a half-precision cache stores its result rounded (fbs_attn::store).
+// rotation is computed in fp32; a half-precision cache stores its result rounded, an int8 one quantized
+// (fbs_attn::store).
 void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
                      const int64_t* SL) const {
-  const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * hd, hs = C * hd;
   const at::ScalarType kt = kc.scalar_type();
+  const int64_t ew = fbs_attn::entry_width(kt, hd);  // a slot's elements (attention.h, Entry)
+  const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * ew, hs = C * ew;
   const int64_t es = kc.element_size();
   char* KC = static_cast<char*>(kc.data_ptr());
   char* VC = static_cast<char*>(vc.data_ptr());
@@ -102,7 +104,7 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
   for (int64_t i = 0; i < st.b; ++i) {
     if (!write[i]) continue;
     for (int64_t g = 0; g < nkv; ++g) {
-      const int64_t at_ = (st.idx[i] * rs + g * hs + SL[i] * hd) * es;
+      const int64_t at_ = (st.idx[i] * rs + g * hs + SL[i] * ew) * es;
       std::copy_n(Y + i * nk + g * hd, hd, kr);
       rope(kr, st.cos + i * hd, st.sin + i * hd, hd);
       fbs_attn::store(kr, hd, KC + at_, kt);
@@ -255,8 +257,8 @@ void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
   fbs_attn::check_kv_type(kc.scalar_type(), "fbs native layer");
   TORCH_CHECK(vc.scalar_type() == kc.scalar_type() && kc.device().is_cpu() && kc.is_contiguous() &&
                   vc.is_contiguous() && kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.size(1) == L.nkv &&
-                  kc.size(3) == L.hd,
-              "fbs native layer: KV caches (B, Hkv, C, hd) contiguous CPU tensors of one dtype");
+                  kc.size(3) == fbs_attn::entry_width(kc.scalar_type(), L.hd),
+              "fbs native layer: KV caches (B, Hkv, C, W) contiguous CPU tensors of one dtype (W = hd; int8: hd + 4)");
 }
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or

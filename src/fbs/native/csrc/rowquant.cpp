@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-namespace {
+namespace fbs_rowquant {
 __attribute__((target_clones("avx512f", "avx2", "default"))) float quantize_row(const float* x, int64_t k,
                                                                                int8_t* q) {
   float m = 0.f;
@@ -17,7 +17,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float quantize_row(
   for (int64_t i = 0; i < k; ++i) q[i] = int8_t(std::nearbyint(x[i] / s));
   return s;
 }
+}  // namespace fbs_rowquant
 
+namespace {
 // the product and the bias add rounded apart, as the reference's mul_ / add_ (no fused multiply-add)
 __attribute__((target_clones("avx512f", "avx2", "default"), optimize("fp-contract=off"))) void scale_row(
     const int32_t* a, float sx, const float* sw, const float* b, int64_t n, float* y) {
@@ -41,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   int8_t* Q = q.data_ptr<int8_t>();
   float* S = s.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) S[r] = quantize_row(X + r * K, K, Q + r * K);
+    for (int64_t r = r0; r < r1; ++r) S[r] = fbs_rowquant::quantize_row(X + r * K, K, Q + r * K);
   });
   return {q, s};
 }

@@ -1,5 +1,6 @@
 // One query head's attention, and a group of queries over one cached K/V head, with AVX-512: 16 floats of the head
-// dimension per register, the cache's fp16 / bf16 entries converted to fp32 as they are loaded.
+// dimension per register, the cache's fp16 / bf16 / int8 entries converted to fp32 as they are loaded (an int8
+// entry's scale applied to its score and to its softmax weight: Entry<int8_t>).
 #include "../../attention.h"
 
 #ifdef FBS_X86
@@ -15,18 +16,19 @@ FBS_A512 void head_t(const float* q, const T* K, const T* V, int64_t n, int64_t 
   const int64_t nc = hd / 16;
   __m512 qv[kMaxHd / 16], acc[kMaxHd / 16];
   for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
+  const int64_t ew = Entry<T>::width(hd);
   for (int64_t j = 0; j < n; ++j) {
-    const T* k = K + j * hd;
+    const T* k = K + j * ew;
     __m512 a = _mm512_mul_ps(qv[0], load16(k));
     for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
-    p[j] = _mm512_reduce_add_ps(a);
+    p[j] = _mm512_reduce_add_ps(a) * Entry<T>::scale(k, hd);
   }
   float z;
   softmax_(p, n, &z);
   for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const __m512 w = _mm512_set1_ps(p[j]);
-    const T* v = V + j * hd;
+    const T* v = V + j * ew;
+    const __m512 w = _mm512_set1_ps(p[j] * Entry<T>::scale(v, hd));
     for (int64_t c = 0; c < nc; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), acc[c]);
   }
   const __m512 iz = _mm512_set1_ps(1.0f / z);
@@ -48,17 +50,19 @@ FBS_A512 inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
-// acc[i] += sum_j p[i][j] V[j] over keys 0 .. n - 1 (V rows of hd floats, columns c0 .. c0 + 63) for QC queries
+// acc[i] += sum_j p[i][j] V[j] over keys 0 .. n - 1 (V entries of hd values, columns c0 .. c0 + 63) for QC queries
 template <int QC, class T>
 FBS_A512 void pv(const float* const* p, const T* V, int64_t n, int64_t hd, int64_t c0, float* const* acc) {
+  const int64_t ew = Entry<T>::width(hd);
   __m512 a[QC][4];
   for (int i = 0; i < QC; ++i)
     for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(acc[i] + c0 + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const T* v = V + j * hd + c0;
+    const T* v = V + j * ew + c0;
+    const float vs = Entry<T>::scale(V + j * ew, hd);
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int i = 0; i < QC; ++i) {
-      const __m512 w = _mm512_set1_ps(p[i][j]);
+      const __m512 w = _mm512_set1_ps(p[i][j] * vs);
       a[i][0] = _mm512_fmadd_ps(w, v0, a[i][0]);
       a[i][1] = _mm512_fmadd_ps(w, v1, a[i][1]);
       a[i][2] = _mm512_fmadd_ps(w, v2, a[i][2]);
@@ -71,13 +75,19 @@ FBS_A512 void pv(const float* const* p, const T* V, int64_t n, int64_t hd, int64
 template <class T>
 FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0,
                            int64_t k1, int64_t hd, float* s, float* part) {
-  const int64_t kn = k1 - k0, nc = hd / 16, ps = hd + 2;
+  const int64_t kn = k1 - k0, nc = hd / 16, ps = hd + 2, ew = Entry<T>::width(hd);
   // scores s[i][j - k0] = q_i . K_j, 16 keys at a time; a block's last keys past k1 repeat key k1 - 1 (not stored)
   for (int64_t jb = k0; jb < k1; jb += 16) {
     const int64_t nb = std::min<int64_t>(16, k1 - jb);
     const T* kr[16];
-    for (int t = 0; t < 16; ++t) kr[t] = K + std::min(jb + t, k1 - 1) * hd;
+    for (int t = 0; t < 16; ++t) kr[t] = K + std::min(jb + t, k1 - 1) * ew;
     const __mmask16 mask = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
+    __m512 ks = _mm512_set1_ps(1.f);  // the 16 keys' scales (int8 entries)
+    if constexpr (Entry<T>::extra > 0) {
+      float sc[16];
+      for (int t = 0; t < 16; ++t) sc[t] = Entry<T>::scale(kr[t], hd);
+      ks = _mm512_loadu_ps(sc);
+    }
     for (int64_t i = 0; i < nq; ++i) {
       __m512 a[16];
       for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
@@ -85,7 +95,9 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
         const __m512 qc = _mm512_loadu_ps(q[i] + 16 * c);
         for (int t = 0; t < 16; ++t) a[t] = _mm512_fmadd_ps(qc, load16(kr[t] + 16 * c), a[t]);
       }
-      _mm512_mask_storeu_ps(s + i * kn + (jb - k0), mask, reduce16(a));
+      __m512 r = reduce16(a);
+      if constexpr (Entry<T>::extra > 0) r = _mm512_mul_ps(r, ks);
+      _mm512_mask_storeu_ps(s + i * kn + (jb - k0), mask, r);
     }
   }
   // per query: its softmax numerators over the keys it sees (zero past them), their max and sum
@@ -124,7 +136,7 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
       aa[i] = part + (i0 + i) * ps + 2;
     }
     for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-      const T* Vk = V + k0 * hd;
+      const T* Vk = V + k0 * ew;
       switch (qc) {
         case 1: pv<1>(pp, Vk, kn, hd, c0, aa); break;
         case 2: pv<2>(pp, Vk, kn, hd, c0, aa); break;

@@ -25,7 +25,8 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp16(__m512 x) {
 }
 
 // 16 consecutive values as fp32: fp32 as they are, fp16 by the one conversion instruction (F16C's, in AVX-512F),
-// bf16 by widening to 32 bits and shifting into the upper half (exact)
+// bf16 by widening to 32 bits and shifting into the upper half (exact), int8 codes sign-extended and converted
+// (exact; the caller applies the entry's scale)
 __attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 __attribute__((target("avx512f"))) inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -33,5 +34,8 @@ __attribute__((target("avx512f"))) inline __m512 load16(const c10::Half* p) {
 __attribute__((target("avx512f"))) inline __m512 load16(const c10::BFloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+__attribute__((target("avx512f"))) inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 }  // namespace fbs_x86
