@@ -6,7 +6,8 @@ Two questions decide whether verification (speculative decoding) and batching ca
   drafts, :func:`fbs.engine.fused.full_depth` with ``native_many``), against the one-token step;
 * **batch**: one full-depth decode step of B rows against B = 1 (tokens per second).
 
-Both at full depth (no skipping), after a prompt of ``--context`` tokens, on the default model. Each round times
+Both at full depth (no skipping), after a prompt of ``--context`` tokens, on the default model. A format may name
+its KV cache storage (``q4:int8``; otherwise ``--kv-dtype``), so cache dtypes are compared in one run. Each round times
 every (format, shape) once, in a shuffled order, each the median of ``--reps`` calls; the cache is rolled back
 after each call, so every call sees the same context. Ratios are per round (paired), reported as the median over
 rounds with a seeded bootstrap CI. Prints a table and writes JSON (with the provenance of the code and machine).
@@ -33,6 +34,9 @@ from fbs.provenance import provenance
 
 
 def _decoder(model, fmt: str, rows: int, context: int, kv_dtype: str = "auto"):
+    """A prefilled decoder of ``rows`` prompts; ``fmt`` is a weight format, or ``format:kv_dtype``."""
+    fmt, _, own = fmt.partition(":")
+    kv_dtype = own or kv_dtype
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (context,), generator=g).tolist() for _ in range(rows)]
     dec = start(model, prompts, None, None, dict(max_new_tokens=64, weights=fmt, force_compute=True,
@@ -93,7 +97,8 @@ def bootstrap(values: list[float], seed: int = 0, n: int = 2000) -> tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--formats", default="int8,q4")
+    ap.add_argument("--formats", default="int8,q4", help="weight formats, each optionally with its KV cache storage "
+                    "(q4:int8)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--verify", default="1,2,4,8", help="positions per verification pass (1 = the one-token pass)")
     ap.add_argument("--batch", default="1,4,8")

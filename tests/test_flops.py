@@ -73,6 +73,10 @@ def test_a_systems_own_roofline_prices_its_own_format_by_hand():
     for kvd in ("fp16", "bf16"):
         assert decode_roofline(c, peaks, 8, 4, weights=q4, kv_dtype=kvd)["bytes_per_step"] == pytest.approx(half)
     assert decode_roofline(c, peaks, 8, 4, weights=q4, kv_dtype="fp32")["bytes_per_step"] == pytest.approx(q4_bytes)
+    # int8 (kv_dtype int8): 1 byte per cached value plus a 4-byte scale per entry (one per KV head, K and V:
+    # 64 values = 4 entries of 16 here)
+    int8 = q4_bytes - 4 * 10 * 256 + 4 * 10 * (64 + 4 * 4)
+    assert decode_roofline(c, peaks, 8, 4, weights=q4, kv_dtype="int8")["bytes_per_step"] == pytest.approx(int8)
     gguf = system_format({"format": "Q4_0"})
     q40_bytes = 4 * (36864 * (0.5 + 2 / 32) + 128 * 2) + 16384 * (1 + 2 / 32) + 64 * 4 + 4 * 10 * 128
     assert decode_roofline(c, peaks, 8, 4, weights=gguf)["bytes_per_step"] == pytest.approx(q40_bytes)

@@ -153,8 +153,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="entries a --kv-cache policy keeps per layer and KV head")
     add_prefill_chunk_argument(p)
     p.add_argument("--kv-dtype", dest="kv_dtypes", type=_strs, default=s.kv_dtypes,
-                   help="KV cache storage of the FBS systems, comma list from auto, fp32, fp16, bf16 (each system "
-                        "once per dtype; half precision halves the cache's bytes, attention accumulates in fp32; "
+                   help="KV cache storage of the FBS systems, comma list from auto, fp32, fp16, bf16, int8 (each "
+                        "system once per dtype; half precision halves the cache's bytes, int8 (codes and a scale per "
+                        "entry) about quarters them; attention accumulates in fp32; "
                         "auto (default): fp16 under q4, q8, int8 weights, else fp32)")
     p.add_argument("--prefill", dest="prefills", type=_strs, default=s.prefills,
                    help="how the FBS systems run a prompt's products, comma list from auto, fp32, int8, blocks (each "

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from ..model.hf_adapter import DecoderSpec, decoder_spec
+from .quant import KV_SCALE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,7 @@ class LayerCost:
     kv_vectors: int     # what a K/V-only projection reads besides its matrices: input norm, k/v biases, k-norm
     kv_width: int       # K and V values cached per token and layer: 2 * h_kv * d_head
     vocab_size: int
+    kv_entries: int = 0  # K and V entries (one per KV head each) cached per token and layer: 2 * h_kv
 
     @classmethod
     def of(cls, spec: DecoderSpec) -> "LayerCost":
@@ -117,7 +119,7 @@ class LayerCost:
             layer_vectors=2 * d + bias + qk_norm,
             attn_vectors=d + bias + qk_norm,
             kv_vectors=d + bias_kv + qk_norm // 2,
-            kv_width=2 * hkv * hd, vocab_size=spec.vocab_size,
+            kv_width=2 * hkv * hd, vocab_size=spec.vocab_size, kv_entries=2 * hkv,
         )
 
     @classmethod
@@ -160,8 +162,11 @@ class LayerCost:
         return _bytes(fmt.head or fmt, self.lm_head, self.vocab_size, self.hidden_size)
 
     def kv_bytes_per_key(self, weights: str | WeightFormat = "fp32", kv_dtype: str | None = None) -> int:
-        """Bytes of one cached token's K and V in one layer: stored in the activation dtype, or in half precision
-        when ``kv_dtype`` is fp16 / bf16 (the engine's ``kv_dtype``; fp32 or None: the activation dtype)."""
+        """Bytes of one cached token's K and V in one layer: stored in the activation dtype, in half precision when
+        ``kv_dtype`` is fp16 / bf16, or as int8 codes plus one fp32 scale per entry (:func:`fbs.engine.quant.kv_store`)
+        when it is int8 (the engine's ``kv_dtype``; fp32 or None: the activation dtype)."""
+        if kv_dtype == "int8":
+            return self.kv_width + KV_SCALE_BYTES * self.kv_entries
         return self.kv_width * (2 if kv_dtype in ("fp16", "bf16") else weight_format(weights).activation)
 
 
