@@ -56,12 +56,26 @@ def _oracle(full: list[list[int]], vocab: int, depth: int = 3):
     return Oracle
 
 
+def _model_hd64(family):
+    """_model's gates over a tiny model with heads of 64 (the grouped AVX-512 attention kernel's width)."""
+    from conftest import randomize, tiny_config, tiny_hf
+    from fbs import FBSForCausalLM
+    from test_speculative import DRAFTY
+
+    seed, bias = DRAFTY[family]
+    m = FBSForCausalLM.from_base(tiny_hf(family, head_dim=64), config=tiny_config()).eval()
+    return randomize(m, seed=seed, gate_bias=bias)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_tree_pass_equals_verifying_each_branch_separately(family, one_thread):
+@pytest.mark.parametrize("weights,hd", [("fp32", 16), ("int8", 16), ("int8", 64), ("q4", 64)])
+def test_a_tree_pass_equals_verifying_each_branch_separately(family, weights, hd, one_thread):
     """Seven nodes over the cached prompt (CH and PAW active): each node's logits and last hidden state equal
-    those of the chain root..node verified alone from the same cache and chunk states."""
-    model = _model(family)
-    dec = _decoder(model, max_new_tokens=8, draft="prompt-lookup")
+    those of the chain root..node verified alone from the same cache and chunk states. fp32: the PyTorch ops (SDPA
+    under the tree mask); int8 / q4: the native layers' attention with the tree's visibility (heads of 16: the
+    portable masked head; of 64 on AVX-512: the grouped kernel), against the same format's chain passes."""
+    model = _model(family) if hd == 16 else _model_hd64(family)
+    dec = _decoder(model, max_new_tokens=8, draft="prompt-lookup", weights=weights)
     spec = _Speculation(dec)
     dec.prefill()
     P = len(dec.prompts[0])
@@ -252,20 +266,23 @@ def test_bench_runs_group_a_on_the_verifier(one_thread, tmp_path):
         "fbs train draft-model", "fbs train medusa", "fbs train eagle"]
 
 
-def test_native_formats_verify_the_trees_chain(one_thread):
-    """Ops that verify in native multi-token steps (int8) get each tree's chain of first children: the output is
-    full depth's in that format and every verified draft token is on the chain (nodes == depth)."""
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_native_formats_verify_whole_trees(weights, one_thread):
+    """Ops that verify in native multi-token steps verify whole token trees (nodes > proposed, as on the PyTorch
+    ops) and the output is full depth's in that format: the oracle tree and Medusa's top-k tree, heads of 16 and
+    of 64."""
     from test_speculative_drafts import _heads
 
-    model = _model("llama")
-    kw = dict(max_new_tokens=32, ignore_eos=True, weights="int8")
-    full = model.generate(PROMPTS[:1], force_compute=True, **kw).new_tokens
-    res = model.generate(PROMPTS[:1], draft="medusa", draft_options={"heads": _heads(model)}, **kw)
-    st = res.speculative
-    assert res.new_tokens == full and st.nodes == st.proposed > 0
-    fp32 = model.generate(PROMPTS[:1], draft="medusa", draft_options={"heads": _heads(model)}, max_new_tokens=32,
-                          ignore_eos=True).speculative
-    assert fp32.nodes > fp32.proposed  # the same draft verifies whole trees on the PyTorch ops
+    for model in (_model("llama"), _model_hd64("llama")):
+        kw = dict(max_new_tokens=32, ignore_eos=True, weights=weights)
+        full = model.generate(PROMPTS, force_compute=True, **kw).new_tokens
+        V = model.base.spec.vocab_size
+        for name, draft, options in [("oracle", _oracle(full, V), None),
+                                     ("medusa", "medusa", {"heads": _heads(model)})]:
+            res = model.generate(PROMPTS, draft=draft, draft_options=options, draft_tokens=5, **kw)
+            st = res.speculative
+            assert res.new_tokens == full, name
+            assert st.nodes > st.proposed > 0, name
 
 
 def test_medusa_typical_acceptance_samples_within_the_warped_support(one_thread):

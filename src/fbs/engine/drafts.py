@@ -34,8 +34,9 @@ Sources by name (:func:`draft_names`, ``model.generate(..., draft=NAME)``, ``fbs
 * ``eagle`` — :class:`EagleDraft`: EAGLE-2's one-layer feature extrapolator and dynamic draft tree
   (``{"layer": module}``, or ``{"path": DIR}`` of ``fbs train eagle``).
 
-Tree drafts (:attr:`Draft.parents`) are verified in one pass with a tree attention mask; a verifier whose ops
-run native multi-token steps verifies the tree's chain of first children instead.
+Tree drafts (:attr:`Draft.parents`) are verified in one pass with a tree attention mask (on the PyTorch ops, or in
+the native multi-token steps with each node's visibility); a tree of more nodes than a native pass takes
+(:data:`fbs.native.TREE_NODES`) verifies its chain of first children instead.
 
 Layers above the engine register more with :func:`register_draft` (the engine never imports them).
 """

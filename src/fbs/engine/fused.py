@@ -91,7 +91,9 @@ def full_depth(model, ops, x: torch.Tensor, ctx, layers: range, on_layer=None) -
     run of the ops' native layers in one native call (:meth:`FusedOps.native_span`); the other layers (PAW / CH,
     or every layer otherwise) through :func:`fbs.model.layer.layer_step`, whose output ``on_layer(l, out)`` sees.
     Returns x'."""
-    native_runs = getattr(ops, "native_layers", None) is not None and ctx.native_many
+    # a token tree's pass runs layer by layer (its attention masks reach the native layers' attention halves)
+    native_runs = getattr(ops, "native_layers", None) is not None and ctx.native_many \
+        and getattr(ctx, "tree_bits", None) is None
     for seg, whole in ops._native_runs(layers) if native_runs else ((layers, False),):
         if whole:
             x = ops.native_span(seg, x, ctx)
@@ -690,16 +692,19 @@ class FusedOps(LayerByLayer):
 
     def _cached_many(self, l: int, x: torch.Tensor, xn, ctx, ffn: bool) -> torch.Tensor:
         """Layer l's native halves over x (b, T, d): the b * T positions as rows, each sequence's positions at
-        consecutive slots of its cache row, each attending over its row's cache up to itself."""
+        consecutive slots of its cache row, each attending over its row's cache up to itself (a token tree's node:
+        up to its ancestors and itself, ``ctx.tree_bits``)."""
         b, t, d = x.shape
         layer = self._native_all[l]
         xn = self.norm1(l, x) if xn is None else xn
         starts = ctx.cache.advance(l, ctx.rows, ctx.positions)
         slots = torch.tensor([s + j for s in starts for j in range(t)], device=x.device)
         cos, sin = self._rope_of(ctx)
+        bits = getattr(ctx, "tree_bits", None)
+        tree = None if bits is None else (bits, torch.tensor(starts, device=x.device).repeat_interleave(t))
         h = native.attend_layer(layer, x.reshape(b * t, 1, d).contiguous(), xn.reshape(b * t, 1, d).contiguous(),
                                 cos.contiguous(), sin.contiguous(), ctx.cache.k[l], ctx.cache.v[l],
-                                ctx.rows_t.repeat_interleave(t), slots)
+                                ctx.rows_t.repeat_interleave(t), slots, tree=tree)
         if not ffn:  # the layer's FFN (after PAW / CH) runs natively too, whatever its caller passes
             self._many_attended = l
             return h.view(b, t, d)

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .. import native
 from .cache import CacheContext, KVCache
 from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
 from .drafts import BaseDraft, Draft, DraftSource, Verified, make_draft, register_draft
@@ -280,13 +281,16 @@ class _TreeContext(CacheContext):
     """The verifier's cache context for a token tree: node j of row i attends to the row's cached entries and to
     the round's nodes ``mask[i, j]`` marks (its ancestors and itself), and CH's chunk head steps each node from its
     parent's state (the round's nodes are in topological order). The K/V of every node are written; the verifier
-    compacts the kept path afterwards (:meth:`_Speculation._compact`). PyTorch attention only (the verifier falls
-    back to chains when its ops run native multi-token steps)."""
+    compacts the kept path afterwards (:meth:`_Speculation._compact`). Attention: the native layers' attention
+    halves with the tree's visibility (``tree_bits``, :func:`fbs.native.tree_bits`) where the ops run native
+    multi-token steps (``native_steps``), else PyTorch's SDPA under the mask (:meth:`attend`)."""
 
-    def __init__(self, ctx: CacheContext, mask: torch.Tensor, parents: list[list[int]]):
+    def __init__(self, ctx: CacheContext, mask: torch.Tensor, parents: list[list[int]], native_steps: bool = False):
         self.__dict__.update(ctx.__dict__)
-        self.native_many = self.native_chunk = False
+        self.native_chunk = False  # the chunk head steps each node from its parent's state (:meth:`chunk`)
+        self.native_many = self.native_tree_chunk = native_steps
         self.tree, self.parents = mask, parents
+        self.tree_bits = native.tree_bits(mask) if native_steps else None
 
     def attend(self, l: int, q, k, v, hole=None) -> torch.Tensor:
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -311,7 +315,11 @@ class _TreeContext(CacheContext):
         for j in range(xn.shape[1]):
             pars = [p[j] for p in self.parents]
             st = root.clone() if all(p < 0 for p in pars) else _gather_states(root, states, pars)
-            steps.append(head.step(xn[:, j:j + 1], st))
+            if self.native_tree_chunk:  # the native step a chain pass and decoding take, on the node's own state
+                c, logits, start = native.chunk_step(head, xn[:, j:j + 1], torch.arange(len(pars)), st)
+                steps.append((c, logits, start))
+            else:
+                steps.append(head.step(xn[:, j:j + 1], st))
             states.append(st)
             if self.trail is not None:
                 self.trail.setdefault(l, []).append(st)
@@ -491,10 +499,12 @@ class _Speculation:
         self.adapter_calls = self.adapter_keys = self.head_rows = 0
         self.draft_head_rows = 0                                # draft tokens scored by the target's LM head
         self.drafter: DraftSource = self._drafter(o)
-        # token trees run on the PyTorch ops; ops that verify in native multi-token steps get the trees' chains
-        self.trees = not getattr(self.verify_ops, "native_packed", False) and self.drafter.start == 0
         self.typical = getattr(self.drafter, "acceptance", "exact") == "typical" and o.do_sample
         self.tree_nodes = max(int(getattr(self.drafter, "max_nodes", 0) or 0), o.draft_tokens)
+        # token trees: on the PyTorch ops, or in the native multi-token steps with the tree's visibility (up to
+        # native.TREE_NODES tokens a pass, the root included; larger trees verify their chain of first children)
+        native_ops = getattr(self.verify_ops, "native_packed", False)
+        self.trees = self.drafter.start == 0 and (not native_ops or self.tree_nodes + 1 <= native.TREE_NODES)
         if self.trees and self.tree_nodes > o.draft_tokens:  # room in the cache for a whole tree past the context
             need = max(len(p) for p in dec.prompts) + o.max_new_tokens + self.tree_nodes + 1
             if need > dec.cache.capacity:
@@ -535,7 +545,7 @@ class _Speculation:
         for r in rows:
             d = proposals.get(r) or Draft([])
             if d.parents is not None and not self.trees:
-                d = d.chain()  # this verifier runs chains only: the tree's chain of first children
+                d = d.chain()  # this verifier runs chains only (a tree too large for a native pass)
             if d.depth() > budget[r] or (d.parents is not None and len(d.tokens) > self.tree_nodes):
                 raise ValueError(f"draft {self.drafter.name!r} proposed {len(d.tokens)} tokens of depth {d.depth()} "
                                  f"for a budget of {budget[r]} (at most {self.tree_nodes} tree nodes)")
@@ -795,7 +805,7 @@ class _Speculation:
         ctx.trail = {}
         ctx.native_many = True
         if tree is not None:
-            ctx = _TreeContext(ctx, *tree)
+            ctx = _TreeContext(ctx, *tree, native_steps=getattr(ops, "native_packed", False))
         found = {}
 
         def on_layer(l, out):

@@ -375,14 +375,31 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
 
 def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
                  vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None,
-                 acc: torch.Tensor | None = None) -> torch.Tensor:
+                 acc: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The attention half of an :class:`NativeLayer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
     K, V (b, Hkv, 1, hd) when already projected), written at ``slots`` of cache rows ``idx``, then
     x + O(attention) over each row's prefix (PAW / CH add to it next). ``acc`` (B, Hkv, C) fp32, the cache's shape:
     each query's attention weights are added to it, summed over the query heads of each KV head (H2O's accumulated
-    attention, as :func:`fbs.engine.kvpolicy.attend_scored` adds them)."""
+    attention, as :func:`fbs.engine.kvpolicy.attend_scored` adds them). ``tree`` (bits, base), (b,) int64 each: a
+    verifier's token tree, row i seeing the slots before ``base[i]`` and, of the 64 from it, those whose bit of
+    ``bits[i]`` is set (its ancestors and itself; :func:`tree_bits` makes them)."""
     k, v = (None, None) if kv is None else kv
-    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, acc, _isa_code())
+    bits, base = (None, None) if tree is None else tree
+    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, acc, _isa_code(), bits, base)
+
+
+#: nodes a native token-tree pass handles per row (one bit each in an int64)
+TREE_NODES = 64
+
+
+def tree_bits(mask: torch.Tensor) -> torch.Tensor:
+    """(b, t, t) bool ancestor masks (node j sees node m where ``mask[i, j, m]``), t <= :data:`TREE_NODES` -> (b * t,)
+    int64: bit m of row i, node j's value set where ``mask[i, j, m]`` (two's complement for bit 63)."""
+    b, t, _ = mask.shape
+    if t > TREE_NODES:
+        raise ValueError(f"a native token-tree pass takes at most {TREE_NODES} nodes per row, got {t}")
+    weights = torch.tensor([1 << m if m < 63 else -(1 << 63) for m in range(t)], dtype=torch.long)
+    return (mask.to(torch.long) * weights).sum(-1).reshape(b * t)
 
 
 def ffn_layer(layer, h: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,14 @@ float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who) {
 }
 
 template <class T>
-void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o) {
+void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o,
+                 const Visible* vis) {
   const int64_t w = Entry<T>::width(hd);
   for (int64_t j = 0; j < n; ++j) {
     const T* k = K + j * w;
     float a = 0.f;
     for (int64_t d = 0; d < hd; ++d) a += q[d] * float(k[d]);
-    p[j] = a * Entry<T>::scale(k, hd) * scale;
+    p[j] = !vis || (*vis)(j) ? a * Entry<T>::scale(k, hd) * scale : -INFINITY;
   }
   float z;
   softmax_(p, n, &z);
@@ -93,7 +94,7 @@ namespace {
 template <class T>
 void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m,
                     int64_t H, const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* O,
-                    float* ACC) {
+                    float* ACC, const Tree* TREE) {
   const int64_t ew = Entry<T>::width(hd), rs = Hkv * C * ew, hs = C * ew, group = H / Hkv;
   // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h)
   std::vector<int64_t> cache_rows;
@@ -116,11 +117,16 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
   const int64_t nq = int64_t(qj.size()), ps = hd + 2;
   // the queries, scaled
   std::vector<float> qsc(nq * hd);
-  std::vector<int64_t> qlast(nq);
+  std::vector<int64_t> qlast(nq), qtbase(TREE ? nq : 0);
+  std::vector<uint64_t> qtbits(TREE ? nq : 0);
   for (int64_t i = 0; i < nq; ++i) {
     const float* src = Q + qj[i] * qs0 + qh[i] * qs1;
     for (int64_t d = 0; d < hd; ++d) qsc[i * hd + d] = src[d] * scale;
     qlast[i] = L[qj[i]];
+    if (TREE) {
+      qtbits[i] = TREE->bits[qj[i]];
+      qtbase[i] = TREE->base[qj[i]];
+    }
   }
   // key ranges per group at fixed offsets (kKeyRange keys each), not sized by the call: a query then sums the same
   // keys in the same order whichever other queries (positions, rows) share its call
@@ -155,7 +161,8 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
       qp.resize(n);
       for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
       const int64_t kv = cache_rows[u / Hkv] * rs + (u % Hkv) * hs;
-      group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt);
+      group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt,
+                   TREE ? qtbits.data() + start[u] : nullptr, TREE ? qtbase.data() + start[u] : nullptr);
     }
   });
   // merge the ranges: o = sum_s acc_s e^(m_s - M) / sum_s z_s e^(m_s - M), M = max_s m_s
@@ -205,17 +212,20 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
 template <class T>
 void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
               const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, int64_t isa, float* O,
-              float* ACC) {
+              float* ACC, const Tree* TREE) {
+  TORCH_CHECK(!(TREE && ACC), "fbs attention kernel: a token tree's pass keeps no accumulated attention");
   auto head = head_scalar<T>;
 #ifdef FBS_X86
   if (isa == fbs::kIsaAvx512 && hd % 64 == 0 && hd <= kMaxHd) {
-    attend_grouped(Q, qs0, qs1, I, L, m, H, KC, VC, Hkv, C, hd, scale, O, ACC);
+    attend_grouped(Q, qs0, qs1, I, L, m, H, KC, VC, Hkv, C, hd, scale, O, ACC, TREE);
     return;
   }
   if (isa == fbs::kIsaAvx512 && hd % 16 == 0 && hd <= kMaxHd)
-    head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*)>(head_avx512);
+    head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*,
+                                const Visible*)>(head_avx512);
   else if (isa >= fbs::kIsaAvx2 && hd % 8 == 0 && hd <= kMaxHd)
-    head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*)>(head_avx2);
+    head = static_cast<void (*)(const float*, const T*, const T*, int64_t, int64_t, float, float*, float*,
+                                const Visible*)>(head_avx2);
 #endif
   const int64_t ew = Entry<T>::width(hd), rs = Hkv * C * ew, hs = C * ew, group = H / Hkv;
   if (!ACC) {
@@ -224,7 +234,9 @@ void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const 
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t j = t / H, h = t % H;
         const int64_t kv = I[j] * rs + (h / group) * hs;
-        head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, L[j] + 1, hd, scale, p.data(), O + j * H * hd + h * hd);
+        const Visible vis = TREE ? Visible{TREE->bits[j], TREE->base[j]} : Visible{0, 0};
+        head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, L[j] + 1, hd, scale, p.data(), O + j * H * hd + h * hd,
+             TREE ? &vis : nullptr);
       }
     });
     return;
@@ -243,7 +255,7 @@ void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const 
         if (I[j] != r) continue;
         const int64_t n = L[j] + 1;
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, n, hd, scale, p.data(), O + j * H * hd + h * hd);
+          head(Q + j * qs0 + h * qs1, KC + kv, VC + kv, n, hd, scale, p.data(), O + j * H * hd + h * hd, nullptr);
           float z = 0.f;
           for (int64_t k = 0; k < n; ++k) z += p[k];
           const float iz = 1.f / z;
@@ -257,11 +269,11 @@ void attend_t(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const 
 
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
             const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
-            int64_t isa, float* O, float* ACC) {
+            int64_t isa, float* O, float* ACC, const Tree* TREE) {
   with_kv_type(kt, "fbs attention kernel", [&](auto t) {
     using T = decltype(t);
     attend_t(Q, qs0, qs1, I, L, m, H, static_cast<const T*>(KC), static_cast<const T*>(VC), Hkv, C, hd, scale, isa, O,
-             ACC);
+             ACC, TREE);
   });
 }
 }  // namespace fbs_attn

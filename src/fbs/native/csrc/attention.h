@@ -73,24 +73,51 @@ void with_kv_type(at::ScalarType kt, const char* who, F&& f) {
   }
 }
 
+// A token tree's visibility in a verifier's one pass over its nodes (fbs.engine.speculative): query j sees every key
+// before slot base[j] and, among slots base[j] .. base[j] + 63, those whose bit (slot - base[j]) of bits[j] is set
+// (the node's ancestors and itself); never a key past its own slot. A masked key's softmax weight is exactly 0.
+struct Tree {
+  const uint64_t* bits;
+  const int64_t* base;
+};
+// One query's part of a Tree: whether it sees key (slot) k
+struct Visible {
+  uint64_t bits;
+  int64_t base;
+  bool operator()(int64_t k) const { return k < base || (k - base < 64 && ((bits >> (k - base)) & 1)); }
+};
+// The visibility of keys k0 .. k0 + 15 to a query: bit t set where key k0 + t is visible
+inline uint32_t visible16(const Visible& vis, int64_t k0) {
+  uint32_t m = 0;
+  for (int t = 0; t < 16; ++t)
+    if (vis(k0 + t)) m |= 1u << t;
+  return m;
+}
+
 // One query head q (hd) over n cached keys K and values V (n entries): o (hd) = softmax(scale q . K) @ V; p: n floats
-// of scratch. Portable, and per instruction set (arch/x86/attention_*.cpp: hd a multiple of 16 or 8, <= kMaxHd).
+// of scratch. vis (null: every key): a token tree's node sees only the keys vis marks (the others' weights exactly
+// 0, the visible keys' arithmetic that of the same kernel over them alone). Portable, and per instruction set
+// (arch/x86/attention_*.cpp: hd a multiple of 16 or 8, <= kMaxHd).
 template <class T>
-void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o);
+void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o,
+                 const Visible* vis);
 #ifdef FBS_X86
 // Overloads per cache element type: float, at::Half, at::BFloat16, int8_t (FBS_KV_OVERLOADS).
 #define FBS_KV_OVERLOADS(DECL) DECL(float) DECL(at::Half) DECL(at::BFloat16) DECL(int8_t)
-#define FBS_HEAD_DECL(T)                                                                                          \
-  void head_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o); \
-  void head_avx2(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o);
+#define FBS_HEAD_DECL(T)                                                                                     \
+  void head_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o, \
+                   const Visible* vis);                                                                         \
+  void head_avx2(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o,   \
+                 const Visible* vis);
 // A group of nq queries (q[i], hd floats each, already multiplied by the softmax scale) over keys k0 .. k1 - 1 of
 // one cached K/V head (K, V: C entries), query i seeing keys up to last[i] only (hd a multiple of 64). Per query its
 // partial softmax: part[i] = (m, z, acc[hd]) with m the largest score seen, z = sum exp(s - m) and
 // acc = sum exp(s - m) v (m = -inf, z = 0, acc = 0 when it sees none of these keys). s: nq * (k1 - k0) floats of
 // scratch. (arch/x86/attention_avx512.cpp)
+// tbits / tbase (null: no tree): query i's token-tree visibility (Tree).
 #define FBS_GROUP_DECL(T)                                                                                       \
   void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0, \
-                    int64_t k1, int64_t hd, float* s, float* part);
+                    int64_t k1, int64_t hd, float* s, float* part, const uint64_t* tbits, const int64_t* tbase);
 FBS_KV_OVERLOADS(FBS_HEAD_DECL)
 FBS_KV_OVERLOADS(FBS_GROUP_DECL)
 #undef FBS_HEAD_DECL
@@ -115,9 +142,10 @@ float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who);
 // query heads of each KV head: what a cache policy that keeps accumulated attention reads (H2O,
 // fbs.engine.kvpolicy.attend_scored). The weights are the softmax numerators of this same pass, kept per key range
 // and scaled by the merged softmax (no second pass over the keys); tasks are then per (cache row, KV head).
+// TREE (null: none): the queries' token-tree visibility (Tree, indexed by query j); not with ACC.
 void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const int64_t* L, int64_t m, int64_t H,
             const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
-            int64_t isa, float* O, float* ACC = nullptr);
+            int64_t isa, float* O, float* ACC = nullptr, const Tree* TREE = nullptr);
 }  // namespace fbs_attn
 
 // See fbs.native.attend_one.

@@ -115,8 +115,8 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
 
 // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
 void Layer::attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
-                           const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H,
-                           float* acc) const {
+                           const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H, float* acc,
+                           const fbs_attn::Tree* tree) const {
   const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2);
   std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
   for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
@@ -128,13 +128,19 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
       for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
     for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
   }
-  std::vector<int64_t> rows(m), lens(m);  // each query's cache row and last slot
+  std::vector<int64_t> rows(m), lens(m), tbase(tree ? m : 0);  // each query's cache row and last slot (and tree)
+  std::vector<uint64_t> tbits(tree ? m : 0);
   for (int64_t j = 0; j < m; ++j) {
     rows[j] = st.idx[sel[j]];
     lens[j] = SL[sel[j]];
+    if (tree) {
+      tbits[j] = tree->bits[sel[j]];
+      tbase[j] = tree->base[sel[j]];
+    }
   }
+  const fbs_attn::Tree sel_tree{tbits.data(), tbase.data()};
   fbs_attn::attend(qv.data(), qw, hd, rows.data(), lens.data(), m, heads, kc.data_ptr(), vc.data_ptr(),
-                   kc.scalar_type(), nkv, C, hd, scale, st.isa, att.data(), acc);
+                   kc.scalar_type(), nkv, C, hd, scale, st.isa, att.data(), acc, tree ? &sel_tree : nullptr);
   mm(att.data(), m, o, H, st.isa);
   for (int64_t j = 0; j < m; ++j) {
     const float* xi = X + sel[j] * d;
@@ -345,7 +351,8 @@ const std::vector<double> kNoThresholds;
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                        const std::optional<at::Tensor>& acc, int64_t isa) {
+                        const std::optional<at::Tensor>& acc, int64_t isa,
+                        const std::optional<at::Tensor>& tree_bits, const std::optional<at::Tensor>& tree_base) {
   const Step st = make_step(x, L.d, L.hd, cos, sin, idx, isa, fbs_skip::kGather, true, kNoThresholds);
   const int64_t b = st.b, nk = L.kvg.n;
   const float* XN = fp32(xn, b * L.d, "xn");
@@ -380,7 +387,16 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
   }
   at::Tensor h = at::empty_like(x);
   float* ACC = acc ? fbs_attn::acc_data(*acc, kc, "fbs native layer") : nullptr;
-  L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>(), ACC);
+  TORCH_CHECK(tree_bits.has_value() == tree_base.has_value(), "fbs native layer: tree_bits and tree_base together");
+  fbs_attn::Tree tree{nullptr, nullptr};
+  if (tree_bits) {
+    for (const at::Tensor* t : {&*tree_bits, &*tree_base})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == b && t->device().is_cpu(),
+                  "fbs native layer: tree_bits / tree_base (b,) contiguous int64");
+    tree = {reinterpret_cast<const uint64_t*>(tree_bits->data_ptr<int64_t>()), tree_base->data_ptr<int64_t>()};
+  }
+  L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>(), ACC,
+                   tree_bits ? &tree : nullptr);
   return h;
 }
 

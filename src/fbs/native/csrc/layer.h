@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "attention.h"
 #include "packed.h"
 
 namespace fbs_layer {
@@ -51,10 +52,11 @@ struct Layer {
   // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
   void write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
                 const int64_t* SL) const;
-  // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
+  // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written);
+  // tree (null: none): row i's token-tree visibility (fbs_attn::Tree, indexed by step row)
   void attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
-                      const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H,
-                      float* acc = nullptr) const;
+                      const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H, float* acc = nullptr,
+                      const fbs_attn::Tree* tree = nullptr) const;
   // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
   void ffn_rows(float* H, int64_t m, int64_t isa) const;
   // Each row's cache slot from the given ones (SL): consecutive rows that share a cache row are consecutive
@@ -90,9 +92,13 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
 // step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
 // ffn_layer returns h + FFN(h). attend_layer's ``acc`` (B, Hkv, C) fp32, when given, receives the attention weights
 // (fbs_attn::attend's ACC, from the same pass: a cache policy that keeps accumulated attention, H2O).
+// tree_bits / tree_base ((b,) int64 each, or none): a verifier's token tree, row i seeing the keys before slot
+// tree_base[i] and, of the next 64 slots, those whose bit of tree_bits[i] is set (fbs_attn::Tree).
 at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& xn, const at::Tensor& cos,
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-                        const std::optional<at::Tensor>& acc, int64_t isa);
+                        const std::optional<at::Tensor>& acc, int64_t isa,
+                        const std::optional<at::Tensor>& tree_bits = std::nullopt,
+                        const std::optional<at::Tensor>& tree_base = std::nullopt);
 at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa);
 }  // namespace fbs_layer

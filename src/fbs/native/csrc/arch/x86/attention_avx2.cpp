@@ -9,7 +9,8 @@ namespace fbs_attn {
 namespace {
 template <class T>
 __attribute__((target("avx2,fma,f16c"))) void head_t(const float* q, const T* K, const T* V, int64_t n,
-                                                        int64_t hd, float scale, float* p, float* o) {
+                                                        int64_t hd, float scale, float* p, float* o,
+                                                        const Visible* vis) {
   using fbs_x86::load8;
   const int64_t nc = hd / 8;
   __m256 qv[kMaxHd / 8], acc[kMaxHd / 8];
@@ -19,7 +20,7 @@ __attribute__((target("avx2,fma,f16c"))) void head_t(const float* q, const T* K,
     const T* k = K + j * w;
     __m256 a = _mm256_mul_ps(qv[0], load8(k));
     for (int64_t c = 1; c < nc; ++c) a = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), a);
-    p[j] = fbs_x86::hsum256(a) * Entry<T>::scale(k, hd);
+    p[j] = !vis || (*vis)(j) ? fbs_x86::hsum256(a) * Entry<T>::scale(k, hd) : -INFINITY;
   }
   float z;
   softmax_(p, n, &z);
@@ -37,8 +38,9 @@ __attribute__((target("avx2,fma,f16c"))) void head_t(const float* q, const T* K,
 
 #define FBS_HEAD_DEF(T)                                                                                          \
   __attribute__((target("avx2,fma,f16c"))) void head_avx2(const float* q, const T* K, const T* V, int64_t n,     \
-                                                          int64_t hd, float scale, float* p, float* o) {        \
-    head_t(q, K, V, n, hd, scale, p, o);                                                                        \
+                                                          int64_t hd, float scale, float* p, float* o,          \
+                                                          const Visible* vis) {                                 \
+    head_t(q, K, V, n, hd, scale, p, o, vis);                                                                   \
   }
 FBS_KV_OVERLOADS(FBS_HEAD_DEF)
 #undef FBS_HEAD_DEF

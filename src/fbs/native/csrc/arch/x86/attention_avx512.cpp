@@ -12,7 +12,8 @@ using fbs_x86::load16;
 
 namespace {
 template <class T>
-FBS_A512 void head_t(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o) {
+FBS_A512 void head_t(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p, float* o,
+                     const Visible* vis) {
   const int64_t nc = hd / 16;
   __m512 qv[kMaxHd / 16], acc[kMaxHd / 16];
   for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale));
@@ -21,7 +22,7 @@ FBS_A512 void head_t(const float* q, const T* K, const T* V, int64_t n, int64_t 
     const T* k = K + j * ew;
     __m512 a = _mm512_mul_ps(qv[0], load16(k));
     for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), a);
-    p[j] = _mm512_reduce_add_ps(a) * Entry<T>::scale(k, hd);
+    p[j] = !vis || (*vis)(j) ? _mm512_reduce_add_ps(a) * Entry<T>::scale(k, hd) : -INFINITY;
   }
   float z;
   softmax_(p, n, &z);
@@ -74,7 +75,8 @@ FBS_A512 void pv(const float* const* p, const T* V, int64_t n, int64_t hd, int64
 }
 template <class T>
 FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0,
-                           int64_t k1, int64_t hd, float* s, float* part) {
+                           int64_t k1, int64_t hd, float* s, float* part, const uint64_t* tbits,
+                           const int64_t* tbase) {
   const int64_t kn = k1 - k0, nc = hd / 16, ps = hd + 2, ew = Entry<T>::width(hd);
   // scores s[i][j - k0] = q_i . K_j, 16 keys at a time; a block's last keys past k1 repeat key k1 - 1 (not stored)
   for (int64_t jb = k0; jb < k1; jb += 16) {
@@ -100,30 +102,41 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
       _mm512_mask_storeu_ps(s + i * kn + (jb - k0), mask, r);
     }
   }
-  // per query: its softmax numerators over the keys it sees (zero past them), their max and sum
+  // per query: its softmax numerators over the keys it sees (zero past them, and for a token tree's node at the
+  // keys it does not see), their max and sum
   for (int64_t i = 0; i < nq; ++i) {
     float* si = s + i * kn;
     float* pi = part + i * ps;
     const int64_t n = std::max<int64_t>(0, std::min(k1, last[i] + 1) - k0);
+    // the tree's visibility of keys k0 + j .. k0 + j + 15 (all of them without a tree)
+    auto seen = [&](int64_t j) -> __mmask16 {
+      return tbits && k0 + j + 15 >= tbase[i] ? __mmask16(visible16(Visible{tbits[i], tbase[i]}, k0 + j))
+                                               : __mmask16(0xFFFF);
+    };
     __m512 mv = _mm512_set1_ps(-INFINITY);
+    bool any = false;
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __mmask16 mk = (n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1)) & seen(j);
+      any = any || mk != 0;
       mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, si + j));
     }
     const float m = _mm512_reduce_max_ps(mv);
-    __m512 zv = _mm512_setzero_ps();
+    // their sum in fp64 (then rounded once): the same fp32 z whichever lanes the keys occupy, so a token tree's node
+    // (its ancestors at other slots than a chain's) sums exactly what its chain sums
+    __m512d zlo = _mm512_setzero_pd(), zhi = _mm512_setzero_pd();
     const __m512 mb = _mm512_set1_ps(m);
     for (int64_t j = 0; j < kn; j += 16) {
       const int64_t left = kn - j;
       const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
       const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, n - j));
-      const __mmask16 mv16 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+      const __mmask16 mv16 = (valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1)) & seen(j);
       const __m512 e = _mm512_maskz_mov_ps(mv16, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mv16, si + j), mb)));
-      zv = _mm512_add_ps(zv, e);
+      zlo = _mm512_add_pd(zlo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+      zhi = _mm512_add_pd(zhi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
       _mm512_mask_storeu_ps(si + j, mk, e);
     }
-    pi[0] = n > 0 ? m : -INFINITY;
-    pi[1] = _mm512_reduce_add_ps(zv);
+    pi[0] = any ? m : -INFINITY;
+    pi[1] = float(_mm512_reduce_add_pd(_mm512_add_pd(zlo, zhi)));
     std::fill_n(pi + 2, hd, 0.f);
   }
   // acc_i = sum_j p_ij V_j: each value row loaded once per chunk of up to 6 queries and 64 columns
@@ -153,12 +166,13 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
 
 #define FBS_ATTN_DEFS(T)                                                                                           \
   FBS_A512 void head_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t hd, float scale, float* p,   \
-                            float* o) {                                                                           \
-    head_t(q, K, V, n, hd, scale, p, o);                                                                          \
+                            float* o, const Visible* vis) {                                                       \
+    head_t(q, K, V, n, hd, scale, p, o, vis);                                                                     \
   }                                                                                                               \
   FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V,       \
-                             int64_t k0, int64_t k1, int64_t hd, float* s, float* part) {                         \
-    group_t(q, last, nq, K, V, k0, k1, hd, s, part);                                                              \
+                             int64_t k0, int64_t k1, int64_t hd, float* s, float* part, const uint64_t* tbits,   \
+                             const int64_t* tbase) {                                                               \
+    group_t(q, last, nq, K, V, k0, k1, hd, s, part, tbits, tbase);                                                \
   }
 FBS_KV_OVERLOADS(FBS_ATTN_DEFS)
 #undef FBS_ATTN_DEFS
