@@ -386,16 +386,19 @@ def test_lookahead_trie_and_the_verifiers_node_order():
 
 def test_lookahead_as_one_chain_and_as_a_native_tree(one_thread):
     """``tree=False`` proposes one chain per pass (nodes == depth); int8 ops verify its whole trie in their native
-    multi-token steps (nodes > depth): both give full depth's tokens in their format."""
+    multi-token steps with ``native_trees`` (nodes > depth), its chain of first children without: each gives full
+    depth's tokens in its format."""
     model = _model("llama")
     kw = dict(max_new_tokens=48, ignore_eos=True)
     full = model.generate(_prompts(), force_compute=True, **kw).new_tokens
     chain = model.generate(_prompts(), draft="lookahead", draft_options={"tree": False}, **kw)
     assert chain.new_tokens == full and chain.speculative.nodes == chain.speculative.proposed > 0
     full8 = model.generate(_prompts(), force_compute=True, weights="int8", **kw).new_tokens
-    native = model.generate(_prompts(), draft="lookahead", weights="int8", **kw)
+    native = model.generate(_prompts(), draft="lookahead", weights="int8", native_trees=True, **kw)
     assert native.new_tokens == full8
     assert native.speculative.nodes > native.speculative.proposed > 0
+    chains = model.generate(_prompts(), draft="lookahead", weights="int8", **kw)
+    assert chains.new_tokens == full8 and chains.speculative.nodes == chains.speculative.proposed > 0
     with pytest.raises(ValueError, match="candidates <= pool"):
         model.generate(_prompts(), draft="lookahead", draft_options={"pool": 2, "candidates": 3}, **kw)
 

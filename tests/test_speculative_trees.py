@@ -264,13 +264,17 @@ def test_bench_runs_group_a_on_the_verifier(one_thread, tmp_path):
     missing = build_systems(model.base.hf, None, model, RunSpec(systems=("specdec", "medusa", "eagle")))
     assert [s.unavailable(1).split("`")[1].split(" --")[0] for s in missing] == [
         "fbs train draft-model", "fbs train medusa", "fbs train eagle"]
+    twice = build_systems(model.base.hf, None, model, RunSpec(systems=("lookahead", "medusa"), group_a_paths=paths,
+                                                              native_trees=True))
+    assert [(s.name, s.knobs.get("native_trees", False)) for s in twice] == [
+        ("lookahead", False), ("lookahead-trees", True), ("medusa", False), ("medusa-trees", True)]
 
 
 @pytest.mark.parametrize("weights", ["int8", "q4"])
 def test_native_formats_verify_whole_trees(weights, one_thread):
-    """Ops that verify in native multi-token steps verify whole token trees (nodes > proposed, as on the PyTorch
-    ops) and the output is full depth's in that format: the oracle tree and Medusa's top-k tree, heads of 16 and
-    of 64."""
+    """With ``native_trees`` the native multi-token steps verify whole token trees (nodes > proposed, as on the
+    PyTorch ops), without it each tree's chain of first children (nodes == proposed); both give full depth's output
+    in that format: the oracle tree and Medusa's top-k tree, heads of 16 and of 64."""
     from test_speculative_drafts import _heads
 
     for model in (_model("llama"), _model_hd64("llama")):
@@ -279,10 +283,12 @@ def test_native_formats_verify_whole_trees(weights, one_thread):
         V = model.base.spec.vocab_size
         for name, draft, options in [("oracle", _oracle(full, V), None),
                                      ("medusa", "medusa", {"heads": _heads(model)})]:
-            res = model.generate(PROMPTS, draft=draft, draft_options=options, draft_tokens=5, **kw)
-            st = res.speculative
-            assert res.new_tokens == full, name
-            assert st.nodes > st.proposed > 0, name
+            for trees in (True, False):
+                res = model.generate(PROMPTS, draft=draft, draft_options=options, draft_tokens=5,
+                                     native_trees=trees, **kw)
+                st = res.speculative
+                assert res.new_tokens == full, (name, trees)
+                assert (st.nodes > st.proposed > 0) if trees else (st.nodes == st.proposed > 0), (name, trees)
 
 
 def test_medusa_typical_acceptance_samples_within_the_warped_support(one_thread):

@@ -51,7 +51,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        weights=args.weights, compile=COMPILE_MODES[args.compile], batch_policies=args.batch_policies,
                        ffn_skip_thresholds=args.ffn_skip_thresholds, flexidepth=args.flexidepth,
                        flexidepth_taus=args.flexidepth_taus,
-                       draft_tokens=args.draft_tokens, draft_layers=args.draft_layers, kangaroo=args.kangaroo,
+                       draft_tokens=args.draft_tokens, native_trees=args.native_trees, draft_layers=args.draft_layers,
+                       kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
                        prefill_chunk=args.prefill_chunk,
                        kv_dtypes=args.kv_dtypes, prefills=args.prefills,
@@ -126,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FlexiDepth router thresholds, comma list: one system each (default: the checkpoint's tau)")
     p.add_argument("--draft-tokens", type=int,
                    help="lossless systems (fbs-lossless, draft-verify, kangaroo): most tokens drafted per verify pass")
+    p.add_argument("--native-trees", action="store_true",
+                   help="Group A systems: each also once as <name>-trees, verifying whole token trees in the native "
+                        "multi-token steps (the plain rows verify each tree's chain of first children there)")
     p.add_argument("--draft-layers", help="draft-verify: the skip set JSON of `fbs train draft-search` (or 3,5,7)")
     p.add_argument("--kangaroo", help="kangaroo: adapter directory of `fbs train kangaroo`")
     p.add_argument("--specdec", help="specdec (Group A): the draft model of `fbs train draft-model`")

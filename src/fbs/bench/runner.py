@@ -104,6 +104,9 @@ class RunSpec:
     """FlexiDepth's router thresholds, one system each (``flexidepth-tau<t>``); empty = the checkpoint's tau."""
     draft_tokens: int | None = None
     """Most tokens drafted per verification pass of the lossless systems; None = the engine's default."""
+    native_trees: bool = False
+    """Group A: each system also once with ``native_trees`` (``<name>-trees``: whole token trees verified in the
+    native multi-token steps; the plain rows verify their chains there)."""
     draft_layers: str | None = None
     """Draft&Verify's static skip set (``fbs train draft-search`` JSON, or a comma list); None = the row says how."""
     kangaroo: str | None = None
@@ -227,7 +230,7 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
                                     spec.lossless_taus)
     group_a = [g for g in GROUP_A if spec.wants(g)]
     if group_a:
-        systems += group_a_systems(fbs_model, group_a, spec.group_a_paths, spec.draft_tokens)
+        systems += group_a_systems(fbs_model, group_a, spec.group_a_paths, spec.draft_tokens, spec.native_trees)
     return _decode_variants(systems, spec)
 
 

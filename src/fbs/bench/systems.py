@@ -296,11 +296,12 @@ GROUP_A_TRAIN = {"specdec": "fbs train draft-model --out-dir runs/draft_model",
 
 
 def group_a_systems(fbs_model, names, paths: dict[str, str | None] | None = None,
-                    draft_tokens: int | None = None) -> list:
+                    draft_tokens: int | None = None, native_trees: bool = False) -> list:
     """Group A on the engine's one verifier (:mod:`fbs.engine.drafts`), one system per name of :data:`GROUP_A`:
     prompt lookup and lookahead (training-free), the distilled draft model (``paths["specdec"]``), Medusa heads and
     the EAGLE layer (``paths[name]``, else the ones shipped for the model's base). A trained draft that is missing
-    gives a row naming the command that makes it."""
+    gives a row naming the command that makes it. ``native_trees``: each also as ``<name>-trees`` with
+    ``native_trees=True`` (whole token trees in the native multi-token steps)."""
     from fbs.baselines import shipped_draft
 
     paths = paths or {}
@@ -318,8 +319,11 @@ def group_a_systems(fbs_model, names, paths: dict[str, str | None] | None = None
                 f"--{draft} runs/{draft if draft != 'specdec' else 'draft_model'}")))
             continue
         options = {"path": path} if path is not None else None
-        out.append(SpeculativeSystem(system, fbs_model, {"lossless": True, "draft": draft, "draft_options": options,
-                                                         **gamma}, draft=path or draft))
+        knobs = {"lossless": True, "draft": draft, "draft_options": options, **gamma}
+        out.append(SpeculativeSystem(system, fbs_model, knobs, draft=path or draft))
+        if native_trees:
+            out.append(SpeculativeSystem(f"{system}-trees", fbs_model, {**knobs, "native_trees": True},
+                                         draft=path or draft))
     return out
 
 

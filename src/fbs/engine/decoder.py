@@ -108,6 +108,9 @@ class DecodeOptions:
                                              # (fbs, plan, kangaroo, prompt-lookup, lookahead, specdec, medusa, ...)
                                              # or a factory(session, **draft_options); implies lossless
     draft_options: dict | None = None        # the draft source's options (e.g. {"ngram": 3}, {"path": DIR})
+    native_trees: bool = False               # lossless, native formats: verify a draft's whole token tree in the
+                                             # native multi-token steps (else its chain of first children: a tree's
+                                             # extra nodes cost more than they gain on this engine, BENCHMARKS §7)
     skip_policy: object | None = None        # a baseline's skip policy (fbs.baselines) decides instead of the gates
 
     def __post_init__(self):

@@ -501,10 +501,12 @@ class _Speculation:
         self.drafter: DraftSource = self._drafter(o)
         self.typical = getattr(self.drafter, "acceptance", "exact") == "typical" and o.do_sample
         self.tree_nodes = max(int(getattr(self.drafter, "max_nodes", 0) or 0), o.draft_tokens)
-        # token trees: on the PyTorch ops, or in the native multi-token steps with the tree's visibility (up to
-        # native.TREE_NODES tokens a pass, the root included; larger trees verify their chain of first children)
+        # token trees: on the PyTorch ops; in the native multi-token steps, with the tree's visibility, when asked
+        # (``native_trees``; up to native.TREE_NODES tokens a pass, the root included); else each tree's chain of
+        # first children
         native_ops = getattr(self.verify_ops, "native_packed", False)
-        self.trees = self.drafter.start == 0 and (not native_ops or self.tree_nodes + 1 <= native.TREE_NODES)
+        self.trees = self.drafter.start == 0 and (
+            not native_ops or (o.native_trees and self.tree_nodes + 1 <= native.TREE_NODES))
         if self.trees and self.tree_nodes > o.draft_tokens:  # room in the cache for a whole tree past the context
             need = max(len(p) for p in dec.prompts) + o.max_new_tokens + self.tree_nodes + 1
             if need > dec.cache.capacity:
@@ -545,7 +547,7 @@ class _Speculation:
         for r in rows:
             d = proposals.get(r) or Draft([])
             if d.parents is not None and not self.trees:
-                d = d.chain()  # this verifier runs chains only (a tree too large for a native pass)
+                d = d.chain()  # this verifier runs chains only (native steps without native_trees, or too many nodes)
             if d.depth() > budget[r] or (d.parents is not None and len(d.tokens) > self.tree_nodes):
                 raise ValueError(f"draft {self.drafter.name!r} proposed {len(d.tokens)} tokens of depth {d.depth()} "
                                  f"for a budget of {budget[r]} (at most {self.tree_nodes} tree nodes)")
