@@ -55,6 +55,26 @@ def test_commands_map_the_protocol():
     assert flags(pp) == {"-m": "/m/x.Q4_0.gguf", "-p": "512", "-n": "0", "-d": "0", "-t": "2", "-r": "5", "-o": "json"}
     assert flags(tg) == {"-m": "/m/x.Q4_0.gguf", "-p": "0", "-n": "128", "-d": "512", "-t": "2", "-r": "5",
                          "-o": "json"}
+    # llama.cpp's int8 KV cache: q8_0 keys and values, with the flash attention a quantized V cache needs
+    pp, tg = bench_commands(Path("/b/llama-bench"), Path("/m/x.Q4_0.gguf"), cfg, threads=2, reps=5, kv_type="q8_0")
+    for cmd in (pp, tg):
+        assert {k: flags(cmd)[k] for k in ("-ctk", "-ctv", "-fa")} == {"-ctk": "q8_0", "-ctv": "q8_0", "-fa": "1"}
+    with pytest.raises(ValueError, match="unknown llama.cpp KV cache type 'q4_0'"):
+        bench_commands(Path("/b/llama-bench"), Path("/m/x.gguf"), cfg, threads=2, reps=5, kv_type="q4_0")
+
+
+def test_llama_cpp_systems_once_per_kv_type():
+    from fbs.bench.runner import RunSpec, build_systems
+
+    spec = RunSpec(systems=("llama-cpp-q4_0",), llama_kv_types=("f16", "q8_0"))
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))  # llama.cpp systems read nothing of it
+    systems = build_systems(hf, None, None, spec)
+    assert [(s.name, s.params["kv_type"], s.params["flash_attn"]) for s in systems] == [
+        ("llama-cpp-q4_0", "f16", False), ("llama-cpp-q4_0-kvq8_0", "q8_0", True)]
+    with pytest.raises(ValueError, match="llama_kv_types must be distinct names from f16, q8_0"):
+        RunSpec(systems=("llama-cpp-q4_0",), llama_kv_types=("q4_0",))
 
 
 class RecordedRunner:

@@ -52,6 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        ffn_skip_thresholds=args.ffn_skip_thresholds, flexidepth=args.flexidepth,
                        flexidepth_taus=args.flexidepth_taus,
                        draft_tokens=args.draft_tokens, native_trees=args.native_trees, draft_layers=args.draft_layers,
+                       llama_kv_types=args.llama_kv_types,
                        kangaroo=args.kangaroo,
                        lossless_taus=args.lossless_taus, kv_caches=args.kv_caches, kv_budget=args.kv_budget,
                        prefill_chunk=args.prefill_chunk,
@@ -127,6 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FlexiDepth router thresholds, comma list: one system each (default: the checkpoint's tau)")
     p.add_argument("--draft-tokens", type=int,
                    help="lossless systems (fbs-lossless, draft-verify, kangaroo): most tokens drafted per verify pass")
+    p.add_argument("--llama-kv-type", dest="llama_kv_types", type=_strs, default=s.llama_kv_types,
+                   help="llama.cpp systems: KV cache types, comma list from f16 (its default), q8_0 (with flash "
+                        "attention; -kvq8_0 in the name): each llama.cpp system once per type")
     p.add_argument("--native-trees", action="store_true",
                    help="Group A systems: each also once as <name>-trees, verifying whole token trees in the native "
                         "multi-token steps (the plain rows verify each tree's chain of first children there)")

@@ -124,9 +124,20 @@ def parse_bench_json(text: str) -> list[BenchTest]:
     return tests
 
 
-def bench_commands(binary: Path, model: Path, cfg: BenchConfig, threads: int, reps: int) -> tuple[list[str], list[str]]:
-    """The prefill and decode llama-bench command lines of the protocol in ``cfg`` (see the module docstring)."""
+#: llama.cpp's KV cache types a llama-bench system may use (``-ctk`` / ``-ctv``): f16 (its default) or q8_0 (int8
+#: blocks of 32 with a scale; a quantized V cache needs flash attention, ``-fa 1``)
+KV_TYPES = ("f16", "q8_0")
+
+
+def bench_commands(binary: Path, model: Path, cfg: BenchConfig, threads: int, reps: int,
+                   kv_type: str = "f16") -> tuple[list[str], list[str]]:
+    """The prefill and decode llama-bench command lines of the protocol in ``cfg`` (see the module docstring), with
+    the KV cache in ``kv_type`` (:data:`KV_TYPES`; other than f16: ``-ctk`` / ``-ctv`` and flash attention)."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"unknown llama.cpp KV cache type {kv_type!r}; choose from {', '.join(KV_TYPES)}")
     common = ["-t", str(threads), "-r", str(reps), "-o", "json"]
+    if kv_type != "f16":
+        common += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"]
     pp = [str(binary), "-m", str(model), "-p", str(cfg.prompt_len), "-n", "0", "-d", "0", *common]
     tg = [str(binary), "-m", str(model), "-p", "0", "-n", str(cfg.new_tokens), "-d", str(cfg.prompt_len), *common]
     return pp, tg
@@ -233,6 +244,7 @@ class LlamaBenchSystem:
     fmt: str
     base: str = "smollm2-135m"
     root: Path | None = None
+    kv_type: str = "f16"  # llama.cpp's KV cache type (KV_TYPES); q8_0 adds -kvq8_0 to the name
     n_threads: int | None = None  # None: torch's thread count (the benchmark's --threads)
     runner: Callable[[list[str]], ToolRun] = run_tool
     family: str = "external"
@@ -242,8 +254,10 @@ class LlamaBenchSystem:
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown llama.cpp format {self.fmt!r}; choose from {', '.join(FORMATS)}")
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"unknown llama.cpp KV cache type {self.kv_type!r}; choose from {', '.join(KV_TYPES)}")
         self.root = Path(self.root) if self.root is not None else install_dir()
-        self.name = system_name(self.fmt)
+        self.name = system_name(self.fmt) + ("" if self.kv_type == "f16" else f"-kv{self.kv_type}")
         self._facts: dict[str, Any] | None = None
 
     @property
@@ -261,7 +275,8 @@ class LlamaBenchSystem:
     @property
     def params(self) -> dict[str, Any]:
         return {"format": self.fmt, "gguf": self.model.name, "n_threads": self.threads, "tool": "llama-bench",
-                "prefill": "pp<prompt_len> at depth 0", "decode": "tg<new_tokens> at depth <prompt_len>"}
+                "prefill": "pp<prompt_len> at depth 0", "decode": "tg<new_tokens> at depth <prompt_len>",
+                "kv_type": self.kv_type, "flash_attn": self.kv_type != "f16"}
 
     def unavailable(self, batch_size: int) -> str:
         if Path(self.base).name != self.base:  # an HF directory: the build script makes a bundled model's formats
@@ -277,7 +292,7 @@ class LlamaBenchSystem:
     def _measure(self, prompt_len: int, new_tokens: int, reps: int) -> list[GenOutput]:
         cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens)
         tests, peak = [], 0.0
-        for cmd in bench_commands(self.binary, self.model, cfg, self.threads, reps):
+        for cmd in bench_commands(self.binary, self.model, cfg, self.threads, reps, self.kv_type):
             run = self.runner(cmd)
             if run.returncode != 0:
                 tail = (run.stderr.strip().splitlines() or ["(no output)"])[-1]

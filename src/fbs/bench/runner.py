@@ -26,6 +26,7 @@ from fbs.bench.harness import (PROMPT_SOURCE, BenchConfig, SystemResult, build_p
 from fbs.bench.prompt_sets import SOURCES, build_prompt_set
 from fbs import native
 from fbs.bench.llama_cpp import FORMATS as LLAMA_CPP_FORMATS
+from fbs.bench.llama_cpp import KV_TYPES as LLAMA_CPP_KV_TYPES
 from fbs.bench.llama_cpp import LlamaBenchSystem, system_name
 from fbs.bench.llama_cpp import formats_for as llama_cpp_formats_for
 from fbs.bench.roofline import MachinePeaks, decode_roofline, measure_machine, system_format
@@ -104,6 +105,9 @@ class RunSpec:
     """FlexiDepth's router thresholds, one system each (``flexidepth-tau<t>``); empty = the checkpoint's tau."""
     draft_tokens: int | None = None
     """Most tokens drafted per verification pass of the lossless systems; None = the engine's default."""
+    llama_kv_types: tuple[str, ...] = ("f16",)
+    """llama.cpp systems: each once per KV cache type (``fbs.bench.llama_cpp.KV_TYPES``; q8_0 with flash attention,
+    named ``<system>-kvq8_0``)."""
     native_trees: bool = False
     """Group A: each system also once with ``native_trees`` (``<name>-trees``: whole token trees verified in the
     native multi-token steps; the plain rows verify their chains there)."""
@@ -149,6 +153,10 @@ class RunSpec:
             raise ValueError(f"compile must be a bool or a tuple of distinct bools, got {self.compile!r}")
         if not self.kv_caches:
             raise ValueError("kv_caches must name at least one policy (full for the full cache)")
+        if not self.llama_kv_types or set(self.llama_kv_types) - set(LLAMA_CPP_KV_TYPES) \
+                or len(set(self.llama_kv_types)) != len(self.llama_kv_types):
+            raise ValueError(f"llama_kv_types must be distinct names from {', '.join(LLAMA_CPP_KV_TYPES)}, "
+                             f"got {self.llama_kv_types}")
         for kv in self.kv_caches:
             prefill_chunk_size(self.prefill_chunk, make_policy(kv, None if kv == "full" else self.kv_budget))
         if not self.kv_dtypes or len(set(self.kv_dtypes)) != len(self.kv_dtypes):
@@ -193,8 +201,8 @@ def build_systems(model, tok, fbs_model, spec: RunSpec, draft=None, draft_tok=No
         systems.append(hf_early_exit(model, spec.early_exit_layer or L // 2, spec.num_assistant_tokens))
     if spec.wants("assisted"):
         systems.append(hf_assisted(model, draft, tok, draft_tok, spec.num_assistant_tokens, spec.draft_runs))
-    systems += [LlamaBenchSystem(fmt, spec.base) for fmt, group in zip(LLAMA_CPP_FORMATS, LLAMA_CPP_GROUPS)
-                if spec.wants(group) and fmt in llama_cpp_formats_for(spec.base)]
+    systems += [LlamaBenchSystem(fmt, spec.base, kv_type=kv) for fmt, group in zip(LLAMA_CPP_FORMATS, LLAMA_CPP_GROUPS)
+                if spec.wants(group) and fmt in llama_cpp_formats_for(spec.base) for kv in spec.llama_kv_types]
     if spec.wants("ffn-skipllm"):
         systems += ffn_skip_systems(model, tok, spec.ffn_skip_thresholds)
     if spec.wants("flexidepth"):

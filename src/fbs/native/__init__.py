@@ -13,8 +13,9 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
   chunks, channel-interleaved, with software prefetch. The instruction set is chosen at run time; without AVX2
   (not x86) the PyTorch op stays in use.
 * ``attention.cpp`` + ``arch/x86/attention_*.cpp``: **one-query attention** (:func:`attend_one`): each row's new
-  K/V written at its slot and its query attending over that row's filled prefix only. fp32 decoding keeps SDPA
-  (HF's op, so that fp32 stays bit-faithful).
+  K/V written at its slot and its query attending over that row's filled prefix only (a token tree's node: over
+  its ancestors among the round's slots, :func:`tree_bits`). Cache entries fp32, fp16, bf16 or int8 with a scale
+  per entry (csrc/attention.h, ``Entry``). fp32 decoding keeps SDPA (HF's op, so that fp32 stays bit-faithful).
 * ``norm.cpp``: **RMSNorm** (:func:`rms_norm`) in one call, and **row-independent fp32 products**
   (:func:`linear_rows`) for the small modules (PAW) the engine runs outside a native layer.
 * ``layer.cpp``: **a whole decoder layer** (:class:`NativeLayer`, built by :class:`fbs.engine.fused.FusedOps` per
