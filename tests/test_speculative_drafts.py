@@ -424,3 +424,23 @@ def test_the_verifier_times_its_draft_source(one_thread):
     t = res.timings
     assert Slow.calls > 0 and 0.002 * Slow.calls <= t["draft_s"] <= t["decode_s"]
     assert "draft_s" not in model.generate(_prompts(), max_new_tokens=4, ignore_eos=True).timings
+
+
+@pytest.mark.parametrize("weights", ["q4", "q8", "fp32"])
+def test_drafts_run_the_lm_head_in_the_decode_format(weights, one_thread):
+    """Medusa's heads and EAGLE's layer read the LM head the decode ops hold (:func:`draft_lm_head`): the format's
+    own product over normed states, the final norm and head of the ops' ``head`` to rounding; the HF ops keep the
+    model's head."""
+    from fbs.engine.drafts import draft_lm_head
+
+    model = _model("llama")
+    dec = _decoder(model, max_new_tokens=4, weights=weights)
+    head = draft_lm_head(dec)
+    assert head == dec.ops.lm_head
+    x = torch.randn(3, 1, model.base.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    ref = dec.ops.head(x)
+    got = head(model.base.norm(x))
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    fp32 = model.base.lm_head(model.base.norm(x))
+    assert torch.equal(got, fp32) == (weights == "fp32")  # q8 / q4 formats: not the fp32 product
+    assert draft_lm_head(_decoder(model, max_new_tokens=4, weights="hf")) is model.base.lm_head

@@ -408,6 +408,13 @@ def _tree_order(tokens: list[int], parents: list[int], accepted: list[int]) -> d
 
 
 # --------------------------------------------------------------------------- a separate draft model
+def draft_lm_head(dec):
+    """The LM head a draft runs on its own states: the decode ops' (the decode format's product, e.g. q8 under q4,
+    :meth:`fbs.engine.fused.FusedOps.lm_head`) where they have one, else the model's. Only proposals read it: the
+    verifier's logits decide what is kept."""
+    return getattr(dec.ops, "lm_head", None) or dec.m.base.lm_head
+
+
 def _linear_params(module: torch.nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
 
@@ -596,7 +603,7 @@ class HeadsDraft(BaseDraft):
         if not live:
             return out
         h = self.dec.m.base.norm(torch.cat([self.hidden[r] for r in live]))
-        logits = self.heads(h, self.dec.m.base.lm_head).float()  # (K, b, V)
+        logits = self.heads(h, draft_lm_head(self.dec)).float()  # (K, b, V)
         self.calls += len(live)
         o = self.dec.opts
         ranks = 1 + max((max(p) for p in self.tree), default=0) if self.tree is not None else 1
@@ -711,7 +718,7 @@ class EagleDraft(BaseDraft):
     # ---- the dynamic tree --------------------------------------------------------
     def _logp(self, h: torch.Tensor) -> torch.Tensor:
         self.head_rows += h.shape[0]
-        return self.base.lm_head(self.base.norm(h)).float().log_softmax(-1)
+        return draft_lm_head(self.dec)(self.base.norm(h)).float().log_softmax(-1)
 
     @torch.no_grad()
     def propose(self, rows, budget):

@@ -591,6 +591,12 @@ class FusedOps(LayerByLayer):
         x = x.clone(memory_format=torch.contiguous_format)  # a prefill's last position: the decode's strides
         return self._head_fn(x, self.norm_w, *self.head_w.tensors, **self._k_head)
 
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head alone over already-normed states x (..., d), in the decode format (its native product where
+        the format has one): for a draft that runs the head on states of its own (Medusa's heads, EAGLE's layer) at
+        the format's bytes instead of the fp32 head's."""
+        return matmul(x.contiguous(), *self.head_w.tensors)
+
     def preview_terms(self, zlow: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, ...]:
         """Per gated layer, the (rows, 1, G) part of its gate's hidden pre-activation that does not depend on the
         layer's input: hidden bias + preview term of ``zlow`` (rows, 1, R), all layers in one matmul; ``zlow`` None
