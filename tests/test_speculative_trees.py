@@ -270,15 +270,16 @@ def test_bench_runs_group_a_on_the_verifier(one_thread, tmp_path):
         ("lookahead", False), ("lookahead-trees", True), ("medusa", False), ("medusa-trees", True)]
 
 
-@pytest.mark.parametrize("weights", ["int8", "q4"])
-def test_native_formats_verify_whole_trees(weights, one_thread):
+@pytest.mark.parametrize("weights,kv_dtype", [("int8", "fp32"), ("q4", "fp32"), ("q4", "int8")])
+def test_native_formats_verify_whole_trees(weights, kv_dtype, one_thread):
     """With ``native_trees`` the native multi-token steps verify whole token trees (nodes > proposed, as on the
     PyTorch ops), without it each tree's chain of first children (nodes == proposed); both give full depth's output
-    in that format: the oracle tree and Medusa's top-k tree, heads of 16 and of 64."""
+    in that format (and KV cache storage: an int8 cache's entries move with their scales when the kept path is
+    compacted): the oracle tree and Medusa's top-k tree, heads of 16 and of 64."""
     from test_speculative_drafts import _heads
 
     for model in (_model("llama"), _model_hd64("llama")):
-        kw = dict(max_new_tokens=32, ignore_eos=True, weights=weights)
+        kw = dict(max_new_tokens=32, ignore_eos=True, weights=weights, kv_dtype=kv_dtype)
         full = model.generate(PROMPTS, force_compute=True, **kw).new_tokens
         V = model.base.spec.vocab_size
         for name, draft, options in [("oracle", _oracle(full, V), None),
