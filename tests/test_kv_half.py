@@ -13,6 +13,7 @@ from fbs.engine.cache import KV_DTYPES, KVCache, kv_storage_dtype
 from fbs.engine.decoder import DecodeOptions
 from fbs.engine.kvpolicy import SINKS
 from fbs.engine.loop import run, start
+from fbs.engine.quant import kv_load, kv_store
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: max |half - fp32| of a logit relative to the fp32 logits' range: one unit roundoff of the storage (2^-11 fp16,
@@ -49,22 +50,24 @@ def test_a_half_cache_stores_rounded_entries_and_reads_fp32():
 
 
 # --------------------------------------------------------------------------- the native attention
-@pytest.mark.parametrize("kv_dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("kv_dtype", ["fp16", "bf16", "int8"])
 @pytest.mark.parametrize("hd", [12, 24, 64, 128])
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_attention_over_half_kv_equals_float64_sdpa(isa, kv_dtype, hd, heads, threads):
-    """Write + one-query attention over a half cache: the new K/V stored as PyTorch rounds them, and the output equal
-    to a float64 SDPA over the same rounded cache within fp32 accumulation error. Head dims 64 / 128 take the grouped
-    AVX-512 kernel (key ranges split across threads, tails of 16 keys), 24 the per-head AVX2 (and, on AVX-512, the
-    scalar) path, 12 the scalar one; GQA (6 query heads over 2 KV heads) and one query head per KV head; rows that
-    share a cache row (consecutive positions of one sequence, each seeing its own prefix) next to one of their own."""
-    dt = HALF[kv_dtype]
+def test_native_attention_over_reduced_kv_equals_float64_sdpa(isa, kv_dtype, hd, heads, threads):
+    """Write + one-query attention over a half (or int8) cache: the new K/V stored as the PyTorch codec stores them
+    (:func:`kv_store`: PyTorch's cast; int8: codes and a scale per entry, tests/test_kv_int8.py), and the output equal
+    to a float64 SDPA over the same stored cache, decoded, within fp32 accumulation error. Head dims 64 / 128 take the
+    grouped AVX-512 kernel (key ranges split across threads, tails of 16 keys), 24 the per-head AVX2 (and, on
+    AVX-512, the scalar) path, 12 the scalar one; GQA (6 query heads over 2 KV heads) and one query head per KV head;
+    rows that share a cache row (consecutive positions of one sequence, each seeing its own prefix) next to one of
+    their own."""
+    dt = KV_DTYPES[kv_dtype]
     H, Hkv = heads
     g = torch.Generator().manual_seed(hd + threads + H)
     B, C = 3, 300
-    kc = (torch.randn(B, Hkv, C, hd, generator=g) * 2).to(dt)
-    vc = (torch.randn(B, Hkv, C, hd, generator=g) * 3).to(dt)
+    kc = kv_store(torch.randn(B, Hkv, C, hd, generator=g) * 2, dt)
+    vc = kv_store(torch.randn(B, Hkv, C, hd, generator=g) * 3, dt)
     idx = torch.tensor([1, 1, 1, 0])  # three positions of cache row 1, one of row 0
     slots = torch.tensor([270, 271, 272, 5])
     b = idx.numel()
@@ -72,10 +75,11 @@ def test_native_attention_over_half_kv_equals_float64_sdpa(isa, kv_dtype, hd, he
     k = torch.randn(b, 1, Hkv, hd, generator=g).transpose(1, 2) * 2
     v = torch.randn(b, Hkv, 1, hd, generator=g) * 4
     kr, vr = kc.clone(), vc.clone()
-    kr[idx, :, slots], vr[idx, :, slots] = k[:, :, 0].to(dt), v[:, :, 0].to(dt)
+    kr[idx, :, slots], vr[idx, :, slots] = kv_store(k[:, :, 0], dt), kv_store(v[:, :, 0], dt)
     valid = (torch.arange(C).unsqueeze(0) <= slots.unsqueeze(1))[:, None, None, :]
-    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), kr[idx].double(), vr[idx].double(),
-                                                           attn_mask=valid, scale=0.2, enable_gqa=H != Hkv)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), kv_load(kr[idx], torch.float64), kv_load(vr[idx], torch.float64), attn_mask=valid, scale=0.2,
+        enable_gqa=H != Hkv)
     ref = ref.transpose(1, 2).reshape(b, 1, H * hd)
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -83,7 +87,7 @@ def test_native_attention_over_half_kv_equals_float64_sdpa(isa, kv_dtype, hd, he
         got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.2)
     finally:
         torch.set_num_threads(n)
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # written rounded as PyTorch's cast rounds
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # written as the PyTorch codec writes them
     assert got.dtype == torch.float32
     assert (got.double() - ref).abs().max() < 4e-6 * ref.abs().max()
 
@@ -181,25 +185,31 @@ def test_native_layers_over_a_half_cache_equal_the_pytorch_step(isa, kv_dtype, o
 
 
 # --------------------------------------------------------------------------- cache policies
+def policy_runs(kv: str, weights: str, storage: str):
+    """The tiny model decoding 10 tokens after a 44-token prompt under policy ``kv`` (budget 12, SnapKV 40) with an
+    fp32 cache and with ``storage``: (fp32 run, ``storage`` run, entries each layer keeps at the end), both having
+    produced the same tokens (so layer 0 saw the same inputs)."""
+    budget = {"streaming": 12, "h2o": 12, "snapkv": 40}[kv]
+    m = fbs_tiny("llama", seed=3)
+    ids = [prompt(44)]
+    decs = {}
+    for dt in ("fp32", storage):
+        dec = start(m, ids, None, None, dict(max_new_tokens=10, ignore_eos=True, weights=weights, force_compute=True,
+                                             kv_cache=kv, kv_budget=budget, kv_dtype=dt))
+        for _ in run(dec):
+            pass
+        decs[dt] = dec
+    assert decs[storage].out == decs["fp32"].out
+    return decs["fp32"], decs[storage], budget if kv != "snapkv" else budget + 9  # SnapKV appends what it decodes
+
+
 @pytest.mark.parametrize("kv", ["streaming", "h2o", "snapkv"])
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
 def test_policies_store_what_they_keep_in_half(kv, weights, one_thread):
     """Under a cache policy with fp16 storage: the budget is kept at every layer, the kept positions at layer 0
     (where keys depend only on the token and its position) are the fp32 cache's, and so are its stored entries,
     rounded: exactly for the window / voted entries, within two fp16 steps for StreamingLLM's re-rotated sinks."""
-    budget = {"streaming": 12, "h2o": 12, "snapkv": 40}[kv]
-    m = fbs_tiny("llama", seed=3)
-    ids = [prompt(44)]
-    decs = {}
-    for dt in ("fp32", "fp16"):
-        dec = start(m, ids, None, None, dict(max_new_tokens=10, ignore_eos=True, weights=weights, force_compute=True,
-                                             kv_cache=kv, kv_budget=budget, kv_dtype=dt))
-        for _ in run(dec):
-            pass
-        decs[dt] = dec
-    full, half = decs["fp32"], decs["fp16"]
-    assert half.out == full.out  # the same tokens: layer 0 then sees the same inputs
-    keep = budget if kv != "snapkv" else budget + 9  # SnapKV appends what it decodes
+    full, half, keep = policy_runs(kv, weights, "fp16")
     for l in range(half.L):
         assert half.cache.k[l].dtype == torch.float16 and half.cache.lengths[l][0] == keep
     pos_h, pos_f = half.cache.kept(0, 0), full.cache.kept(0, 0)

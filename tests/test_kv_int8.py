@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import fbs_tiny, int8_exact_, tiny_config, tiny_hf
+from test_kv_half import policy_runs
 from fbs import FBSForCausalLM, native
 from fbs.engine.cache import KVCache
 from fbs.engine.kvpolicy import SINKS
@@ -57,42 +58,7 @@ def test_an_int8_cache_stores_entries_and_reads_fp32():
 
 
 # --------------------------------------------------------------------------- the native attention
-@pytest.mark.parametrize("hd", [12, 24, 64, 128])
-@pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_native_attention_over_int8_kv_equals_float64_sdpa(isa, hd, heads, threads):
-    """Write + one-query attention over an int8 cache: the new K/V stored exactly as :func:`kv_store` stores them
-    (the same rule in C++), and the output equal to a float64 SDPA over the decoded cache within fp32 accumulation
-    error (each entry's scale applied to its score and its softmax weight). Head dims as in the half-cache test:
-    64 / 128 the grouped AVX-512 kernel, 24 the per-head AVX2 one, 12 the scalar one."""
-    H, Hkv = heads
-    g = torch.Generator().manual_seed(hd + threads + H)
-    B, C = 3, 300
-    kc = kv_store(torch.randn(B, Hkv, C, hd, generator=g) * 2, torch.int8)
-    vc = kv_store(torch.randn(B, Hkv, C, hd, generator=g) * 3, torch.int8)
-    idx = torch.tensor([1, 1, 1, 0])  # three positions of cache row 1, one of row 0
-    slots = torch.tensor([270, 271, 272, 5])
-    b = idx.numel()
-    q = torch.randn(b, 1, H, hd, generator=g).transpose(1, 2) * 3
-    k = torch.randn(b, 1, Hkv, hd, generator=g).transpose(1, 2) * 2
-    v = torch.randn(b, Hkv, 1, hd, generator=g) * 4
-    kr, vr = kc.clone(), vc.clone()
-    kr[idx, :, slots], vr[idx, :, slots] = kv_store(k[:, :, 0], torch.int8), kv_store(v[:, :, 0], torch.int8)
-    valid = (torch.arange(C).unsqueeze(0) <= slots.unsqueeze(1))[:, None, None, :]
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), kv_load(kr[idx], torch.float64), kv_load(vr[idx], torch.float64), attn_mask=valid, scale=0.2,
-        enable_gqa=H != Hkv)
-    ref = ref.transpose(1, 2).reshape(b, 1, H * hd)
-    n = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.2)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)
-    assert (got.double() - ref).abs().max() < 4e-6 * ref.abs().max()
-
-
+# (over an int8 cache against float64 SDPA: tests/test_kv_half.py, test_native_attention_over_reduced_kv_...)
 def test_native_attention_refuses_an_int8_cache_without_room_for_the_scales(isa):
     q = torch.randn(1, 2, 1, 16)
     k = v = torch.randn(1, 1, 1, 16)
@@ -172,19 +138,7 @@ def test_policies_store_what_they_keep_in_int8(kv, weights, one_thread):
     (where keys depend only on the token and its position) are the fp32 cache's, and so are its stored entries,
     quantized: exactly :func:`kv_store` of the fp32 cache's entries for the window / voted entries (an eviction
     moves an entry with its scale), within one code step for StreamingLLM's re-rotated sinks."""
-    budget = {"streaming": 12, "h2o": 12, "snapkv": 40}[kv]
-    m = fbs_tiny("llama", seed=3)
-    ids = [prompt(44)]
-    decs = {}
-    for dt in ("fp32", "int8"):
-        dec = start(m, ids, None, None, dict(max_new_tokens=10, ignore_eos=True, weights=weights, force_compute=True,
-                                             kv_cache=kv, kv_budget=budget, kv_dtype=dt))
-        for _ in run(dec):
-            pass
-        decs[dt] = dec
-    full, q8 = decs["fp32"], decs["int8"]
-    assert q8.out == full.out  # the same tokens: layer 0 then sees the same inputs
-    keep = budget if kv != "snapkv" else budget + 9  # SnapKV appends what it decodes
+    full, q8, keep = policy_runs(kv, weights, "int8")
     hd = q8.cache.head_dim
     for l in range(q8.L):
         assert q8.cache.k[l].dtype == torch.int8 and q8.cache.lengths[l][0] == keep
