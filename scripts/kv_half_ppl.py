@@ -7,6 +7,8 @@ by a decode step that reads the cache, so the cache's storage is what changes be
 cache dtype: the PPL, its change against the fp32 cache of the same format, and the per-chunk NLL (paired).
 
     python scripts/kv_half_ppl.py --formats q4,q8,int8 --kv-dtypes fp32,fp16,bf16 --out results/kv_half_ppl.json
+
+A cache dtype ``int8-raw`` is the int8 cache without its key factors (``kv_smooth_keys=False``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def main() -> None:
         rows[fmt] = {}
         for kvd in kv_dtypes:
             t0 = time.perf_counter()
-            nll = [block_nll(model, c, fmt, args.ctx // 2 + 1, kvd) for c in chunks]
+            # "int8-raw": the int8 cache without its key factors (DecodeOptions.kv_smooth_keys=False)
+            nll = [block_nll(model, c, fmt, args.ctx // 2 + 1, kvd.removesuffix("-raw"),
+                             smooth_keys=not kvd.endswith("-raw")) for c in chunks]
             r = rows[fmt][kvd] = {"ppl": math.exp(sum(nll) / len(nll)), "chunk_nll": nll,
                                   "seconds_under_load": time.perf_counter() - t0}
             ref = rows[fmt]["fp32"]

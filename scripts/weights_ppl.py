@@ -25,13 +25,13 @@ from fbs.provenance import provenance
 
 
 def block_nll(model, ids: list[int], weights: str, gate_from: int, kv_dtype: str = "fp32",
-              prefill: str = "fp32") -> float:
+              prefill: str = "fp32", smooth_keys: bool = True) -> float:
     """Mean NLL of ids[gate_from:] under the engine with ``weights`` (the KV cache stored as ``kv_dtype``, the
-    prompt's products as ``prefill``)."""
+    prompt's products as ``prefill``; ``smooth_keys``: an int8 cache's key factors, DecodeOptions.kv_smooth_keys)."""
     n = len(ids) - gate_from
     dec = start(model, [ids[:gate_from]], None, None,
                  dict(max_new_tokens=n, weights=weights, force_compute=True, ignore_eos=True, kv_dtype=kv_dtype,
-                      prefill=prefill))
+                      prefill=prefill, kv_smooth_keys=smooth_keys))
     total = 0.0
     with torch.inference_mode():
         logits = torch.stack(dec.prefill())  # (1, V): the prediction of token gate_from

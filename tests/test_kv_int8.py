@@ -136,8 +136,9 @@ def test_native_layers_over_an_int8_cache_equal_the_pytorch_step(isa, one_thread
 def test_policies_store_what_they_keep_in_int8(kv, weights, one_thread):
     """Under a cache policy with int8 storage: the budget is kept at every layer, the kept positions at layer 0
     (where keys depend only on the token and its position) are the fp32 cache's, and so are its stored entries,
-    quantized: exactly :func:`kv_store` of the fp32 cache's entries for the window / voted entries (an eviction
-    moves an entry with its scale), within one code step for StreamingLLM's re-rotated sinks."""
+    quantized: exactly :func:`kv_store` of the fp32 cache's entries (keys over the cache's key factors) for the
+    window / voted entries (an eviction moves an entry with its scale), within one code step for StreamingLLM's
+    re-rotated sinks."""
     full, q8, keep = policy_runs(kv, weights, "int8")
     hd = q8.cache.head_dim
     for l in range(q8.L):
@@ -146,7 +147,8 @@ def test_policies_store_what_they_keep_in_int8(kv, weights, one_thread):
     if kv != "h2o":  # H2O's heavy hitters follow attention sums, which the rounding may reorder at near ties
         assert torch.equal(pos_q, pos_f)
     if torch.equal(pos_q, pos_f):
-        kq, kf = q8.cache.k[0][0, :, :keep], kv_store(full.cache.k[0][0, :, :keep], torch.int8)
+        kq = q8.cache.k[0][0, :, :keep]
+        kf = kv_store(full.cache.k[0][0, :, :keep], torch.int8, q8.cache.key_factor[0])
         start_ = SINKS if kv == "streaming" else 0
         assert torch.equal(kq[:, start_:], kf[:, start_:])
         assert torch.equal(q8.cache.v[0][0, :, :keep], kv_store(full.cache.v[0][0, :, :keep], torch.int8))

@@ -13,7 +13,9 @@ scale per entry (``int8``): a write rounds them (keys after RoPE; :func:`kv_stor
 back to the compute dtype (:meth:`KVCache.view`, :func:`kv_load`; the native attention converts in registers), so
 attention itself still runs and accumulates in fp32. An int8 entry (one token's key or value at one KV head) is a
 row of ``hd + 4`` bytes: its ``hd`` codes, then its fp32 scale (max |x| / 127, :func:`fbs.engine.quant.quantize_rows`'
-rule), so an entry moves with its scale wherever entries move (eviction, rollback, a row's copy).
+rule), so an entry moves with its scale wherever entries move (eviction, rollback, a row's copy). Its keys are
+stored divided by per-layer, per-channel powers of two (``key_factors``, :func:`fbs.engine.quant.key_factors`):
+a read multiplies them back, the native attention multiplies the query instead (the same products, exactly).
 
 With a cache policy (:mod:`fbs.engine.kvpolicy`: StreamingLLM, H2O, SnapKV under a budget) the cache holds only
 the kept entries, still as each row's filled prefix of every layer; the policy evicts once a step's entries are
@@ -51,11 +53,18 @@ def kv_storage_dtype(kv_dtype: str, compute: torch.dtype) -> torch.dtype:
 class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, capacity: int,
                  device=None, dtype=torch.float32, policy: CachePolicy | None = None, rope=None,
-                 compute_dtype: torch.dtype | None = None):
-        """``dtype``: the entries' storage dtype; ``compute_dtype`` (default ``dtype``): what :meth:`view` returns."""
+                 compute_dtype: torch.dtype | None = None, key_factors: list[torch.Tensor] | None = None):
+        """``dtype``: the entries' storage dtype; ``compute_dtype`` (default ``dtype``): what :meth:`view` returns;
+        ``key_factors``: per layer (Hkv, 1, hd) powers of two its keys are stored divided by
+        (:func:`fbs.engine.quant.key_factors`; an int8 cache's), or None."""
         shape = (batch, num_kv_heads, capacity, kv_width(head_dim, dtype))
         self.head_dim = head_dim
         self.compute_dtype = dtype if compute_dtype is None else compute_dtype
+        if key_factors is not None and len(key_factors) != num_layers:
+            raise ValueError(f"key_factors: one per layer ({num_layers}), got {len(key_factors)}")
+        #: per layer the factors its keys are stored divided by (None: none); queries attend multiplied by them
+        self.key_factor: list[torch.Tensor | None] = list(key_factors) if key_factors is not None \
+            else [None] * num_layers
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
         # RoPE position of every stored entry, per layer and row (python lists: appends cost nothing)
@@ -102,10 +111,10 @@ class KVCache:
         starts = self.advance(layer, rows, positions)
         if len(set(starts)) == 1 and rows == list(range(rows[0], rows[0] + len(rows))):
             s, sl = starts[0], slice(rows[0], rows[0] + len(rows))
-            self.k[layer][sl, :, s:s + t] = kv_store(k, self.k[layer].dtype)
+            self.k[layer][sl, :, s:s + t] = kv_store(k, self.k[layer].dtype, self.key_factor[layer])
             self.v[layer][sl, :, s:s + t] = kv_store(v, self.v[layer].dtype)
         else:
-            k, v = kv_store(k, self.k[layer].dtype), kv_store(v, self.v[layer].dtype)
+            k, v = kv_store(k, self.k[layer].dtype, self.key_factor[layer]), kv_store(v, self.v[layer].dtype)
             for i, r in enumerate(rows):
                 s = starts[i]
                 self.k[layer][r, :, s:s + t] = k[i]
@@ -132,8 +141,8 @@ class KVCache:
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         sl = slice(rows[0], rows[0] + len(rows)) if contiguous else rows
         k, v = self.k[layer][sl, :, :n], self.v[layer][sl, :, :n]
-        if k.dtype != self.compute_dtype:  # half-precision or int8 storage: attention reads fp32
-            k, v = kv_load(k, self.compute_dtype), kv_load(v, self.compute_dtype)
+        if k.dtype != self.compute_dtype or self.key_factor[layer] is not None:  # attention reads fp32 keys
+            k, v = kv_load(k, self.compute_dtype, self.key_factor[layer]), kv_load(v, self.compute_dtype)
         if min(lens) == n:
             return k, v, None
         mask = torch.arange(n).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, n)

@@ -33,6 +33,7 @@ import ast
 import dataclasses
 import json
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,8 @@ from .flops import FlopCounter
 from .fused import WEIGHTS, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
 from .prefill import prefill_ops
-from .quant import BLOCK_FORMATS
+from .calibration import calibration_ids
+from .quant import BLOCK_FORMATS, key_factors
 from ..model.chunk import ChunkState
 from ..model.layer import COMPUTE, Mix, layer_step
 from .. import native
@@ -55,6 +57,8 @@ logger = logging.getLogger(__name__)
 CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
 _OPEN, _CLOSE = "([{", ")]}"
+#: per ops object (a model's weights in one format), its int8 caches' key factors (Decoder.key_factors)
+_KEY_FACTORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -80,6 +84,8 @@ class DecodeOptions:
                                              # whole prompt under the full cache; 0: the whole prompt)
     kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16 | int8: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
                                              # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
+    kv_smooth_keys: bool = True              # int8 KV cache: keys stored divided by per-channel powers of two
+                                             # calibrated once per model and weights (fbs.engine.quant.key_factors)
     prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
                                              # per channel x int8 activations per token) | blocks (q4 / q8: the
                                              # decode kernels), fbs.engine.prefill; auto: each format's default
@@ -489,8 +495,28 @@ class Decoder:
         base = self.m.base
         spec, dtype = base.spec, base.embedding_weight.dtype
         rope = lambda pos: base.rope(base.embedding_weight[:1], pos)  # noqa: E731  (rotary tables of positions)
-        return KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev,
-                       kv_storage_dtype(self.opts.kv_dtype, dtype), self.kv, rope, compute_dtype=dtype)
+        storage = kv_storage_dtype(self.opts.kv_dtype, dtype)
+        factors = self.key_factors() if storage == torch.int8 and self.opts.kv_smooth_keys else None
+        return KVCache(self.L, self.B, spec.num_kv_heads, spec.head_dim, capacity, self.dev, storage, self.kv, rope,
+                       compute_dtype=dtype, key_factors=factors)
+
+    def key_factors(self) -> list[torch.Tensor]:
+        """Per layer the (Hkv, 1, hd) factors an int8 cache stores its keys divided by (:func:`key_factors`): from
+        the keys of the calibration prompt (:mod:`fbs.engine.calibration`), prefilled at full depth into an fp32
+        cache by these ops; computed once per ops object (a model's weights in one format)."""
+        ops = decode_ops(self.m, self.opts.weights, self.opts.compile)  # (self.ops: set after the cache)
+        got = _KEY_FACTORS.get(ops)
+        if got is None:
+            opts = DecodeOptions(max_new_tokens=1, weights=self.opts.weights, compile=self.opts.compile,
+                                 kv_dtype="fp32", force_compute=True, ignore_eos=True)
+            spec = self.m.base.spec
+            ids = calibration_ids(self.tok, spec.vocab_size)[:spec.max_positions - 1]
+            cal = Decoder(self.m, [ids], opts, self.tok)
+            with torch.no_grad():
+                cal.prefill()
+            n = len(ids)
+            got = _KEY_FACTORS[ops] = [key_factors(k[0, :, :n]) for k in cal.cache.k]
+        return got
 
     def context(self, rows: list[int], positions: list[list[int]], cos, sin, prefill: bool = False) -> CacheContext:
         """The cache context of a step (or, ``prefill``, of a prompt chunk) of ``rows`` at ``positions``. Where the

@@ -228,24 +228,25 @@ def _ffn_step(h, ln2, gu, gu_s, dn, dn_s, *, eps: float, inter: int, native_step
 
 def _block_step(x, xn, k, v, cos, sin, kc, vc, slots, idx, valid, rows, wq, wq_s, bq, qn, wo, wo_s, ln2, gu, gu_s,
                 dn, dn_s, *, heads: int, hd: int, eps: float, scale: float, inter: int, ffn: bool,
-                native_step: bool = False, scores: torch.Tensor | None = None):
+                native_step: bool = False, scores: torch.Tensor | None = None, kf: torch.Tensor | None = None):
     """One new token per row: Q, write K/V at each row's slot of the static cache, attend over the slots
     filled so far, O and (with ``ffn``) the FFN. ``idx`` (b,): the rows' cache rows; ``valid`` (b, 1, 1, C): the
     slots each row attends to (both from :meth:`FusedOps._slots`); ``rows`` None: the step's rows are the cache's
     rows (attend over the whole buffers), else ``idx`` (gather them). ``native_step``: the write and the
     attention in one native call over each row's filled prefix only (:func:`fbs.native.attend_one`), the norm
     native too. ``scores`` (B, Hkv, C): a cache policy's accumulated attention (H2O); the attention is then
-    computed explicitly, as PyTorch ops, and adds its weights to it (:func:`fbs.engine.kvpolicy.attend_scored`)."""
+    computed explicitly, as PyTorch ops, and adds its weights to it (:func:`fbs.engine.kvpolicy.attend_scored`).
+    ``kf`` (Hkv, 1, hd): the factors the cache's keys are stored divided by (:attr:`fbs.engine.cache.KVCache.key_factor`)."""
     b = x.shape[0]
     q = _rope(_heads(_linear(xn, wq, wq_s, bq), heads, hd, qn, eps), cos, sin)  # (b, H, 1, hd)
     if native_step and scores is None:
-        o = native.attend_one(q, k, v, kc, vc, idx, slots, scale)                 # (b, 1, H * hd)
+        o = native.attend_one(q, k, v, kc, vc, idx, slots, scale, kf=kf)          # (b, 1, H * hd)
     else:
-        kc[idx, :, slots] = kv_store(k[:, :, 0], kc.dtype)  # a half-precision / int8 cache (kv_dtype) rounds them
+        kc[idx, :, slots] = kv_store(k, kc.dtype, kf)[:, :, 0]  # a half-precision / int8 cache (kv_dtype) rounds them
         vc[idx, :, slots] = kv_store(v[:, :, 0], vc.dtype)
         keys, vals = (kc, vc) if rows is None else (kc[rows], vc[rows])
-        if keys.dtype != q.dtype:  # and attention reads them converted back
-            keys, vals = kv_load(keys, q.dtype), kv_load(vals, q.dtype)
+        if keys.dtype != q.dtype or kf is not None:  # and attention reads them converted back
+            keys, vals = kv_load(keys, q.dtype, kf), kv_load(vals, q.dtype)
         if scores is None:
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=valid, scale=scale,
                                                enable_gqa=keys.shape[1] != heads)
@@ -530,7 +531,7 @@ class FusedOps(LayerByLayer):
                                 None if zterms is None else zterms.flat, *self._rope_of(ctx),
                                 ctx.cache.k[layers.start:layers.stop], ctx.cache.v[layers.start:layers.stop],
                                 ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped,
-                                self._scores_of(layers, ctx))
+                                self._scores_of(layers, ctx), ctx.cache.key_factor[layers.start:layers.stop])
         run = out[4]
         for k, l in enumerate(layers):
             ctx.book(l, None if write_skipped else run[k * b:(k + 1) * b])
@@ -557,7 +558,7 @@ class FusedOps(LayerByLayer):
         out = native.run_layers([self.native_layers[l] for l in layers], x.reshape(b * t, 1, d).contiguous(), None,
                                 [], None, cos.contiguous(), sin.contiguous(), ctx.cache.k[layers.start:layers.stop],
                                 ctx.cache.v[layers.start:layers.stop], idx, slots, [False] * len(layers), [], [], 0,
-                                False)
+                                False, kfs=ctx.cache.key_factor[layers.start:layers.stop])
         for l in layers:
             ctx.book(l, None)
         return out[0].view(b, t, d)
@@ -656,7 +657,8 @@ class FusedOps(LayerByLayer):
             xn = self.norm1(l, x) if xn is None else xn
             kc, vc, slots, rows = ctx.decode_slots(l)
             idx, _ = self._slots(slots, rows, kc.shape[2])
-            h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv, scores)
+            h = native.attend_layer(layer, x, xn.contiguous(), *rope, kc, vc, idx, slots, kv, scores,
+                                    kf=ctx.cache.key_factor[l])
             ctx.settle(l)
             return native.ffn_layer(layer, h) if ffn else h
         if kv is None:
@@ -669,7 +671,7 @@ class FusedOps(LayerByLayer):
         idx, valid = self._slots(slots, rows, kc.shape[2])
         out = self._block_fn(x, xn, k, v, *rope, kc, vc, slots, idx, valid, rows, *w.q.tensors, w.q_b, w.q_norm,
                              *w.o.tensors, w.ln2, *w.gu.tensors, *w.down.tensors, ffn=ffn, scores=scores,
-                             **self._k_block)
+                             kf=ctx.cache.key_factor[l], **self._k_block)
         ctx.settle(l)  # the cache policy evicts once the step's entry is written and attended
         return out
 
@@ -710,7 +712,7 @@ class FusedOps(LayerByLayer):
         tree = None if bits is None else (bits, torch.tensor(starts, device=x.device).repeat_interleave(t))
         h = native.attend_layer(layer, x.reshape(b * t, 1, d).contiguous(), xn.reshape(b * t, 1, d).contiguous(),
                                 cos.contiguous(), sin.contiguous(), ctx.cache.k[l], ctx.cache.v[l],
-                                ctx.rows_t.repeat_interleave(t), slots, tree=tree)
+                                ctx.rows_t.repeat_interleave(t), slots, tree=tree, kf=ctx.cache.key_factor[l])
         if not ffn:  # the layer's FFN (after PAW / CH) runs natively too, whatever its caller passes
             self._many_attended = l
             return h.view(b, t, d)

@@ -336,7 +336,7 @@ class Evictor:
             raise RuntimeError(f"layer {l}: a prefill chunk's rows hold different numbers of entries")
         idx = torch.tensor(rows, device=k.device)
         t = k.shape[2]
-        kk = torch.cat((kv_load(c.k[l][idx, :, :n], k.dtype), k), 2)
+        kk = torch.cat((kv_load(c.k[l][idx, :, :n], k.dtype, c.key_factor[l]), k), 2)
         vv = torch.cat((kv_load(c.v[l][idx, :, :n], v.dtype), v), 2)
         # every kept entry precedes the chunk; the chunk is causal among its own tokens
         o, acc = self._attend_extended(l, idx, q, kk, vv, scale, n, native_causal)
@@ -374,7 +374,7 @@ class Evictor:
                 acc = _gather(acc, keep)
         n = k.shape[2]
         idx = torch.tensor(rows, device=k.device)
-        c.k[l][idx, :, :n] = kv_store(k, c.k[l].dtype)  # a half-precision or int8 cache stores them rounded
+        c.k[l][idx, :, :n] = kv_store(k, c.k[l].dtype, c.key_factor[l])  # a half / int8 cache stores them rounded
         c.v[l][idx, :, :n] = kv_store(v, c.v[l].dtype)
         if acc is not None:
             self.scores(l)[idx, :, :n] = acc
@@ -446,8 +446,8 @@ class Streaming(Evictor):
             s = one[..., :1]  # the rope's attention scaling (cos at 0): the re-rotation is a pure rotation
             self._memo = (deltas, (cos / s, sin / s))
         cos, sin = self._memo[1]
-        k = self.cache.k[l]  # rotated in the tables' dtype (fp32), stored in the cache's
-        k[idx, :, :SINKS] = kv_store(_rotate(kv_load(self.sink_k[l][idx], cos.dtype), cos, sin), k.dtype)
+        k, f = self.cache.k[l], self.cache.key_factor[l]  # rotated in the tables' dtype (fp32), stored in the cache's
+        k[idx, :, :SINKS] = kv_store(_rotate(kv_load(self.sink_k[l][idx], cos.dtype, f), cos, sin), k.dtype, f)
 
     def _select(self, k, positions):
         t = k.shape[2]
@@ -461,7 +461,7 @@ class Streaming(Evictor):
             return kk
         kk = kk.clone()
         for i in evicted:
-            kk[i, :, :SINKS] = kv_load(self.sink_k[l][rows[i]], kk.dtype)
+            kk[i, :, :SINKS] = kv_load(self.sink_k[l][rows[i]], kk.dtype, self.cache.key_factor[l])
         return kk
 
     def _select_extended(self, q, kk, pos, acc, scale):

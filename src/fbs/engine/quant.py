@@ -32,7 +32,8 @@ summation order: logits differ from ``fp32`` by float rounding (~1e-5 relative),
 The KV cache's entries (:mod:`fbs.engine.cache`) are stored as the cache's dtype says (:func:`kv_store`,
 :func:`kv_load`): fp32, fp16 or bf16 values, or int8 entries of ``hd + 4`` bytes, one per token and KV head: the
 entry's codes (:func:`quantize_rows`: symmetric, max |x| -> 127) followed by its fp32 scale, the layout the native
-attention reads (``fbs_attn::Entry`` in csrc/attention.h).
+attention reads (``fbs_attn::Entry`` in csrc/attention.h). An int8 cache's keys are stored divided by per-channel
+powers of two calibrated per model (:func:`key_factors`), and queries multiplied by them.
 """
 
 from __future__ import annotations
@@ -173,9 +174,12 @@ def kv_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def kv_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def kv_store(x: torch.Tensor, dtype: torch.dtype, factor: torch.Tensor | None = None) -> torch.Tensor:
     """Entries x (..., hd) as stored in a cache of ``dtype``: cast (half precision rounds to nearest even), or for int8
-    each entry's codes and scale (:func:`quantize_rows` per entry), (..., hd + 4) int8."""
+    each entry's codes and scale (:func:`quantize_rows` per entry), (..., hd + 4) int8. ``factor`` (broadcastable to
+    x, powers of two): keys are stored divided by it (:func:`key_factors`)."""
+    if factor is not None:
+        x = x / factor
     if dtype != torch.int8:
         return x.to(dtype)
     lead, hd = x.shape[:-1], x.shape[-1]
@@ -183,13 +187,36 @@ def kv_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat((q, s.view(torch.int8)), 1).view(*lead, hd + KV_SCALE_BYTES)
 
 
-def kv_load(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Stored entries ``e`` (:func:`kv_store`) as values of ``dtype`` (int8: codes times scale)."""
+def kv_load(e: torch.Tensor, dtype: torch.dtype, factor: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored entries ``e`` (:func:`kv_store`) as values of ``dtype`` (int8: codes times scale; times ``factor``
+    where they were stored divided by it)."""
     if e.dtype != torch.int8:
-        return e.to(dtype)
-    hd = e.shape[-1] - KV_SCALE_BYTES
-    scale = e[..., hd:].contiguous().view(torch.float32)                                      # (..., 1)
-    return (e[..., :hd].to(torch.float32) * scale).to(dtype)
+        x = e.to(dtype)
+    else:
+        hd = e.shape[-1] - KV_SCALE_BYTES
+        scale = e[..., hd:].contiguous().view(torch.float32)                                  # (..., 1)
+        x = (e[..., :hd].to(torch.float32) * scale).to(dtype)
+    return x if factor is None else x * factor.to(dtype)
+
+
+def key_factors(keys: torch.Tensor) -> torch.Tensor:
+    """Per-channel key factors of one layer from calibration keys (Hkv, n, hd) (after RoPE): (Hkv, 1, hd) powers of
+    two. An int8 cache stores each key divided by them and the attention multiplies its query by them, so q . k is
+    unchanged (exactly: powers of two), while a channel that is large in every key (Qwen's outlier channels) no longer
+    sets the one scale of every entry and crushes the others to a few codes. The rule: a rotary channel pair (i,
+    i + hd/2, rotated together, so one factor commutes with RoPE) gets sqrt of its largest norm over the keys
+    (SmoothQuant's alpha = 1/2), relative to the head's geometric mean, rounded to a power of two. Pairs that are zero
+    in every key get 1."""
+    h, _, hd = keys.shape
+    half = hd // 2
+    k = keys.detach().float()
+    norm = (k[..., :half] ** 2 + k[..., half:] ** 2).sqrt().amax(1)                           # (Hkv, hd / 2)
+    live = norm > 0
+    log = torch.where(live, 0.5 * torch.log2(norm.clamp_min(1e-30)), torch.zeros_like(norm))
+    mean = (log * live).sum(1, keepdim=True) / live.sum(1, keepdim=True).clamp_min(1)
+    e = torch.where(live, torch.round(log - mean), torch.zeros_like(log))
+    f = torch.exp2(e)
+    return torch.cat((f, f), 1).view(h, 1, hd).contiguous()
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

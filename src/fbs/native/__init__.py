@@ -297,14 +297,15 @@ def _isa_code() -> int:
 # --------------------------------------------------------------------------- one-query attention
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                idx: torch.Tensor, slots: torch.Tensor, scale: float,
-               acc: torch.Tensor | None = None) -> torch.Tensor:
+               acc: torch.Tensor | None = None, kf: torch.Tensor | None = None) -> torch.Tensor:
     """A one-token step's attention over the static cache (what :func:`fbs.engine.fused._block_step` does with index
     writes and SDPA over the masked buffers): writes each row's ``k``/``v`` (b, Hkv, 1, hd) at ``slots`` (b,) of
     cache rows ``idx`` (b,) in ``kc``/``vc`` (B, Hkv, C, hd), then attends ``q`` (b, H, 1, hd) over slots
     0..slot only (GQA). Returns (b, 1, H * hd) fp32, the heads side by side as the O projection reads them.
     ``acc`` (B, Hkv, C) fp32: each query's attention weights are added to it, summed over the query heads of each KV
-    head (H2O's accumulated attention), from the same pass over the keys."""
-    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale, _isa_code(), acc)
+    head (H2O's accumulated attention), from the same pass over the keys. ``kf`` (Hkv, 1, hd) contiguous fp32: keys are
+    stored divided by it and queries attend multiplied by it (:func:`fbs.engine.quant.key_factors`)."""
+    return _module.attend_one(q, k, v, kc, vc, idx, slots, scale, _isa_code(), acc, kf)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -365,28 +366,32 @@ def h2o_evict(kc: torch.Tensor, vc: torch.Tensor, acc: torch.Tensor, pos: torch.
 def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_skip: list[float],
                zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
                idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
-               policy: int, write_skipped: bool, accs: list | None = None):
+               policy: int, write_skipped: bool, accs: list | None = None, kfs: list | None = None):
     """Consecutive :class:`NativeLayer` s of a one-token step in one call (see
     :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes). ``accs``: per layer its
     accumulated attention (B, Hkv, C) fp32, to which the rows that run the layer add their attention weights (H2O),
-    from the attention's own pass."""
+    from the attention's own pass. ``kfs``: per layer the factors its keys are stored divided by (as
+    :func:`attend_one`'s ``kf``), or None."""
+    kfs = [] if kfs is None or all(f is None for f in kfs) else list(kfs)
     return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
-                              thresholds, policy, write_skipped, accs or [], _isa_code())
+                              thresholds, policy, write_skipped, accs or [], kfs, _isa_code())
 
 
 def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
                  vc: torch.Tensor, idx: torch.Tensor, slots: torch.Tensor, kv=None,
-                 acc: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 acc: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 kf: torch.Tensor | None = None) -> torch.Tensor:
     """The attention half of an :class:`NativeLayer` for every row: K/V of ``xn`` (RMSNorm_1(x)), or ``kv`` (rotated
     K, V (b, Hkv, 1, hd) when already projected), written at ``slots`` of cache rows ``idx``, then
     x + O(attention) over each row's prefix (PAW / CH add to it next). ``acc`` (B, Hkv, C) fp32, the cache's shape:
     each query's attention weights are added to it, summed over the query heads of each KV head (H2O's accumulated
     attention, as :func:`fbs.engine.kvpolicy.attend_scored` adds them). ``tree`` (bits, base), (b,) int64 each: a
     verifier's token tree, row i seeing the slots before ``base[i]`` and, of the 64 from it, those whose bit of
-    ``bits[i]`` is set (its ancestors and itself; :func:`tree_bits` makes them)."""
+    ``bits[i]`` is set (its ancestors and itself; :func:`tree_bits` makes them). ``kf``: as :func:`attend_one`'s (a
+    given ``kv``'s K is stored divided by it too)."""
     k, v = (None, None) if kv is None else kv
     bits, base = (None, None) if tree is None else tree
-    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, acc, _isa_code(), bits, base)
+    return _module.attend_layer(layer, x, xn, cos, sin, kc, vc, idx, slots, k, v, acc, _isa_code(), bits, base, kf)
 
 
 #: nodes a native token-tree pass handles per row (one bit each in an int64)

@@ -21,6 +21,21 @@ int64_t entry_width(at::ScalarType kt, int64_t hd) {
   return w;
 }
 
+const float* key_factors(const std::optional<at::Tensor>& kf, int64_t hkv, int64_t hd, const char* who) {
+  if (!kf) return nullptr;
+  TORCH_CHECK(kf->scalar_type() == at::kFloat && kf->device().is_cpu() && kf->is_contiguous() && kf->numel() == hkv * hd,
+              who, ": key factors (Hkv, 1, hd) contiguous fp32 CPU");
+  return kf->data_ptr<float>();
+}
+
+void scale_queries(float* q, const float* KF, int64_t H, int64_t Hkv, int64_t hd) {
+  const int64_t group = H / Hkv;
+  for (int64_t h = 0; h < H; ++h) {
+    const float* f = KF + (h / group) * hd;
+    for (int64_t d = 0; d < hd; ++d) q[h * hd + d] *= f[d];
+  }
+}
+
 float* acc_data(const at::Tensor& acc, const at::Tensor& kc, const char* who) {
   TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.device().is_cpu() && acc.is_contiguous() && acc.dim() == 3 &&
                   acc.size(0) == kc.size(0) && acc.size(1) == kc.size(1) && acc.size(2) == kc.size(2),
@@ -64,12 +79,18 @@ void store_t(const float* src, int64_t n, T* dst) {
 
 template <class T>
 void write_kv_t(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
-                const int64_t* I, const int64_t* L, T* KC, T* VC, int64_t Hkv, int64_t C, int64_t hd) {
+                const int64_t* I, const int64_t* L, T* KC, T* VC, int64_t Hkv, int64_t C, int64_t hd, const float* KF) {
   const int64_t w = Entry<T>::width(hd), rs = Hkv * C * w, hs = C * w;  // cache row and head strides
+  std::vector<float> kr(KF ? hd : 0);
   for (int64_t i = 0; i < b; ++i)
     for (int64_t g = 0; g < Hkv; ++g) {
       const int64_t at_ = I[i] * rs + g * hs + L[i] * w;
-      store_t(K + i * ks0 + g * ks1, hd, KC + at_);
+      const float* k = K + i * ks0 + g * ks1;
+      if (KF) {
+        for (int64_t d = 0; d < hd; ++d) kr[d] = k[d] / KF[g * hd + d];
+        k = kr.data();
+      }
+      store_t(k, hd, KC + at_);
       store_t(V + i * vs0 + g * vs1, hd, VC + at_);
     }
 }
@@ -81,10 +102,10 @@ void store(const float* src, int64_t n, void* dst, at::ScalarType kt) {
 
 void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
               const int64_t* I, const int64_t* L, void* KC, void* VC, at::ScalarType kt, int64_t Hkv, int64_t C,
-              int64_t hd) {
+              int64_t hd, const float* KF) {
   with_kv_type(kt, "fbs attention kernel", [&](auto t) {
     using T = decltype(t);
-    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<T*>(KC), static_cast<T*>(VC), Hkv, C, hd);
+    write_kv_t(K, ks0, ks1, V, vs0, vs1, b, I, L, static_cast<T*>(KC), static_cast<T*>(VC), Hkv, C, hd, KF);
   });
 }
 
@@ -280,7 +301,7 @@ void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const in
 
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                       const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa,
-                      const std::optional<at::Tensor>& acc) {
+                      const std::optional<at::Tensor>& acc, const std::optional<at::Tensor>& kf) {
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 4 && t->stride(-1) == 1 && t->device().is_cpu(),
                 "fbs attention kernel: q, k, v 4-d fp32 CPU tensors with a unit last stride");
@@ -296,11 +317,25 @@ at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t* L = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(I[i] >= 0 && I[i] < kc.size(0) && L[i] >= 0 && L[i] < C, "fbs attention kernel: slot out of range");
+  const float* KF = fbs_attn::key_factors(kf, Hkv, hd, "fbs attention kernel");
   fbs_attn::write_kv(k.data_ptr<float>(), k.stride(0), k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), b, I,
-                     L, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), Hkv, C, hd);
+                     L, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), Hkv, C, hd, KF);
   float* ACC = acc ? fbs_attn::acc_data(*acc, kc, "fbs attention kernel") : nullptr;
   auto out = at::empty({b, 1, H * hd}, q.options());
-  fbs_attn::attend(q.data_ptr<float>(), q.stride(0), q.stride(1), I, L, b, H, kc.data_ptr(), vc.data_ptr(),
-                   kc.scalar_type(), Hkv, C, hd, float(scale), isa, out.data_ptr<float>(), ACC);
+  const float* Q = q.data_ptr<float>();
+  int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  std::vector<float> qk;  // with key factors: the queries multiplied by them, (b, H * hd)
+  if (KF) {
+    qk.resize(b * H * hd);
+    for (int64_t i = 0; i < b; ++i) {
+      for (int64_t h = 0; h < H; ++h) std::copy_n(Q + i * qs0 + h * qs1, hd, qk.data() + (i * H + h) * hd);
+      fbs_attn::scale_queries(qk.data() + i * H * hd, KF, H, Hkv, hd);
+    }
+    Q = qk.data();
+    qs0 = H * hd;
+    qs1 = hd;
+  }
+  fbs_attn::attend(Q, qs0, qs1, I, L, b, H, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), Hkv, C, hd, float(scale),
+                   isa, out.data_ptr<float>(), ACC);
   return out;
 }

@@ -125,10 +125,16 @@ FBS_KV_OVERLOADS(FBS_GROUP_DECL)
 #endif
 
 // K/V of b rows (row i, KV head g at K + i * ks0 + g * ks1, hd floats) written at slot L[i] of cache row I[i] of
-// KC / VC, whose elements are of type kt (rounded to nearest even when half; int8: Entry<int8_t>)
+// KC / VC, whose elements are of type kt (rounded to nearest even when half; int8: Entry<int8_t>). KF (Hkv, hd), or
+// null: the key factors; each key is stored divided by its head's (fbs.engine.quant.key_factors).
 void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t vs0, int64_t vs1, int64_t b,
               const int64_t* I, const int64_t* L, void* KC, void* VC, at::ScalarType kt, int64_t Hkv, int64_t C,
-              int64_t hd);
+              int64_t hd, const float* KF = nullptr);
+// The key factors of a cache (fbs.engine.quant.key_factors: powers of two, (Hkv, 1, hd) fp32): keys are stored
+// divided by them and queries attend multiplied by them (the same products q . k, exactly). Checked; null if none.
+const float* key_factors(const std::optional<at::Tensor>& kf, int64_t hkv, int64_t hd, const char* who);
+// Queries of H heads (hd each, side by side) multiplied by their KV head's key factors KF (Hkv, hd), in place.
+void scale_queries(float* q, const float* KF, int64_t H, int64_t Hkv, int64_t hd);
 // One entry of n fp32 values stored at dst as an entry of type kt (Entry: entry_width(kt, n) elements)
 void store(const float* src, int64_t n, void* dst, at::ScalarType kt);
 
@@ -151,4 +157,4 @@ void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const in
 // See fbs.native.attend_one.
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                       const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa,
-                      const std::optional<at::Tensor>& acc);
+                      const std::optional<at::Tensor>& acc, const std::optional<at::Tensor>& kf);

@@ -44,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run_layers", &fbs_layer::run_layers);
   m.def("attend_layer", &fbs_layer::attend_layer, py::arg("layer"), py::arg("x"), py::arg("xn"), py::arg("cos"),
         py::arg("sin"), py::arg("kc"), py::arg("vc"), py::arg("idx"), py::arg("slots"), py::arg("k"), py::arg("v"),
-        py::arg("acc"), py::arg("isa"), py::arg("tree_bits") = py::none(), py::arg("tree_base") = py::none());
+        py::arg("acc"), py::arg("isa"), py::arg("tree_bits") = py::none(), py::arg("tree_base") = py::none(),
+        py::arg("kf") = py::none());
   m.def("ffn_layer", &fbs_layer::ffn_layer);
 }

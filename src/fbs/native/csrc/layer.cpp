@@ -93,7 +93,7 @@ void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa
 // rotation is computed in fp32; a half-precision cache stores its result rounded, an int8 one quantized
 // (fbs_attn::store).
 void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
-                     const int64_t* SL) const {
+                     const int64_t* SL, const float* KF) const {
   const at::ScalarType kt = kc.scalar_type();
   const int64_t ew = fbs_attn::entry_width(kt, hd);  // a slot's elements (attention.h, Entry)
   const int64_t nk = kvg.n, w = nkv * hd, C = kc.size(2), rs = nkv * C * ew, hs = C * ew;
@@ -107,6 +107,8 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
       const int64_t at_ = (st.idx[i] * rs + g * hs + SL[i] * ew) * es;
       std::copy_n(Y + i * nk + g * hd, hd, kr);
       rope(kr, st.cos + i * hd, st.sin + i * hd, hd);
+      if (KF)
+        for (int64_t c = 0; c < hd; ++c) kr[c] /= KF[g * hd + c];
       fbs_attn::store(kr, hd, KC + at_, kt);
       fbs_attn::store(Y + i * nk + w + g * hd, hd, VC + at_, kt);
     }
@@ -116,7 +118,7 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
 // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written)
 void Layer::attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
                            const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H, float* acc,
-                           const fbs_attn::Tree* tree) const {
+                           const fbs_attn::Tree* tree, const float* KF) const {
   const int64_t m = sel.size(), qw = heads * hd, C = kc.size(2);
   std::vector<float> xs(m * d), qv(m * qw), att(m * qw);
   for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
@@ -127,6 +129,7 @@ void Layer::attention_rows(const Step& st, const float* X, const float* XN, cons
     if (QB)
       for (int64_t c = 0; c < qw; ++c) qj[c] += QB[c];
     for (int64_t hh = 0; hh < heads; ++hh) rope(qj + hh * hd, st.cos + sel[j] * hd, st.sin + sel[j] * hd, hd);
+    if (KF) fbs_attn::scale_queries(qj, KF, heads, nkv, hd);
   }
   std::vector<int64_t> rows(m), lens(m), tbase(tree ? m : 0);  // each query's cache row and last slot (and tree)
   std::vector<uint64_t> tbits(tree ? m : 0);
@@ -191,7 +194,7 @@ std::vector<int64_t> Layer::slots(const Step& st, const int64_t* SL, const bool*
 // and policy; else run_in. Fills logits (gated), skip and run (b each).
 int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                     const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-                    double* logits, bool* skip, bool* run, float* acc) const {
+                    double* logits, bool* skip, bool* run, float* acc, const float* KF) const {
   const int64_t b = st.b, nk = kvg.n;
   std::vector<float> xn(b * d), y(b * nk);
   fbs_norm::rows(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
@@ -225,14 +228,14 @@ int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, 
   std::unique_ptr<bool[]> write(new bool[b]);
   for (int64_t i = 0; i < b; ++i) write[i] = run[i] || st.write_skipped;
   const std::vector<int64_t> slot = slots(st, SL, write.get(), kc);
-  write_kv(st, y.data(), write.get(), kc, vc, slot.data());
+  write_kv(st, y.data(), write.get(), kc, vc, slot.data(), KF);
   std::vector<int64_t> sel;
   for (int64_t i = 0; i < b; ++i)
     if (run[i]) sel.push_back(i);
   const int64_t m = sel.size();
   if (m == 0) return 0;
   std::vector<float> h(m * d);  // the running rows, compacted
-  attention_rows(st, X, xn.data(), sel, kc, vc, slot.data(), h.data(), acc);
+  attention_rows(st, X, xn.data(), sel, kc, vc, slot.data(), h.data(), acc, nullptr, KF);
   ffn_rows(h.data(), m, st.isa);
   for (int64_t i = 0; i < b; ++i)
     if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
@@ -279,9 +282,10 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
     const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
     const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
-    const std::vector<at::Tensor>& accs, int64_t isa) {
+    const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa) {
   const int64_t n = layers.size();
   TORCH_CHECK(accs.empty() || (int64_t)accs.size() == n, "fbs native layers: accumulated attention per layer");
+  TORCH_CHECK(kfs.empty() || (int64_t)kfs.size() == n, "fbs native layers: key factors per layer");
   TORCH_CHECK(n > 0 && (int64_t)kcs.size() == n && (int64_t)vcs.size() == n && (int64_t)gated.size() == n,
               "fbs native layers: one cache pair and gate flag per layer");
   const Layer& L0 = *layers[0];
@@ -312,6 +316,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     check_cache(L, kc, vc);
     float* acc = nullptr;
     if (!accs.empty()) acc = fbs_attn::acc_data(accs[k], kc, "fbs native layer");
+    const float* KF = kfs.empty() ? nullptr : fbs_attn::key_factors(kfs[k], L.nkv, L.hd, "fbs native layers");
     const float* terms = nullptr;
     if (gated[k]) {
       TORCH_CHECK(Z != nullptr && L.gated && (L.g_index + 1) * L.G <= z_stride && !thresholds.empty(),
@@ -328,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     const int64_t m = L.step(st, cur.data_ptr<float>(), out.data_ptr<float>(), kc, vc, slots.data() + k * b, terms,
                              z_stride, prev.defined() ? prev.data_ptr<float>() : nullptr,
                              ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(), rn.get(),
-                             acc);
+                             acc, KF);
     bool every = true;
     for (int64_t i = 0; i < b; ++i) {
       skip_out[k * b + i] = sk[i];
@@ -352,11 +357,13 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
                         const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc, const at::Tensor& idx,
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                         const std::optional<at::Tensor>& acc, int64_t isa,
-                        const std::optional<at::Tensor>& tree_bits, const std::optional<at::Tensor>& tree_base) {
+                        const std::optional<at::Tensor>& tree_bits, const std::optional<at::Tensor>& tree_base,
+                        const std::optional<at::Tensor>& kf) {
   const Step st = make_step(x, L.d, L.hd, cos, sin, idx, isa, fbs_skip::kGather, true, kNoThresholds);
   const int64_t b = st.b, nk = L.kvg.n;
   const float* XN = fp32(xn, b * L.d, "xn");
   check_cache(L, kc, vc);
+  const float* KF = fbs_attn::key_factors(kf, L.nkv, L.hd, "fbs native layer");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == b,
               "fbs native layer: (b,) int64 slots");
   const int64_t* SL = slots.data_ptr<int64_t>();
@@ -372,7 +379,7 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
                   "fbs native layer: K / V (b, Hkv, 1, hd) fp32");
     fbs_attn::write_kv(k->data_ptr<float>(), k->stride(0), k->stride(1), v->data_ptr<float>(), v->stride(0),
                        v->stride(1), b, st.idx, SL, kc.data_ptr(), vc.data_ptr(), kc.scalar_type(), L.nkv,
-                       kc.size(2), L.hd);
+                       kc.size(2), L.hd, KF);
   } else {
     std::vector<float> y(b * nk);
     L.mm(XN, b, L.kvg, y.data(), isa);
@@ -383,7 +390,7 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
     }
     std::unique_ptr<bool[]> write(new bool[b]);
     for (int64_t i = 0; i < b; ++i) write[i] = true;
-    L.write_kv(st, y.data(), write.get(), kc, vc, SL);
+    L.write_kv(st, y.data(), write.get(), kc, vc, SL, KF);
   }
   at::Tensor h = at::empty_like(x);
   float* ACC = acc ? fbs_attn::acc_data(*acc, kc, "fbs native layer") : nullptr;
@@ -396,7 +403,7 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
     tree = {reinterpret_cast<const uint64_t*>(tree_bits->data_ptr<int64_t>()), tree_base->data_ptr<int64_t>()};
   }
   L.attention_rows(st, x.data_ptr<float>(), XN, sel, kc, vc, SL, h.data_ptr<float>(), ACC,
-                   tree_bits ? &tree : nullptr);
+                   tree_bits ? &tree : nullptr, KF);
   return h;
 }
 

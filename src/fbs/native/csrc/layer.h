@@ -50,13 +50,15 @@ struct Layer {
                 double out_b_, double g_eps_);
   void mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const;
   // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
+  // (KF: the cache's key factors (Hkv, hd) or null, fbs_attn::key_factors: keys stored divided by them)
   void write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
-                const int64_t* SL) const;
+                const int64_t* SL, const float* KF = nullptr) const;
   // H (m, d) = X[sel] + O(attention(RoPE(Q XN[sel]))) over each row's cache prefix (its K/V already written);
-  // tree (null: none): row i's token-tree visibility (fbs_attn::Tree, indexed by step row)
+  // tree (null: none): row i's token-tree visibility (fbs_attn::Tree, indexed by step row); KF: as write_kv's (the
+  // queries are multiplied by them)
   void attention_rows(const Step& st, const float* X, const float* XN, const std::vector<int64_t>& sel,
                       const at::Tensor& kc, const at::Tensor& vc, const int64_t* SL, float* H, float* acc = nullptr,
-                      const fbs_attn::Tree* tree = nullptr) const;
+                      const fbs_attn::Tree* tree = nullptr, const float* KF = nullptr) const;
   // H (m, d) += down(silu(gate(hn)) * up(hn)), hn = RMSNorm_2(H), in place
   void ffn_rows(float* H, int64_t m, int64_t isa) const;
   // Each row's cache slot from the given ones (SL): consecutive rows that share a cache row are consecutive
@@ -70,7 +72,7 @@ struct Layer {
   // run add their attention weights), or null.
   int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-               double* logits, bool* skip, bool* run, float* acc = nullptr) const;
+               double* logits, bool* skip, bool* run, float* acc = nullptr, const float* KF = nullptr) const;
 };
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
@@ -86,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
     const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
     const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
-    const std::vector<at::Tensor>& accs, int64_t isa);
+    const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa);
 
 // The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
 // step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
@@ -99,6 +101,7 @@ at::Tensor attend_layer(const Layer& L, const at::Tensor& x, const at::Tensor& x
                         const at::Tensor& slots, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                         const std::optional<at::Tensor>& acc, int64_t isa,
                         const std::optional<at::Tensor>& tree_bits = std::nullopt,
-                        const std::optional<at::Tensor>& tree_base = std::nullopt);
+                        const std::optional<at::Tensor>& tree_base = std::nullopt,
+                        const std::optional<at::Tensor>& kf = std::nullopt);
 at::Tensor ffn_layer(const Layer& L, const at::Tensor& h, int64_t isa);
 }  // namespace fbs_layer
