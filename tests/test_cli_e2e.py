@@ -282,7 +282,7 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights int8, KV cache fp16, "
+    assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights int8, KV cache int8, "
                            "prefill fp32, 2 slots, "
                            "context 100 tokens) at http://127.0.0.2:8123/v1")
     assert (captured["host"], captured["port"], captured["log_level"]) == ("127.0.0.2", 8123, "warning")
@@ -300,10 +300,10 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
         with pytest.raises(openai.BadRequestError, match="this server allows at most 40"):
             cl.completions.create(model="tiny", prompt=ids, max_tokens=41)
     ref, text = api_text(saved.model, ids, max_new_tokens=20, ignore_eos=True, tau=0.4, kv_policy="hole",
-                         weights="int8", batch_policy="majority")  # kv_dtype auto: fp16
+                         weights="int8", batch_policy="majority")  # kv_dtype auto: int8
     assert got.choices[0].text == text
     fbs_usage = got.usage.model_extra["fbs"]
-    assert fbs_usage["tau"] == 0.4 and fbs_usage["kv_policy"] == "hole" and fbs_usage["kv_dtype"] == "fp16"
+    assert fbs_usage["tau"] == 0.4 and fbs_usage["kv_policy"] == "hole" and fbs_usage["kv_dtype"] == "int8"
     assert fbs_usage["skip_ratio"] == pytest.approx(ref.trace.skip_ratio)
 
 

@@ -136,17 +136,17 @@ def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
                    batch_policies=("gather", "majority"), compile=True)
     systems = build_systems(model.base.hf, None, model, spec)
     assert [s.name for s in systems] == [
-        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", "fbs-full-compute-int8-compiled-kvfp16",
-        "fbs-full-compute-int8-compiled-majority-kvfp16", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
-        "fbs-tau1-int8-compiled-kvfp16", "fbs-tau1-int8-compiled-majority-kvfp16"]  # kv_dtypes auto: int8's fp16
+        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", "fbs-full-compute-int8-compiled-kvint8",
+        "fbs-full-compute-int8-compiled-majority-kvint8", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
+        "fbs-tau1-int8-compiled-kvint8", "fbs-tau1-int8-compiled-majority-kvint8"]  # kv_dtypes auto: int8 (with key factors)
     assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority",
-                                "kv_dtype": "fp16"}
+                                "kv_dtype": "int8"}
     with pytest.raises(ValueError, match="weights"):
         RunSpec(weights=("fp16",))
     # prefill choices: auto (fp32 GEMMs) keeps the name, int8 adds -int8prefill and the knob
     spec = RunSpec(systems=("fbs-full",), weights=("q4",), prefills=("auto", "int8"))
     systems = build_systems(model.base.hf, None, model, spec)
-    assert [s.name for s in systems] == ["fbs-full-compute-q4-kvfp16", "fbs-full-compute-q4-kvfp16-int8prefill"]
+    assert [s.name for s in systems] == ["fbs-full-compute-q4-kvint8", "fbs-full-compute-q4-kvint8-int8prefill"]
     assert systems[1].knobs["prefill"] == "int8" and "prefill" not in systems[0].knobs
     with pytest.raises(ValueError, match="prefills"):
         RunSpec(prefills=("int4",))

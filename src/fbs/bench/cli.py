@@ -164,7 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage of the FBS systems, comma list from auto, fp32, fp16, bf16, int8 (each "
                         "system once per dtype; half precision halves the cache's bytes, int8 (codes and a scale per "
                         "entry) about quarters them; attention accumulates in fp32; "
-                        "auto (default): fp16 under q4, q8, int8 weights, else fp32)")
+                        "auto (default): int8 under q4, q8, int8 weights, else fp32)")
     p.add_argument("--prefill", dest="prefills", type=_strs, default=s.prefills,
                    help="how the FBS systems run a prompt's products, comma list from auto, fp32, int8, blocks (each "
                         "system once per choice; blocks: the q4 / q8 decode kernels, activations per 32 values; int8: "

@@ -83,7 +83,7 @@ class DecodeOptions:
     prefill_chunk: int | None = None         # prompt tokens per prefill chunk (None: 512 under a cache policy, the
                                              # whole prompt under the full cache; 0: the whole prompt)
     kv_dtype: str = "fp32"                   # fp32 | fp16 | bf16 | int8: the KV cache's storage (fbs.engine.cache.KV_DTYPES);
-                                             # auto: fp16 for the quantized weights, else fp32 (fbs.engine.defaults)
+                                             # auto: int8 for the quantized weights, else fp32 (fbs.engine.defaults)
     kv_smooth_keys: bool = True              # int8 KV cache: keys stored divided by per-channel powers of two
                                              # calibrated once per model and weights (fbs.engine.quant.key_factors)
     prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights

@@ -8,9 +8,11 @@ tolerance, fastest first (the measurements behind the list are in docs/eval.md, 
 docs/eval.md, "Operating point"); ``tests/test_operating_point.py`` checks the list against that record).
 ``--weights fp32`` (or any explicit format) is always honoured as given.
 
-KV cache: the quantized formats store it in fp16 (:func:`default_kv_dtype`): half the bytes a decode step reads from
-the cache, +0.12 % held-out PPL in q4 and 1.10x decode speed at 512 tokens of context (docs/eval.md, "Default KV
-cache"); fp32 and bf16 weights keep a cache of their own dtype (fp32 stays bit-faithful to HF).
+KV cache: the quantized formats store it as int8 entries with key factors (:func:`default_kv_dtype`; codes and a scale
+per entry, keys divided by per-channel powers of two, :func:`fbs.engine.quant.key_factors`): about a quarter of fp32's
+bytes, held-out PPL within 0.1 % of the fp32 cache on SmolLM2 (q4, q8, int8) and Qwen2.5-Coder (int8 weights), free-
+running chat not different from the fp16 cache (docs/eval.md, "Default KV cache"); fp32 and bf16 weights keep a cache
+of their own dtype (fp32 stays bit-faithful to HF).
 
 Prefill: fp32 GEMMs (the HF modules') in every format. The int8 prefill (:mod:`fbs.engine.prefill`, 1.7x faster
 at 512 tokens) passes the perplexity tolerance under q4 (+0.22 %, ``results/prefill_ppl.json``) but moves
@@ -57,9 +59,9 @@ def default_weights(kernels: Mapping[str, str | None] | None = None) -> str:
 
 
 def default_kv_dtype(weights: str) -> str:
-    """The KV cache storage ``kv_dtype="auto"`` stands for under ``weights`` (already resolved): fp16 for the
-    quantized formats (:data:`QUALIFYING`), fp32 (the weights' own compute dtype) otherwise."""
-    return "fp16" if weights in QUALIFYING else "fp32"
+    """The KV cache storage ``kv_dtype="auto"`` stands for under ``weights`` (already resolved): int8 (with key
+    factors) for the quantized formats (:data:`QUALIFYING`), fp32 (the weights' own compute dtype) otherwise."""
+    return "int8" if weights in QUALIFYING else "fp32"
 
 
 def resolve_kv_dtype(kv_dtype: str, weights: str) -> str:

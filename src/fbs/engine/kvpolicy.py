@@ -167,7 +167,7 @@ def add_kv_cache_arguments(p) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=AUTO,
                    help="storage of the KV cache's entries: fp32, fp16 or bf16 (half the bytes), or int8 (codes and a "
                         "scale per entry: about a quarter); attention converts them back and accumulates in fp32; "
-                        "auto (default): fp16 under the quantized --weights (q4, q8, int8), else fp32 "
+                        "auto (default): int8 under the quantized --weights (q4, q8, int8), else fp32 "
                         "(fbs.engine.defaults)")
     add_prefill_chunk_argument(p)
     add_prefill_argument(p)

@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "PPL whose native kernels run here, else fp32 (fbs.engine.defaults)")
     p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default=AUTO,
                    help="default KV cache storage (requests may set their own): fp32, fp16, bf16, int8 (codes and "
-                        "a scale per entry), or auto: fp16 under the quantized weights, else fp32 (fbs.engine.defaults)")
+                        "a scale per entry), or auto: int8 under the quantized weights, else fp32 (fbs.engine.defaults)")
     p.add_argument("--prefill", choices=PREFILL_CHOICES, default=AUTO,
                    help="default for how a prompt's products run (requests may set their own): fp32, blocks (the "
                         "q4 / q8 decode kernels) or int8 (an int8 GEMM); auto: each weight format's default "
