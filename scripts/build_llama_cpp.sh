@@ -13,7 +13,9 @@
 # Source: the llama.cpp that the pinned llama-cpp-python sdist vendors (PyPI is the only reachable registry).
 # Instruction sets: x86-64 with AVX2/FMA/F16C, plus AVX-512 (F, VNNI, VBMI, BF16) and AVX-VNNI where this CPU has
 # them, the same sets fbs's own kernels use, so neither side is handicapped. GGML_NATIVE stays off so the choice is
-# explicit and recorded. AMX stays off unless FBS_LLAMA_AMX=1 (untested on these machines).
+# explicit and recorded. AMX stays off unless FBS_LLAMA_AMX=1: measured on an Intel Xeon VM of this project whose
+# /proc/cpuinfo lists amx_tile / amx_int8 / amx_bf16 (2026-11-27), that build compiles but llama-bench dies at once
+# with SIGILL (exit 132), so AMX is not usable by llama.cpp here and the anchor stays the AVX-512 VNNI build.
 set -euo pipefail
 PY="${1:-.venv/bin/python}"
 VERSION=0.3.36
