@@ -128,6 +128,10 @@ def test_a_small_budget_allocates_the_budget_not_the_context(one_thread):
     assert caps == {"streaming": 41, "h2o": 41, "snapkv": 40 + 12}
 
 
+def base_row(rec: dict, length: int) -> dict:
+    return next(r for r in rec["rows"] if (r["system"], r["length"]) == ("base", length))
+
+
 @pytest.mark.slow
 def test_long_context_command_end_to_end(tmp_path, capsys, monkeypatch):
     """The command on a tiny random model saved to disk: every system at two lengths in this process, then a rerun
@@ -167,6 +171,15 @@ def test_long_context_command_end_to_end(tmp_path, capsys, monkeypatch):
         capsys.readouterr()
         assert main(argv) == 0 and capsys.readouterr().out.count("done before") == 16
         assert json.loads(out.read_text())["rows"] == rec["rows"]
+        # another cache storage is another part: run again, its cache counted in int8 entries (hd codes + a 4-byte
+        # scale against hd fp32 values: 20 / 64 bytes for the tiny model's heads of 16)
+        assert main([*common, "--lengths", "160", "--work-dir", str(tmp_path / "work"), "--in-process",
+                     "--systems", "base", "--kv-dtype", "int8"]) == 0
+        assert "done before" not in capsys.readouterr().out
+        q = json.loads(out.read_text())["rows"][0]
+        assert q["kv_dtype"] == "int8" and base_row(rec, 160)["kv_dtype"] == "fp32"
+        assert q["kv_cache_mb"] == pytest.approx(base_row(rec, 160)["kv_cache_mb"] * 20 / 64)
+        assert q["ppl"] != base_row(rec, 160)["ppl"] and q["ppl"] == pytest.approx(base_row(rec, 160)["ppl"], rel=0.05)
         assert main([*common, "--lengths", "160", "--work-dir", str(tmp_path / "empty"), "--collect-only"]) == 0
         assert json.loads(out.read_text())["missing"] == [f"{s}@160" for s in lc.DEFAULT_SYSTEMS]
         assert "Not run yet" in out.with_suffix(".md").read_text()

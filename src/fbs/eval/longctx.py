@@ -51,7 +51,10 @@ from pathlib import Path
 
 import torch
 
+from ..engine.cache import kv_storage_dtype
+from ..engine.defaults import KV_DTYPE_CHOICES, resolve_kv_dtype, resolve_weights
 from ..engine.kvpolicy import add_prefill_chunk_argument
+from ..engine.quant import kv_width
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class LongCtxConfig:
     qa_items: int = 4
     docs: str | None = None
     weights: str = "fp32"
+    kv_dtype: str = "fp32"  # the KV cache's storage (DecodeOptions.kv_dtype; auto: the format's default)
     threads: int = 1
     seed: int = 0
     prefill_chunk: int | None = None  # prompt tokens per prefill chunk (None: the engine's default; 0: whole prompt)
@@ -354,7 +358,7 @@ def run_part(cfg: LongCtxConfig, system: str, length: int, items: dict, model=No
     if model is None:
         model, tok = load_model(cfg, spec["model"])
     load_s = time.perf_counter() - t_load
-    opts = dict(spec["opts"], weights=cfg.weights)
+    opts = dict(spec["opts"], weights=cfg.weights, kv_dtype=cfg.kv_dtype)
     if cfg.prefill_chunk is not None:
         opts["prefill_chunk"] = cfg.prefill_chunk
     rss_load = rss_mb()
@@ -382,13 +386,14 @@ def run_part(cfg: LongCtxConfig, system: str, length: int, items: dict, model=No
         executed, pairs, cap = executed + r.executed, pairs + r.pairs, max(cap, r.capacity)
     peak = rss_mb("VmHWM") if isolated else None
     return {"system": system, "length": length, **spec, "rows": rows,
-            "summary": summarize(rows, executed, pairs, cap, model),
+            "summary": summarize(rows, executed, pairs, cap, model, cfg.weights, cfg.kv_dtype),
             "memory": {"rss_after_load_mb": rss_load, "peak_rss_mb": peak, "peak_is_after_load": isolated,
                        "kv_capacity_slots": cap},
             "load_s": load_s, "threads": torch.get_num_threads()}
 
 
-def summarize(rows: dict, executed: int, pairs: int, cap: int, model=None) -> dict:
+def summarize(rows: dict, executed: int, pairs: int, cap: int, model=None, weights: str = "fp32",
+              kv_dtype: str = "fp32") -> dict:
     out: dict = {}
     if rows["ppl"]:
         n = sum(r["tokens"] for r in rows["ppl"])
@@ -411,8 +416,10 @@ def summarize(rows: dict, executed: int, pairs: int, cap: int, model=None) -> di
     out["skip_ratio"] = 1 - executed / pairs if pairs else 0.0
     if model is not None:
         spec = model.base.spec
-        out["kv_cache_mb"] = (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * cap
-                              * model.base.embedding_weight.element_size() / 2**20)
+        dt = kv_storage_dtype(resolve_kv_dtype(kv_dtype, resolve_weights(weights)),
+                              model.base.embedding_weight.dtype)
+        entry = kv_width(spec.head_dim, dt) * torch.empty((), dtype=dt).element_size()  # bytes of one entry
+        out["kv_cache_mb"] = 2 * spec.num_layers * spec.num_kv_heads * entry * cap / 2**20
     return out
 
 
@@ -467,8 +474,10 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
             if path.exists():
                 part = json.loads(path.read_text())
                 # a part from before chunked prefill (no "prefill_chunk" key) ran another prefill: run it again
+                # (and one from before the format / cache storage were recorded ran fp32 with an fp32 cache)
                 if part.get("items_digest") == digest and part.get("budget") == cfg.budget and part.get(
-                        "prefill_chunk", "absent") == cfg.prefill_chunk:
+                        "prefill_chunk", "absent") == cfg.prefill_chunk and part.get("weights", "fp32") == \
+                        cfg.weights and part.get("kv_dtype", "fp32") == cfg.kv_dtype:
                     parts.append(part)
                     progress(f"{system} @ {length}: done before")
                     continue
@@ -493,6 +502,7 @@ def run(cfg: LongCtxConfig, work: Path, in_process: bool = False, progress=print
                     raise RuntimeError(f"{system} @ {length} failed (exit {done.returncode}); rerun to resume")
                 part = json.loads(path.read_text())
             part["budget"], part["prefill_chunk"] = cfg.budget, cfg.prefill_chunk
+            part["weights"], part["kv_dtype"] = cfg.weights, cfg.kv_dtype
             _write_json(path, part)
             parts.append(part)
             s = part["summary"]
@@ -506,7 +516,8 @@ def record(cfg: LongCtxConfig, done: dict, command: str | None = None) -> dict:
     from ..provenance import provenance
 
     rows = [{"system": p["system"], "length": p["length"], "policy": p["policy"], "model": p["model"],
-             "prefill_chunk": p.get("prefill_chunk"),
+             "prefill_chunk": p.get("prefill_chunk"), "weights": p.get("weights", "fp32"),
+             "kv_dtype": p.get("kv_dtype", "fp32"),
              **p["summary"], **p["memory"], "threads": p.get("threads")} for p in done["parts"]]
     return {"what": "long-context evaluation (appendix F): PPL on long held-out documents, needle retrieval over "
                     "depth x length, long-input yes/no QA (qasper), TTFT, decode tok/s, peak RSS per system",
@@ -581,6 +592,8 @@ def add_parser(sub) -> None:
     p.add_argument("--docs", default=None, help="documents: a text file or JSONL with 'text' (default: held-out "
                                                 "Shakespeare texts)")
     p.add_argument("--weights", default="fp32", help="engine weight format (fp32, int8, ...)")
+    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPE_CHOICES,
+                   help="the KV cache's storage (fp32, fp16, bf16, int8; auto: the weight format's default)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each system's process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", type=Path, default=Path("runs/longctx"),
@@ -601,7 +614,8 @@ def cmd_long_context(args) -> int:
         lengths=tuple(int(x) for x in args.lengths.split(",") if x), budget=args.kv_budget,
         systems=tuple(s for s in args.systems.split(",") if s), ppl_docs=args.ppl_docs, ppl_tokens=args.ppl_tokens,
         depths=tuple(float(x) for x in args.depths.split(",") if x), needles_per_depth=args.needles_per_depth,
-        qa_items=args.qa_items, docs=args.docs, weights=args.weights, threads=args.threads, seed=args.seed,
+        qa_items=args.qa_items, docs=args.docs, weights=args.weights, kv_dtype=args.kv_dtype, threads=args.threads,
+        seed=args.seed,
         prefill_chunk=args.prefill_chunk)
     done = run(cfg, args.work_dir, in_process=args.in_process, collect_only=args.collect_only)
     rec = record(cfg, done, " ".join(["fbs", *sys.argv[1:]]) if sys.argv and "fbs" in sys.argv[0] else None)
