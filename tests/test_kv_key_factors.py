@@ -182,3 +182,20 @@ def test_key_factors_bring_an_outlier_channels_int8_cache_back_to_the_fp32_cache
             hd = f.shape[-1]
             assert torch.all(f[:, 0, 0] >= 4 * f[:, 0, 1:hd // 2].amax(-1))  # the outlier pair's factor
     assert errs[True] < errs[False] / 2.5, errs
+
+
+def test_calibration_runs_once_per_model_format_and_weights(one_thread):
+    """Two decoders of one model and format share one calibration (the same tensors), the HF-modules ops included;
+    after the weights change (a training step) the next decoder calibrates again, and the factors follow the keys."""
+    m = _outlier_model("llama")
+    for w in ("fp32", "hf"):
+        a = _decode(m, [prompt(12)], new=2, kv_dtype="int8", weights=w).cache.key_factor
+        b = _decode(m, [prompt(9, 1)], new=2, kv_dtype="int8", weights=w).cache.key_factor
+        assert all(x is y for x, y in zip(a, b))
+    hd = a[0].shape[-1]
+    with torch.no_grad():  # undo the outlier pair's K rows in layer 0: its factor falls back to the others'
+        for g in range(a[0].shape[0]):
+            for c in (g * hd, g * hd + hd // 2):
+                m.base.hf.model.layers[0].self_attn.k_proj.weight[c] /= 100
+    c = _decode(m, [prompt(12)], new=2, kv_dtype="int8", weights="hf").cache.key_factor
+    assert c[0] is not b[0] and torch.all(c[0][:, 0, 0] < b[0][:, 0, 0]) and torch.equal(c[1], b[1])

@@ -42,7 +42,7 @@ import torch
 from .cache import CacheContext, KVCache, kv_storage_dtype
 from .defaults import PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
 from .flops import FlopCounter
-from .fused import WEIGHTS, decode_ops
+from .fused import WEIGHTS, source_stamp, decode_ops
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
 from .prefill import prefill_ops
 from .calibration import calibration_ids
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 CAPACITY_STEP = 128  # KV cache capacity granularity of compiled decoding (the extra slots are masked out)
 STRUCTURE_CHARS = "\n{}[]():,\"'`"
 _OPEN, _CLOSE = "([{", ")]}"
-#: per ops object (a model's weights in one format), its int8 caches' key factors (Decoder.key_factors)
+#: per model, per (format, compile): the state of its weights and its int8 caches' key factors (Decoder.key_factors)
 _KEY_FACTORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -503,9 +503,11 @@ class Decoder:
     def key_factors(self) -> list[torch.Tensor]:
         """Per layer the (Hkv, 1, hd) factors an int8 cache stores its keys divided by (:func:`key_factors`): from
         the keys of the calibration prompt (:mod:`fbs.engine.calibration`), prefilled at full depth into an fp32
-        cache by these ops; computed once per ops object (a model's weights in one format)."""
-        ops = decode_ops(self.m, self.opts.weights, self.opts.compile)  # (self.ops: set after the cache)
-        got = _KEY_FACTORS.get(ops)
+        cache in this format; computed once per model, format and state of its weights (recomputed after training
+        changes them; stale factors would still be exact, only less fitted: q . k does not depend on them)."""
+        per_model = _KEY_FACTORS.setdefault(self.m, {})
+        key, stamp = (self.opts.weights, bool(self.opts.compile)), source_stamp(self.m)
+        got = per_model[key][1] if key in per_model and per_model[key][0] == stamp else None
         if got is None:
             opts = DecodeOptions(max_new_tokens=1, weights=self.opts.weights, compile=self.opts.compile,
                                  kv_dtype="fp32", force_compute=True, ignore_eos=True)
@@ -515,7 +517,8 @@ class Decoder:
             with torch.no_grad():
                 cal.prefill()
             n = len(ids)
-            got = _KEY_FACTORS[ops] = [key_factors(k[0, :, :n]) for k in cal.cache.k]
+            got = [key_factors(k[0, :, :n]) for k in cal.cache.k]
+            per_model[key] = (stamp, got)
         return got
 
     def context(self, rows: list[int], positions: list[list[int]], cos, sin, prefill: bool = False) -> CacheContext:

@@ -67,7 +67,7 @@ def decode_ops(model, weights: str = "fp32", compile: bool = False):
     if weights not in FORMATS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     per_model = _FUSED.setdefault(model, {})
-    stamp = _source_stamp(model)
+    stamp = source_stamp(model)
     key = (weights, compile, native.enabled())
     cached = per_model.get(key)
     if cached is None or cached[0] != stamp:
@@ -80,7 +80,7 @@ def decode_ops(model, weights: str = "fp32", compile: bool = False):
 _FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _source_stamp(model) -> tuple:
+def source_stamp(model) -> tuple:
     """Identity and version counter of every parameter the fused copies are built from."""
     params = list(model.base.parameters()) + list(model.gates.parameters())
     return tuple((p.data_ptr(), p._version) for p in params)
