@@ -28,6 +28,10 @@ const float* key_factors(const std::optional<at::Tensor>& kf, int64_t hkv, int64
   return kf->data_ptr<float>();
 }
 
+void divide_key(const float* k, const float* f, int64_t hd, float* out) {
+  for (int64_t d = 0; d < hd; ++d) out[d] = k[d] / f[d];
+}
+
 void scale_queries(float* q, const float* KF, int64_t H, int64_t Hkv, int64_t hd) {
   const int64_t group = H / Hkv;
   for (int64_t h = 0; h < H; ++h) {
@@ -87,7 +91,7 @@ void write_kv_t(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_
       const int64_t at_ = I[i] * rs + g * hs + L[i] * w;
       const float* k = K + i * ks0 + g * ks1;
       if (KF) {
-        for (int64_t d = 0; d < hd; ++d) kr[d] = k[d] / KF[g * hd + d];
+        divide_key(k, KF + g * hd, hd, kr.data());
         k = kr.data();
       }
       store_t(k, hd, KC + at_);

@@ -133,6 +133,8 @@ void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t 
 // The key factors of a cache (fbs.engine.quant.key_factors: powers of two, (Hkv, 1, hd) fp32): keys are stored
 // divided by them and queries attend multiplied by them (the same products q . k, exactly). Checked; null if none.
 const float* key_factors(const std::optional<at::Tensor>& kf, int64_t hkv, int64_t hd, const char* who);
+// A key of hd values as its cache stores it before rounding: divided by its KV head's factors f (hd), into out.
+void divide_key(const float* k, const float* f, int64_t hd, float* out);
 // Queries of H heads (hd each, side by side) multiplied by their KV head's key factors KF (Hkv, hd), in place.
 void scale_queries(float* q, const float* KF, int64_t H, int64_t Hkv, int64_t hd);
 // One entry of n fp32 values stored at dst as an entry of type kt (Entry: entry_width(kt, n) elements)

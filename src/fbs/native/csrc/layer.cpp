@@ -107,8 +107,7 @@ void Layer::write_kv(const Step& st, const float* Y, const bool* write, at::Tens
       const int64_t at_ = (st.idx[i] * rs + g * hs + SL[i] * ew) * es;
       std::copy_n(Y + i * nk + g * hd, hd, kr);
       rope(kr, st.cos + i * hd, st.sin + i * hd, hd);
-      if (KF)
-        for (int64_t c = 0; c < hd; ++c) kr[c] /= KF[g * hd + c];
+      if (KF) fbs_attn::divide_key(kr, KF + g * hd, hd, kr);
       fbs_attn::store(kr, hd, KC + at_, kt);
       fbs_attn::store(Y + i * nk + w + g * hd, hd, VC + at_, kt);
     }
