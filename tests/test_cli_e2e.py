@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fbs.cli import main
+from fbs.engine.defaults import default_prefill
 from fbs.engine.quant import FORMATS
 
 pytest.importorskip("starlette")
@@ -59,10 +60,11 @@ def chat_ids(text: str = PROMPT) -> list[int]:
 
 
 def api_text(model, ids, **opts) -> tuple[object, str]:
-    """The API's output with the CLI's default weight format and KV cache storage (``auto``) unless the options name
-    them."""
+    """The API's output with the CLI's default weight format, KV cache storage and prefill (``auto``) unless the
+    options name them."""
     opts.setdefault("weights", "auto")
     opts.setdefault("kv_dtype", "auto")
+    opts.setdefault("prefill", "auto")
     res = model.generate([ids], **opts)
     return res, model.tokenizer.decode(res.new_tokens[0], skip_special_tokens=True)
 
@@ -283,7 +285,7 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
         torch.set_num_threads(threads)
     assert code == 0
     assert out.strip() == ("fbs serve: tiny (tau 0.4, kv hole, batch policy majority, weights int8, KV cache int8, "
-                           "prefill fp32, 2 slots, "
+                           f"prefill {default_prefill('int8')}, 2 slots, "
                            "context 100 tokens) at http://127.0.0.2:8123/v1")
     assert (captured["host"], captured["port"], captured["log_level"]) == ("127.0.0.2", 8123, "warning")
     with ServerThread(captured["app"]) as srv:

@@ -5,6 +5,7 @@ import torch
 
 import fbs.engine.fused
 from conftest import fbs_tiny, randomize
+from fbs.engine.defaults import default_prefill
 from fbs.engine.fused import decode_ops
 from fbs.engine.quant import dequantize, quantize_int8
 
@@ -135,18 +136,21 @@ def test_bench_runs_each_fbs_system_per_weight_format_and_batch_policy():
     spec = RunSpec(systems=("fbs-full", "fbs-tau"), taus=(1.0,), weights=("fp32", "int8"),
                    batch_policies=("gather", "majority"), compile=True)
     systems = build_systems(model.base.hf, None, model, spec)
+    pre = default_prefill("int8")  # auto: bf16 on a CPU with AMX-BF16, else fp32 (named where it is not fp32)
+    p = "" if pre == "fp32" else f"-{pre}prefill"
     assert [s.name for s in systems] == [
-        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", "fbs-full-compute-int8-compiled-kvint8",
-        "fbs-full-compute-int8-compiled-majority-kvint8", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
-        "fbs-tau1-int8-compiled-kvint8", "fbs-tau1-int8-compiled-majority-kvint8"]  # kv_dtypes auto: int8 (with key factors)
+        "fbs-full-compute-compiled", "fbs-full-compute-compiled-majority", f"fbs-full-compute-int8-compiled-kvint8{p}",
+        f"fbs-full-compute-int8-compiled-majority-kvint8{p}", "fbs-tau1-compiled", "fbs-tau1-compiled-majority",
+        f"fbs-tau1-int8-compiled-kvint8{p}", f"fbs-tau1-int8-compiled-majority-kvint8{p}"]  # kv auto: int8 + key factors
     assert systems[3].knobs == {"force_compute": True, "weights": "int8", "compile": True, "batch_policy": "majority",
-                                "kv_dtype": "int8"}
+                                "kv_dtype": "int8", **({} if pre == "fp32" else {"prefill": pre})}
     with pytest.raises(ValueError, match="weights"):
         RunSpec(weights=("fp16",))
-    # prefill choices: auto (fp32 GEMMs) keeps the name, int8 adds -int8prefill and the knob
-    spec = RunSpec(systems=("fbs-full",), weights=("q4",), prefills=("auto", "int8"))
+    # prefill choices: fp32 GEMMs keep the name, int8 adds -int8prefill and the knob; auto is this CPU's default
+    spec = RunSpec(systems=("fbs-full",), weights=("q4",), prefills=("fp32", "int8", "auto"))
     systems = build_systems(model.base.hf, None, model, spec)
-    assert [s.name for s in systems] == ["fbs-full-compute-q4-kvint8", "fbs-full-compute-q4-kvint8-int8prefill"]
+    names = ["fbs-full-compute-q4-kvint8", "fbs-full-compute-q4-kvint8-int8prefill"]
+    assert [s.name for s in systems] == names + ([] if pre == "fp32" else [f"fbs-full-compute-q4-kvint8{p}"])
     assert systems[1].knobs["prefill"] == "int8" and "prefill" not in systems[0].knobs
     with pytest.raises(ValueError, match="prefills"):
         RunSpec(prefills=("int4",))

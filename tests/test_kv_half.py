@@ -11,6 +11,7 @@ from conftest import fbs_tiny, int8_exact_, tiny_config, tiny_hf
 from fbs import FBSForCausalLM, native
 from fbs.engine.cache import KV_DTYPES, KVCache, kv_storage_dtype
 from fbs.engine.decoder import DecodeOptions
+from fbs.engine.defaults import default_prefill
 from fbs.engine.kvpolicy import SINKS
 from fbs.engine.loop import run, start
 from fbs.engine.quant import kv_load, kv_store
@@ -267,8 +268,10 @@ def test_bench_runs_each_fbs_system_once_per_kv_dtype():
     spec = RunSpec(kv_dtypes=("fp32", "fp16"), weights=("q4",))
     sys_ = FBSSystem(name="fbs-full-compute", model=None, knobs={"force_compute": True})
     rows = {s.name: s.knobs for s in _decode_variants([sys_], spec)}
-    assert set(rows) == {"fbs-full-compute-q4", "fbs-full-compute-q4-kvfp16"}
-    assert rows["fbs-full-compute-q4-kvfp16"]["kv_dtype"] == "fp16" and "kv_dtype" not in rows["fbs-full-compute-q4"]
+    pre = default_prefill("q4")  # auto: bf16 on a CPU with AMX-BF16, else fp32 (named where it is not fp32)
+    p = "" if pre == "fp32" else f"-{pre}prefill"
+    assert set(rows) == {f"fbs-full-compute-q4{p}", f"fbs-full-compute-q4-kvfp16{p}"}
+    assert rows[f"fbs-full-compute-q4-kvfp16{p}"]["kv_dtype"] == "fp16" and "kv_dtype" not in rows[f"fbs-full-compute-q4{p}"]
     for bad in (("fp8",), ("fp16", "fp16"), ()):
         with pytest.raises(ValueError, match="kv_dtype"):
             RunSpec(kv_dtypes=bad)

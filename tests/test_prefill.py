@@ -19,7 +19,7 @@ from fbs import FBSForCausalLM, native
 from fbs.engine.decoder import DecodeOptions
 from fbs.engine.defaults import resolve_prefill
 from fbs.engine.loop import start
-from fbs.engine.prefill import int8_linear, quantize_rows, quantize_weight
+from fbs.engine.prefill import bf16_linear, bf16_weight, int8_linear, quantize_rows, quantize_weight
 from fbs.engine.quant import dequantize_blocks, quantize_blocks
 from fbs.native import quant as native_quant
 
@@ -222,3 +222,64 @@ def test_integer_prefill_in_chunks_equals_the_whole_prompt(weights, prefill, one
         assert (a - b).abs().max() < 5e-3 * (b.max() - b.min())
     fp32 = m.generate(ids, **{**kw, "prefill": "fp32"})
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(fp32.scores, whole.scores))  # a different prefill ran
+
+
+def test_bf16_linear_is_the_rounded_product_of_the_rounded_operands():
+    """y = bf16(bf16(x) @ bf16(w)^T) (+ b in fp32): the operands rounded once, the sums exact enough that the one
+    rounding of the result decides it (an entry may differ where fp32 and float64 sums lie on two sides of a bf16
+    rounding boundary, at most one bf16 step); not the fp32 product."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 96, generator=g) * torch.linspace(0.1, 4, 96)
+    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    y = bf16_linear(x, bf16_weight(w, b))
+    exact = x.bfloat16().double() @ w.bfloat16().double().t()
+    ref = exact.bfloat16().double() + b.double()
+    step = exact.abs() * 2.0 ** -7  # one bf16 step of the result
+    assert ((y.double() - ref).abs() <= step + 1e-6).all()
+    assert (y.double() == ref.float().double()).float().mean() > 0.97
+    assert (y - torch.nn.functional.linear(x, w, b)).abs().max() > 1e-2
+
+
+def _bf16_reference(hf):
+    """The HF model (float64) with every decoder Linear computing the bf16 rule at every position: operands rounded to
+    bf16, the product rounded to bf16, the bias added (fp32 values); the LM head float64."""
+    ref = copy.deepcopy(hf).double()
+
+    class BF16(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.w = lin.weight.detach().float().bfloat16().double()
+            self.b = None if lin.bias is None else lin.bias.detach().float().double()
+
+        def forward(self, x):
+            y = (x.float().bfloat16().double() @ self.w.t()).bfloat16().double()  # the engine rounds fp32 activations
+            return y if self.b is None else y + self.b
+
+    return _replace_linears(ref, BF16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_bf16_prefill_gives_the_bf16_reference_logits(family, weights, one_thread):
+    """With ``prefill="bf16"`` every prompt position, the last included, runs the bf16 rule: the cached K/V and the
+    next-token logits are those of the HF model whose decoder products follow it in float64 (to a bf16 step where a
+    sum lies at a rounding boundary), and differ from the fp32 model's; the decode format's layer weights are not used
+    (under q4 the K/V are the same; its logits come from the q4 format's own LM head, in q8)."""
+    hf = tiny_hf(family)
+    m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
+    ids = prompt(40, 6)
+    with torch.no_grad():
+        plain = hf(torch.tensor([ids]), use_cache=True)
+        out = _bf16_reference(hf)(torch.tensor([ids]), use_cache=True)
+        dec = start(m, [ids], None, None, dict(max_new_tokens=1, weights=weights, kv_dtype="fp32", prefill="bf16"))
+        got = dec.prefill()[0]
+    ref, fp32 = out.logits[0, -1].float(), plain.logits[0, -1]
+    scale = ref.abs().max()
+    err, far = (got - ref).abs().max(), (fp32 - ref).abs().max()
+    if weights == "fp32":
+        assert err < 2e-3 * scale and far > 5 * err, (err, far, scale)
+    for l in (0, len(m.base.layers) - 1):
+        k_ref = out.past_key_values.layers[l].keys[0].float()
+        k_got = dec.cache.k[l][0, :, :len(ids)]
+        k_fp32 = plain.past_key_values.layers[l].keys[0]
+        assert (k_got - k_ref).abs().max() < 5 * (k_fp32 - k_ref).abs().max() / 10

@@ -166,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "entry) about quarters them; attention accumulates in fp32; "
                         "auto (default): int8 under q4, q8, int8 weights, else fp32)")
     p.add_argument("--prefill", dest="prefills", type=_strs, default=s.prefills,
-                   help="how the FBS systems run a prompt's products, comma list from auto, fp32, int8, blocks (each "
+                   help="how the FBS systems run a prompt's products, comma list from auto, fp32, bf16, int8, blocks (each "
                         "system once per choice; blocks: the q4 / q8 decode kernels, activations per 32 values; int8: "
                         "int8 weights per channel x int8 activations per token, an int8 GEMM; auto (default): each "
                         "weight format's default, fbs.engine.defaults.default_prefill)")

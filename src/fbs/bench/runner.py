@@ -132,9 +132,9 @@ class RunSpec:
     each format's default, :func:`fbs.engine.defaults.default_kv_dtype`): each FBS system runs once per dtype;
     dtypes other than fp32 add ``-kv<dtype>``."""
     prefills: tuple[str, ...] = ("auto",)
-    """How the FBS systems run a prompt's products (auto, fp32, int8, blocks; :mod:`fbs.engine.prefill`; auto: each
+    """How the FBS systems run a prompt's products (auto, fp32, bf16, int8, blocks; :mod:`fbs.engine.prefill`; auto: each
     format's default, :func:`fbs.engine.defaults.default_prefill`): each FBS system runs once per choice; a choice
-    other than fp32 adds ``-<choice>prefill`` (``-int8prefill``, ``-blocksprefill``)."""
+    other than fp32 adds ``-<choice>prefill`` (``-bf16prefill``, ``-int8prefill``, ...)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(GROUPS) - set(ALIASES) - {"all"}

@@ -86,9 +86,10 @@ class DecodeOptions:
                                              # auto: int8 for the quantized weights, else fp32 (fbs.engine.defaults)
     kv_smooth_keys: bool = True              # int8 KV cache: keys stored divided by per-channel powers of two
                                              # calibrated once per model and weights (fbs.engine.quant.key_factors)
-    prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | int8 (int8 weights
-                                             # per channel x int8 activations per token) | blocks (q4 / q8: the
-                                             # decode kernels), fbs.engine.prefill; auto: each format's default
+    prefill: str = "fp32"                    # a prompt's products: fp32 (the HF modules' GEMMs) | bf16 (bf16 GEMMs)
+                                             # | int8 (int8 weights per channel x int8 activations per token) |
+                                             # blocks (q4 / q8: the decode kernels), fbs.engine.prefill; auto: the
+                                             # default
                                              # (fbs.engine.defaults.default_prefill)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
@@ -466,7 +467,7 @@ class Decoder:
                     self.depth[r] = max(0, self.depth[r] + self.structure.depth_delta[t])
         self.emb_v, self.keys_v = model.preview_vocab() if len(model.paw) else (None, {})
         self.ops = decode_ops(model, opts.weights, opts.compile)
-        #: what a prompt runs with: the decode ops, or their integer products (prefill="int8" / "blocks")
+        #: what a prompt runs with: the decode ops, or other products (prefill="bf16" / "int8" / "blocks")
         self.prefill_ops = prefill_ops(self.ops, opts.prefill)
         self.granularity = cfg.skip_granularity
         eos = opts.eos_token_id
@@ -548,7 +549,8 @@ class Decoder:
         for r, p in enumerate(self.prompts):
             groups.setdefault(len(p), []).append(r)
         logits = [None] * self.B
-        split = self.prefill_ops is not self.ops  # integer products: the last token runs the decode step (below)
+        # integer products: the last token runs the decode step (below)
+        split = self.prefill_ops is not self.ops and self.prefill_ops.decode_last
         for length, rows in groups.items():
             # rows of equal length run as one batch (rows need not be contiguous for the cache)
             prompt = torch.tensor([self.prompts[r] for r in rows], device=self.dev)

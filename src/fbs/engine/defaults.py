@@ -14,10 +14,11 @@ bytes, held-out PPL within 0.1 % of the fp32 cache on SmolLM2 (q4, q8, int8) and
 running chat not different from the fp16 cache (docs/eval.md, "Default KV cache"); fp32 and bf16 weights keep a cache
 of their own dtype (fp32 stays bit-faithful to HF).
 
-Prefill: fp32 GEMMs (the HF modules') in every format. The int8 prefill (:mod:`fbs.engine.prefill`, 1.7x faster
-at 512 tokens) passes the perplexity tolerance under q4 (+0.22 %, ``results/prefill_ppl.json``) but moves
-free-running answers far beyond q4's own rounding (ROUGE-L against the fp32 base 0.43 vs 0.67,
-``results/chat_prefill_int8.md``; docs/eval.md, "Default prefill"): it stays an option (``prefill="int8"``).
+Prefill (:func:`default_prefill`): under the quantized formats, bf16 GEMMs on a CPU with AMX-BF16 tiles (where
+oneDNN's bf16 GEMM measured 6x its fp32 GEMM; the prompt's keys about 3x closer to the fp32 prefill's than the
+blocks prefill's; PPL and free-running chat in docs/eval.md, "Default prefill"); fp32 GEMMs (the HF modules')
+elsewhere and under fp32 / bf16 weights (``--weights fp32`` stays bit-faithful to HF). The int8 and blocks prefills
+move free-running answers beyond q4's own rounding (ROUGE-L against the fp32 base 0.43 / 0.60 vs 0.67): options.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ FALLBACK = "fp32"
 #: ``kv_dtype`` / ``--kv-dtype`` accept: one of them or ``auto`` (:func:`default_kv_dtype`)
 KV_STORAGE = ("fp32", "fp16", "bf16", "int8")
 KV_DTYPE_CHOICES = (AUTO, *KV_STORAGE)
-#: how a prompt's products run (``prefill`` / ``--prefill``; fbs.engine.prefill): fp32 (the HF modules' GEMMs), int8
-#: (per-token int8 activations), blocks (the decode format's own block kernels), or ``auto`` (:func:`default_prefill`)
-PREFILL = ("fp32", "int8", "blocks")
+#: how a prompt's products run (``prefill`` / ``--prefill``; fbs.engine.prefill): fp32 (the HF modules' GEMMs), bf16
+#: (bf16 GEMMs), int8 (per-token int8 activations), blocks (the decode format's own block kernels), or ``auto``
+#: (:func:`default_prefill`)
+PREFILL = ("fp32", "bf16", "int8", "blocks")
 PREFILL_CHOICES = (AUTO, *PREFILL)
-#: formats whose default prefill is int8: none (module doc)
-INT8_PREFILL: tuple[str, ...] = ()
+#: the CPU flag under which the quantized formats' default prefill is bf16 (module doc): AMX's bf16 tiles
+BF16_PREFILL_FLAG = "amx_bf16"
 
 
 def default_weights(kernels: Mapping[str, str | None] | None = None) -> str:
@@ -69,14 +71,21 @@ def resolve_kv_dtype(kv_dtype: str, weights: str) -> str:
     return default_kv_dtype(weights) if kv_dtype == AUTO else kv_dtype
 
 
-def default_prefill(weights: str) -> str:
-    """The prompt products ``prefill="auto"`` stands for under ``weights`` (already resolved): int8 under
-    :data:`INT8_PREFILL` (none), fp32 (the HF modules' GEMMs) otherwise."""
-    return "int8" if weights in INT8_PREFILL else "fp32"
+def default_prefill(weights: str, cpu_flags: tuple[str, ...] | None = None) -> str:
+    """The prompt products ``prefill="auto"`` stands for under ``weights`` (already resolved) on a CPU with
+    ``cpu_flags`` (default: this one's, :func:`fbs.provenance.cpu_info`): bf16 under the quantized formats
+    (:data:`QUALIFYING`) where the CPU has :data:`BF16_PREFILL_FLAG`, fp32 (the HF modules' GEMMs) otherwise."""
+    if weights not in QUALIFYING:
+        return "fp32"
+    if cpu_flags is None:
+        from ..provenance import cpu_info
+
+        cpu_flags = cpu_info()[1]
+    return "bf16" if BF16_PREFILL_FLAG in cpu_flags else "fp32"
 
 
 def resolve_prefill(prefill: str, weights: str) -> str:
-    """``auto`` -> :func:`default_prefill` of ``weights``; any other value unchanged."""
+    """``auto`` -> :func:`default_prefill` of ``weights`` on this CPU; any other value unchanged."""
     return default_prefill(weights) if prefill == AUTO else prefill
 
 

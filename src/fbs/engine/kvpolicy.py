@@ -174,9 +174,10 @@ def add_kv_cache_arguments(p) -> None:
 
 
 def add_prefill_argument(p) -> None:
-    """``--prefill {auto,fp32,int8,blocks}`` on an argparse parser."""
+    """``--prefill {auto,fp32,bf16,int8,blocks}`` on an argparse parser."""
     p.add_argument("--prefill", choices=PREFILL_CHOICES, default=AUTO,
-                   help="how a prompt's products run: fp32 (the HF modules' GEMMs), blocks (q4 / q8: the decode "
+                   help="how a prompt's products run: fp32 (the HF modules' GEMMs), bf16 (bf16 GEMMs: AMX / "
+                        "AVX-512 BF16; keys about 3x closer to fp32's than blocks'), blocks (q4 / q8: the decode "
                         "format's own weights and kernels, activations per 32 values, as decode steps compute them) "
                         "or int8 (int8 weights per channel x int8 activations per token: int8 GEMMs); both integer "
                         "prefills are faster on long prompts and move free-running answers more than q4 does "

@@ -1,5 +1,6 @@
-"""A prompt's products in the integer formats: ``prefill="blocks"`` (the decode weights' own blocks) and
-``prefill="int8"`` (int8 weights per channel, int8 activations per token).
+"""A prompt's products in other arithmetic than the HF modules' fp32 GEMMs: ``prefill="bf16"`` (bf16 GEMMs),
+``prefill="blocks"`` (the decode weights' own blocks) and ``prefill="int8"`` (int8 weights per channel, int8
+activations per token).
 
 The decode step streams each weight once per token, so its formats (q4, q8, int8 in fbs.engine.quant) are chosen
 for bytes. A prompt of T tokens reads each weight once for T rows: it is bound by arithmetic. fp32 GEMMs
@@ -24,17 +25,25 @@ ops. One scale per token is coarser than the decode formats' one per 32 activati
 steps barely moves, but free-running answers move far more than q4's own rounding moves them (docs/eval.md,
 "Default prefill", has the perplexity and chat checks), so it is never a default.
 
-Between the products everything stays fp32: HF's norms, RoPE, SDPA, activation and residual adds under int8; under
-blocks the same, except that the FFN is the decode step's own native half (RMSNorm_2, products, SiLU, residual; row
-by row) where the layer has one. In both, the prompt's last token, whose state predicts the first new token, runs as
-a one-token step in the decode format (:meth:`fbs.engine.decoder.Decoder.prefill`).
+``bf16``: bf16 copies of the fp32 source weights (2 bytes a weight, kept with the decode ops), the activations
+rounded to bf16, one bf16 GEMM per product (oneDNN: AMX tiles where the CPU has them, which do 16 x 32 x 16
+multiply-accumulates per instruction; AVX-512 BF16 dot products otherwise), its bf16 result widened to fp32. Every
+value is rounded once to 8 significant bits instead of the 32-value block's one scale: the prompt's keys lie about 3x
+closer to the fp32 prefill's than the blocks prefill's do (docs/eval.md, "Default prefill").
+
+Between the products everything stays fp32: HF's norms, RoPE, attention, activation and residual adds under bf16 and
+int8; under blocks the same, except that the FFN is the decode step's own native half (RMSNorm_2, products, SiLU,
+residual; row by row) where the layer has one. Under int8 and blocks the prompt's last token, whose state predicts
+the first new token, runs as a one-token step in the decode format (:meth:`fbs.engine.decoder.Decoder.prefill`);
+under bf16 it runs with the rest of the prompt, as under fp32.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from .. import native
 from ..model.hf_adapter import apply_rope
@@ -76,11 +85,32 @@ def int8_linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return y.view(*lead, -1)
 
 
+
+class Bf16Weight(NamedTuple):
+    """A bf16 product's weight: ``w`` (N, K) bf16 rows, ``bias`` (N,) fp32 or None."""
+
+    w: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def bf16_weight(w: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16Weight:
+    """(N, K) float weight rows -> :class:`Bf16Weight` (each value rounded to the nearest bf16)."""
+    return Bf16Weight(w.detach().to(torch.bfloat16).contiguous(), None if bias is None else bias.detach().float())
+
+
+def bf16_linear(x: torch.Tensor, w: Bf16Weight) -> torch.Tensor:
+    """(..., K) fp32 -> (..., N) fp32: the activations rounded to bf16, one bf16 GEMM (oneDNN: AMX tiles or
+    AVX-512 BF16 dot products where the CPU has them, fp32 sums), its bf16 result widened; the bias added in fp32."""
+    y = F.linear(x.to(torch.bfloat16), w.w).float()
+    return y if w.bias is None else y.add_(w.bias)
+
 class _Layer(NamedTuple):
-    qkv: Int8Weight   # [W_q; W_k; W_v] with their biases (Qwen2)
-    o: Int8Weight
-    gu: Int8Weight    # [W_gate; W_up]
-    down: Int8Weight
+    """A layer's four products in a prefill's own weights (:class:`Int8Weight`, :class:`Bf16Weight`)."""
+
+    qkv: NamedTuple   # [W_q; W_k; W_v] with their biases (Qwen2)
+    o: NamedTuple
+    gu: NamedTuple    # [W_gate; W_up]
+    down: NamedTuple
 
 
 class _ProductPrefill(HFOps):
@@ -88,6 +118,11 @@ class _ProductPrefill(HFOps):
     pieces with each layer's four products (:meth:`_qkv_flat`, :meth:`_o`, :meth:`_gu`, :meth:`_down`) left to a
     subclass; the rest (embedding, RoPE tables, the LM head of the last position, PAW / CH, the cache) is the decode
     ops' (``ops``), whatever format they decode in."""
+
+    #: whether the prompt's last token, whose state predicts the first new token, runs as a one-token step in the
+    #: decode format (:meth:`fbs.engine.decoder.Decoder.prefill`): the integer products' rounding then reaches the
+    #: answer only through the prompt's K/V
+    decode_last = True
 
     def __init__(self, ops):
         super().__init__(ops.base)
@@ -151,27 +186,31 @@ class _ProductPrefill(HFOps):
     # ffn and block: HFOps' own, over attention and ffn_delta above
 
 
-class Int8Prefill(_ProductPrefill):
-    """``prefill="int8"``: the products in int8 (:func:`int8_linear`) on int8 copies of the fp32 source weights;
+class _StackedPrefill(_ProductPrefill):
+    """Products on copies of the fp32 source weights (adapters merged) made once per model, a layer's Q, K, V stacked
+    into one product and gate and up into another: ``weight(w, bias)`` makes a copy, ``linear(x, copy)`` runs it.
     RMSNorm_1 is HF's."""
+
+    weight: Callable = None
+    linear: Callable = None
 
     def __init__(self, ops):
         super().__init__(ops)
         self.layers = [self._layer(layer) for layer in self.base.layers]
 
-    @staticmethod
-    def _layer(layer) -> _Layer:
+    def _layer(self, layer) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         bias = None
         if any(p.bias is not None for p in projs):
             bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.weight.shape[0])
                               for p in projs])
+        make = type(self).weight
         return _Layer(
-            qkv=quantize_weight(torch.cat([p.weight.detach() for p in projs]), bias),
-            o=quantize_weight(attn.o_proj.weight, attn.o_proj.bias),
-            gu=quantize_weight(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
-            down=quantize_weight(mlp.down_proj.weight, mlp.down_proj.bias),
+            qkv=make(torch.cat([p.weight.detach() for p in projs]), bias),
+            o=make(attn.o_proj.weight, attn.o_proj.bias),
+            gu=make(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+            down=make(mlp.down_proj.weight, mlp.down_proj.bias),
         )
 
     def norm1(self, l, x):
@@ -179,18 +218,35 @@ class Int8Prefill(_ProductPrefill):
 
     def _qkv_flat(self, l, xn):
         spec = self.base.spec
-        y = int8_linear(xn, self.layers[l].qkv)
+        y = type(self).linear(xn, self.layers[l].qkv)
         nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
 
     def _o(self, l, o):
-        return int8_linear(o, self.layers[l].o)
+        return type(self).linear(o, self.layers[l].o)
 
     def _gu(self, l, h):
-        return int8_linear(h, self.layers[l].gu)
+        return type(self).linear(h, self.layers[l].gu)
 
     def _down(self, l, a):
-        return int8_linear(a, self.layers[l].down)
+        return type(self).linear(a, self.layers[l].down)
+
+
+class Int8Prefill(_StackedPrefill):
+    """``prefill="int8"``: the products in int8 (:func:`int8_linear`) on int8 copies of the fp32 source weights."""
+
+    weight = staticmethod(quantize_weight)
+    linear = staticmethod(int8_linear)
+
+
+class Bf16Prefill(_StackedPrefill):
+    """``prefill="bf16"``: the products in bf16 (:func:`bf16_linear`) on bf16 copies of the fp32 source weights, the
+    prompt's last token included (as the fp32 prefill runs it: its logits are then about 3x closer to the fp32
+    prefill's than a decode step's, docs/eval.md, "Default prefill")."""
+
+    decode_last = False
+    weight = staticmethod(bf16_weight)
+    linear = staticmethod(bf16_linear)
 
 
 class BlockPrefill(_ProductPrefill):
@@ -228,14 +284,20 @@ class BlockPrefill(_ProductPrefill):
         return super().ffn(l, h) if out is None else out
 
 
+_STACKED = {"int8": Int8Prefill, "bf16": Bf16Prefill}
+
+
 def prefill_ops(ops, prefill: str):
-    """The ops a prompt runs with under ``prefill`` (resolved: fp32, int8 or blocks) over the decode ops ``ops``:
-    ``ops`` itself for fp32; the :class:`Int8Prefill` (built on first use and kept with ``ops``, rebuilt with them
-    when the model's weights change) for int8; a :class:`BlockPrefill` for blocks."""
-    if prefill == "int8":
-        pre = getattr(ops, "_int8_prefill", None)
+    """The ops a prompt runs with under ``prefill`` (resolved: fp32, bf16, int8 or blocks) over the decode ops
+    ``ops``: ``ops`` itself for fp32; the :class:`Bf16Prefill` / :class:`Int8Prefill` (built on first use and kept
+    with ``ops``, rebuilt with them when the model's weights change) for bf16 / int8; a :class:`BlockPrefill` for
+    blocks."""
+    if prefill in _STACKED:
+        attr = f"_{prefill}_prefill"
+        pre = getattr(ops, attr, None)
         if pre is None:
-            pre = ops._int8_prefill = Int8Prefill(ops)
+            pre = _STACKED[prefill](ops)
+            setattr(ops, attr, pre)
         return pre
     if prefill == "blocks":
         if getattr(ops, "fmt", None) not in BLOCK_FORMATS:
