@@ -73,7 +73,8 @@ def test_int8_logits_near_fp32_and_int8_head_used(family, monkeypatch):
 
     monkeypatch.setattr(fbs.engine.fused, "matmul", spy)
     ids = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(3))
-    q8 = model.generate(ids, max_new_tokens=8, ignore_eos=True, output_scores=True, weights="int8")
+    q8 = model.generate(ids, max_new_tokens=8, ignore_eos=True, output_scores=True, weights="int8",
+                        elide_inert=False)  # the ops of this model (its fresh PAW / CH run)
     assert head_dtypes == [torch.int8] * 8  # the prefill's last position and 7 decode steps
     with torch.no_grad():
         ref = model(q8.sequences, gate_mode="off").logits[:, 15:-1]  # fp32, HF modules, same tokens

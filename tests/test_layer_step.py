@@ -104,7 +104,7 @@ def test_fused_ffn_skip_does_no_ffn_work():
     plan = torch.zeros(model.num_layers, dtype=torch.bool)
     plan[2] = True
     with recorded_fused_calls(ops) as seen:
-        model.generate(PROMPT, max_new_tokens=8, ignore_eos=True, skip_plan=plan)
+        model.generate(PROMPT, max_new_tokens=8, ignore_eos=True, skip_plan=plan, elide_inert=False)  # CH runs
     decode = [(name, l) for name, l, t in seen if t == 1]
     assert decode.count(("attention", 2)) == 7 and ("ffn", 2) not in decode and ("block", 2) not in decode
     assert decode.count(("block", 4)) == 7 and decode.count(("ffn", 3)) == 7  # layer 3 carries CH

@@ -91,6 +91,8 @@ class DecodeOptions:
                                              # blocks (q4 / q8: the decode kernels), fbs.engine.prefill; auto: the
                                              # default
                                              # (fbs.engine.defaults.default_prefill)
+    elide_inert: bool = True                 # PAW / CH that add exactly nothing (a fresh FBS) are not run
+                                             # (FBSForCausalLM.decode_view); False runs them (to time them)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -414,6 +416,8 @@ class Decoder:
     Subclasses may override :meth:`decode_step` (the batcher runs several requests' rows in one step)."""
 
     def __init__(self, model, prompts: list[list[int]], opts: DecodeOptions, tokenizer):
+        if opts.elide_inert and hasattr(model, "decode_view"):
+            model = model.decode_view()  # inert PAW / CH (a fresh FBS): the base and gates alone, the same outputs
         self.m, self.opts, self.tok = model, opts, tokenizer
         spec, cfg = model.base.spec, model.config
         self.L, self.B = spec.num_layers, len(prompts)

@@ -140,6 +140,43 @@ class FBSForCausalLM(nn.Module):
         for mod in (self.paw, self.ch, self.gates):
             yield from mod.parameters()
 
+    def inert(self) -> bool:
+        """Whether the FBS modules leave the base model's computation exactly as it is: every PAW's and CH's output
+        projection is zero (each adds exactly 0 to the token state) and every gate's output layer is zero (its logit
+        is its bias whatever its inputs, PAW's preview among them). A fresh FBS is inert (zero-initialised outputs);
+        training makes it not."""
+        def zero(t):
+            return t is None or not bool(t.detach().any())
+
+        return (all(zero(m.up.weight) and zero(m.up.bias) for m in self.paw.values())
+                and all(zero(m.out.weight) and zero(m.out.bias) for m in self.ch.values())
+                and all(zero(o.weight) for o in self.gates.out.values()))
+
+    def decode_view(self) -> "FBSForCausalLM":
+        """The model a decode runs (:class:`fbs.engine.decoder.Decoder`): this one, or, where it has PAW or CH modules
+        and they are :meth:`inert`, a view of the same base and gates without them, so that a decode does not compute
+        what adds nothing (PAW's horizon heads, CH's chunk attention: a quarter of a SmolLM2 decode step). Tokens and
+        logits are the same (the gates' logits are their biases either way); the trace then has no PAW / CH entries.
+        Made once per state of the FBS weights (training them makes the model itself the view again)."""
+        if not len(self.paw) and not len(self.ch):
+            return self
+        stamp = tuple((p.data_ptr(), p._version) for p in self.fbs_parameters())
+        memo = self.__dict__.get("_decode_view")
+        if memo is not None and memo[0] == stamp:
+            return memo[1]
+        view = self
+        if self.inert():
+            view = FBSForCausalLM(self.base.hf, self.config.replace(paw_layers=(), ch_layers=()), self.tokenizer)
+            view.to(self.preview_ids.device)
+            view.preview_ids.copy_(self.preview_ids)
+            view.preview_index.copy_(self.preview_index)
+            view.gates = self.gates  # shared: the same modules, not copies
+            view.training = self.training
+            if view.layers_cfg.gated != self.layers_cfg.gated:
+                view = self
+        self.__dict__["_decode_view"] = (stamp, view)  # not a submodule: outside state_dict and parameters()
+        return view
+
     def param_counts(self) -> dict:
         seen, base = set(), 0
         for p in self.base.parameters():
