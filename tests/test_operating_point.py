@@ -331,6 +331,18 @@ def test_api_auto_weights_decode_with_the_default_kv_cache():
         assert not torch.equal(auto.scores[0], run(weights=w, kv_dtype=defaults.default_kv_dtype(w)).scores[0])
 
 
+def assert_chat_not_below(record: str, new: str, old: str) -> None:
+    """In one chat record (>= 120 prompts, both systems decoded in the same run), system ``new`` is not significantly
+    below ``old``, paired over the prompts, in ROUGE-L against the fp32 base nor in EOS rate."""
+    rec = json.loads((ROOT / "results" / record).read_text())
+    by = {s["name"]: {i["id"]: i for i in s["items"]} for s in rec["systems"]}
+    a, b = by[new], by[old]
+    assert a.keys() == b.keys() and len(a) >= 120
+    for metric in ("rouge_l", "eos"):
+        r = paired_bootstrap([float(a[k][metric]) for k in sorted(a)], [float(b[k][metric]) for k in sorted(a)])
+        assert r.ci_high > 0, (record, metric, r)  # no significant drop
+
+
 def test_default_kv_cache_stays_within_the_tolerance_in_the_measured_records():
     """Each qualifying format with the default cache (int8 with key factors): its PPL change over the fp32 weights
     (llama_cpp_ppl.json) plus the cache's change over the fp32 cache (kv_int8_keyfactors_ppl.json, a second held-out
@@ -348,13 +360,8 @@ def test_default_kv_cache_stays_within_the_tolerance_in_the_measured_records():
     qwen = json.loads((ROOT / "results" / "kv_int8_keyfactors_ppl_qwen.json").read_text())["rows"]["int8"]
     assert qwen["int8"]["ppl"] / qwen["fp32"]["ppl"] - 1 <= defaults.PPL_TOLERANCE
     assert qwen["int8-raw"]["ppl"] / qwen["fp32"]["ppl"] - 1 > defaults.PPL_TOLERANCE
-    rec = json.loads((ROOT / "results" / "chat_kv_int8_keyfactors.json").read_text())
-    by = {s["name"]: {i["id"]: i for i in s["items"]} for s in rec["systems"]}
-    a, b = by["base, q4 weights, int8 KV cache"], by["base, q4 weights, fp16 KV cache"]
-    assert a.keys() == b.keys() and len(a) >= 120
-    for metric in ("rouge_l", "eos"):
-        r = paired_bootstrap([float(a[k][metric]) for k in sorted(a)], [float(b[k][metric]) for k in sorted(a)])
-        assert r.ci_high > 0, (metric, r)  # no significant drop
+    assert_chat_not_below("chat_kv_int8_keyfactors.json", "base, q4 weights, int8 KV cache",
+                          "base, q4 weights, fp16 KV cache")
 
 
 def test_default_prefill_is_bf16_on_amx_because_it_moves_nothing_measurable():
@@ -373,13 +380,8 @@ def test_default_prefill_is_bf16_on_amx_because_it_moves_nothing_measurable():
     assert pre["complete"] and pre["tokens"]["scored"] >= 4000
     for w in defaults.QUALIFYING:
         assert abs(pre["rows"][w]["bf16"]["ppl"] / pre["rows"][w]["fp32"]["ppl"] - 1) <= defaults.PPL_TOLERANCE, w
-    rec = json.loads((ROOT / "results" / "chat_prefill_bf16.json").read_text())
-    by = {s["name"]: {i["id"]: i for i in s["items"]} for s in rec["systems"]}
-    a, b = by["base, q4 weights, int8 KV cache, bf16 prefill"], by["base, q4 weights, int8 KV cache"]
-    assert a.keys() == b.keys() and len(a) >= 120
-    for metric in ("rouge_l", "eos"):
-        r = paired_bootstrap([float(a[k][metric]) for k in sorted(a)], [float(b[k][metric]) for k in sorted(a)])
-        assert r.ci_high > 0, (metric, r)  # no significant drop
+    assert_chat_not_below("chat_prefill_bf16.json", "base, q4 weights, int8 KV cache, bf16 prefill",
+                          "base, q4 weights, int8 KV cache")
 
 
 def test_the_integer_prefills_stay_options_because_they_move_free_running_answers():
