@@ -20,14 +20,14 @@ FAMILIES = {
 VOCAB = 256
 
 
-def tiny_hf(family: str = "llama", layers: int = 6, seed: int = 0, head_dim: int = 16):
+def tiny_hf(family: str = "llama", layers: int = 6, seed: int = 0, head_dim: int = 16, context: int = 128):
     """A tiny random HF model: hidden 64, 4 query heads over 2 KV heads of 16; ``head_dim=64``: hidden 128, 2 query
-    heads over 1 KV head of 64 (the head width of the grouped AVX-512 attention kernel)."""
+    heads over 1 KV head of 64 (the head width of the grouped AVX-512 attention kernel); ``context`` positions."""
     cfg_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
     heads = {16: (64, 4, 2), 64: (128, 2, 1)}[head_dim]
     cfg = cfg_cls(hidden_size=heads[0], num_hidden_layers=layers, num_attention_heads=heads[1], num_key_value_heads=heads[2],
-                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=True,
+                  intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=context, tie_word_embeddings=True,
                   eos_token_id=VOCAB - 1, bos_token_id=0, pad_token_id=0)
     return model_cls(cfg).eval()
 

@@ -13,6 +13,7 @@ import torch
 import fbs.baselines  # noqa: F401  (registers the drafts that load files)
 from fbs.baselines.eagle import EagleLayer
 from fbs.engine import run
+from fbs.engine.loop import start
 from fbs.engine.drafts import BaseDraft, Draft, parse_tree, tree_from_ranks
 from fbs.engine.speculative import _ancestors, _depths, _Speculation, accept_tree, accept_typical
 from test_speculative import _assert_same_state, _decoder, _model
@@ -56,15 +57,50 @@ def _oracle(full: list[list[int]], vocab: int, depth: int = 3):
     return Oracle
 
 
-def _model_hd64(family):
+def _model_hd64(family, context: int = 128):
     """_model's gates over a tiny model with heads of 64 (the grouped AVX-512 attention kernel's width)."""
     from conftest import randomize, tiny_config, tiny_hf
     from fbs import FBSForCausalLM
     from test_speculative import DRAFTY
 
     seed, bias = DRAFTY[family]
-    m = FBSForCausalLM.from_base(tiny_hf(family, head_dim=64), config=tiny_config()).eval()
+    m = FBSForCausalLM.from_base(tiny_hf(family, head_dim=64, context=context), config=tiny_config()).eval()
     return randomize(m, seed=seed, gate_bias=bias)
+
+
+def _verifier(dec, spec):
+    """verify(tokens, parents) -> (last hidden states, logits) of one verifier pass over the nodes after the
+    prefilled prompt (a chain when parents is -1, 0, 1, ...: no tree mask), then the prompt's cache and chunk
+    states back."""
+    P = len(dec.prompts[0])
+    cache_len = [dec.cache.lengths[l][0] for l in range(dec.L)]
+    chunks = {l: st.clone() for l, st in dec.chunks.items()}
+
+    def verify(toks, pars):
+        x = spec.verify_ops.embed(torch.tensor([toks]))
+        pos = [[P + d for d in _depths(pars)]]
+        tree = None if pars == list(range(-1, len(pars) - 1)) else (_ancestors(pars)[None], [pars])
+        h, _, _ = spec.layers(spec.verify_ops, [0], x, pos, 0, dec.L, tree=tree)
+        logits = spec.verify_ops.head(h)[0]
+        dec.cache.crop([0], [P])  # back to the prompt's cache and chunk states
+        assert [dec.cache.lengths[l][0] for l in range(dec.L)] == cache_len
+        for l, st in chunks.items():
+            dec.chunks[l].assign(torch.tensor([0]), st.clone())
+        spec.log.states = {}
+        return h[0], logits
+
+    return verify
+
+
+def _branches(parents: list[int], leaves) -> list[list[int]]:
+    """Each leaf's root-to-leaf path of node indices."""
+    out = []
+    for leaf in leaves:
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        out.append(path[::-1])
+    return out
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -78,36 +114,44 @@ def test_a_tree_pass_equals_verifying_each_branch_separately(family, weights, hd
     dec = _decoder(model, max_new_tokens=8, draft="prompt-lookup", weights=weights)
     spec = _Speculation(dec)
     dec.prefill()
-    P = len(dec.prompts[0])
-    cache_len = [dec.cache.lengths[l][0] for l in range(dec.L)]
-    chunks = {l: st.clone() for l, st in dec.chunks.items()}
+    verify = _verifier(dec, spec)
     tokens = [5, 40, 41, 99, 7, 7, 130, 3]   # node 0: the root (the last committed token)
     parents = [-1, 0, 0, 1, 1, 2, 4, 6]
     depths = _depths(parents)
-
-    def verify(toks, pars):
-        x = spec.verify_ops.embed(torch.tensor([toks]))
-        pos = [[P + d for d in _depths(pars)]]
-        tree = (_ancestors(pars)[None], [pars])
-        h, _, _ = spec.layers(spec.verify_ops, [0], x, pos, 0, dec.L, tree=tree)
-        logits = spec.verify_ops.head(h)[0]
-        dec.cache.crop([0], [P])  # back to the prompt's cache and chunk states
-        assert [dec.cache.lengths[l][0] for l in range(dec.L)] == cache_len
-        for l, st in chunks.items():
-            dec.chunks[l].assign(torch.tensor([0]), st.clone())
-        spec.log.states = {}
-        return h[0], logits
-
     h_tree, logits_tree = verify(tokens, parents)
-    for leaf in (3, 5, 7):  # the leaves: every node lies on one of their branches
-        path = [leaf]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        path = path[::-1]
+    for path in _branches(parents, (3, 5, 7)):  # the leaves: every node lies on one of their branches
         h, logits = verify([tokens[j] for j in path], list(range(-1, len(path) - 1)))
         assert [depths[j] for j in path] == list(range(len(path)))
         torch.testing.assert_close(logits_tree[path], logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(h_tree[path], h, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights,kv_dtype", [("int8", "fp32"), ("q4", "int8")])
+def test_a_tree_node_is_bit_identical_to_its_chain_across_a_key_range(weights, kv_dtype, one_thread):
+    """The grouped AVX-512 attention splits each query's keys into ranges of 128 slots (csrc/attention.h); a tree
+    node reads the round's keys it sees at the slots its chain will hold them at, so across a range boundary too
+    (a 124-token prompt, the round's 8 nodes at slots 124-131, the kept path then compacted to 124-127) every node's
+    logits equal its chain's bit for bit, the property that keeps tree verification lossless (before, nodes whose
+    ancestors sat past the boundary merged their softmax ranges differently, and greedy outputs parted)."""
+    from conftest import require_native
+    from fbs.native import quant as native_quant
+
+    require_native("avx512")
+    if weights == "q4" and native_quant.isa() is None:
+        pytest.skip("no native block-quantized kernels here")
+    model = _model_hd64("llama", context=256)
+    prompt = [(7 * i) % 240 + 5 for i in range(124)]
+    dec = start(model, [prompt], None, None, dict(ignore_eos=True, max_new_tokens=8, draft="prompt-lookup",
+                                                  weights=weights, kv_dtype=kv_dtype))
+    spec = _Speculation(dec)
+    dec.prefill()
+    verify = _verifier(dec, spec)
+    tokens = [5, 40, 41, 99, 7, 7, 130, 3]
+    parents = [-1, 0, 0, 1, 1, 2, 4, 6]
+    _, logits_tree = verify(tokens, parents)
+    for path in _branches(parents, (3, 5, 7)):
+        _, chain = verify([tokens[j] for j in path], list(range(-1, len(path) - 1)))
+        assert torch.equal(logits_tree[path], chain), path
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

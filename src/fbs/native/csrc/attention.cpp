@@ -121,37 +121,48 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
                     int64_t H, const T* KC, const T* VC, int64_t Hkv, int64_t C, int64_t hd, float scale, float* O,
                     float* ACC, const Tree* TREE) {
   const int64_t ew = Entry<T>::width(hd), rs = Hkv * C * ew, hs = C * ew, group = H / Hkv;
-  // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h)
-  std::vector<int64_t> cache_rows;
-  for (int64_t j = 0; j < m; ++j)
-    if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
-  const int64_t G = int64_t(cache_rows.size()) * Hkv;
+  // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h); under a token tree,
+  // per row and KV head, each row (node) over its own virtual slots (attention.h): the keys before the round (slots
+  // below its base), then the round's slots it sees, in order, listed in vmap from vstart[j]
+  std::vector<int64_t> cache_rows, group_row;
+  if (TREE) {
+    for (int64_t j = 0; j < m; ++j) group_row.push_back(j);
+  } else {
+    for (int64_t j = 0; j < m; ++j)
+      if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
+  }
+  const int64_t G = int64_t(TREE ? group_row.size() : cache_rows.size()) * Hkv;
+  std::vector<int64_t> vmap, vstart(TREE ? m + 1 : 0, 0), vlast(TREE ? m : 0);
+  if (TREE) {
+    for (int64_t j = 0; j < m; ++j) {
+      const Visible vis{TREE->bits[j], TREE->base[j]};
+      for (int64_t k = TREE->base[j]; k <= L[j]; ++k)
+        if (vis(k)) vmap.push_back(k);
+      vstart[j + 1] = int64_t(vmap.size());
+      vlast[j] = TREE->base[j] + (vstart[j + 1] - vstart[j]) - 1;  // the node's own key, at its chain's slot
+    }
+  }
   std::vector<int64_t> start(G + 1, 0), qj, qh, last(G, -1);
   for (int64_t u = 0; u < G; ++u) {
-    const int64_t r = cache_rows[u / Hkv], g = u % Hkv;
+    const int64_t g = u % Hkv;
     for (int64_t j = 0; j < m; ++j) {
-      if (I[j] != r) continue;
+      if (TREE ? j != group_row[u / Hkv] : I[j] != cache_rows[u / Hkv]) continue;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         qj.push_back(j);
         qh.push_back(h);
       }
-      last[u] = std::max(last[u], L[j]);
+      last[u] = std::max(last[u], TREE ? vlast[j] : L[j]);
     }
     start[u + 1] = int64_t(qj.size());
   }
   const int64_t nq = int64_t(qj.size()), ps = hd + 2;
   // the queries, scaled
   std::vector<float> qsc(nq * hd);
-  std::vector<int64_t> qlast(nq), qtbase(TREE ? nq : 0);
-  std::vector<uint64_t> qtbits(TREE ? nq : 0);
+  std::vector<int64_t> qlast(nq);
   for (int64_t i = 0; i < nq; ++i) {
     const float* src = Q + qj[i] * qs0 + qh[i] * qs1;
     for (int64_t d = 0; d < hd; ++d) qsc[i * hd + d] = src[d] * scale;
-    qlast[i] = L[qj[i]];
-    if (TREE) {
-      qtbits[i] = TREE->bits[qj[i]];
-      qtbase[i] = TREE->base[qj[i]];
-    }
+    qlast[i] = TREE ? vlast[qj[i]] : L[qj[i]];
   }
   // key ranges per group at fixed offsets (kKeyRange keys each), not sized by the call: a query then sums the same
   // keys in the same order whichever other queries (positions, rows) share its call
@@ -185,9 +196,10 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
       }
       qp.resize(n);
       for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
-      const int64_t kv = cache_rows[u / Hkv] * rs + (u % Hkv) * hs;
+      const int64_t row = TREE ? I[group_row[u / Hkv]] : cache_rows[u / Hkv], kv = row * rs + (u % Hkv) * hs;
+      const int64_t node = TREE ? group_row[u / Hkv] : 0;
       group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt,
-                   TREE ? qtbits.data() + start[u] : nullptr, TREE ? qtbase.data() + start[u] : nullptr);
+                   TREE ? vmap.data() + vstart[node] : nullptr, TREE ? TREE->base[node] : 0);
     }
   });
   // merge the ranges: o = sum_s acc_s e^(m_s - M) / sum_s z_s e^(m_s - M), M = max_s m_s

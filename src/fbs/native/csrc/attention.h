@@ -10,7 +10,10 @@
 // for all of them. A group's keys are split into ranges of kKeyRange keys at fixed offsets (tasks for every thread
 // at any context), each range giving partial softmax sums that are merged (max-shifted) at the end, in range order.
 // The ranges do not depend on the call, so a query's output is bit-identical whether it runs alone (a one-token
-// step), with other positions of its sequence (a verifier's multi-token step) or with other rows (a batch).
+// step), with other positions of its sequence (a verifier's multi-token step) or with other rows (a batch). A token
+// tree's node is its own group, over virtual slots: the keys before the round at their slots, then the round's keys
+// it sees (its ancestors and itself) at the next slots, as the kept path holds them once compacted; so its ranges,
+// and its output, are those of the chain root..node and of one-token decoding, bit for bit.
 // Otherwise one task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
 #pragma once
 
@@ -114,10 +117,11 @@ void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, 
 // partial softmax: part[i] = (m, z, acc[hd]) with m the largest score seen, z = sum exp(s - m) and
 // acc = sum exp(s - m) v (m = -inf, z = 0, acc = 0 when it sees none of these keys). s: nq * (k1 - k0) floats of
 // scratch. (arch/x86/attention_avx512.cpp)
-// tbits / tbase (null: no tree): query i's token-tree visibility (Tree).
+// map (null: none): the keys are virtual slots; slot k >= km is read from the cache's slot map[k - km] (a token
+// tree's node: the round's keys it sees, its ancestors and itself, in order, as its chain will hold them).
 #define FBS_GROUP_DECL(T)                                                                                       \
   void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0, \
-                    int64_t k1, int64_t hd, float* s, float* part, const uint64_t* tbits, const int64_t* tbase);
+                    int64_t k1, int64_t hd, float* s, float* part, const int64_t* map, int64_t km);
 FBS_KV_OVERLOADS(FBS_HEAD_DECL)
 FBS_KV_OVERLOADS(FBS_GROUP_DECL)
 #undef FBS_HEAD_DECL

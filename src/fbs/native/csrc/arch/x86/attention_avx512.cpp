@@ -51,16 +51,23 @@ FBS_A512 inline __m512 reduce16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
 }
 
-// acc[i] += sum_j p[i][j] V[j] over keys 0 .. n - 1 (V entries of hd values, columns c0 .. c0 + 63) for QC queries
+// The cached entry of virtual slot k: slot k itself, or (a token tree's node, k >= km) the physical slot map[k - km]
+// of its k - km-th visible key in the round (group_avx512)
+inline int64_t slot_of(int64_t k, const int64_t* map, int64_t km) { return map && k >= km ? map[k - km] : k; }
+
+// acc[i] += sum_j p[i][j] V[k0 + j] over keys j = 0 .. n - 1 (virtual slots, slot_of; V entries of hd values, columns
+// c0 .. c0 + 63) for QC queries
 template <int QC, class T>
-FBS_A512 void pv(const float* const* p, const T* V, int64_t n, int64_t hd, int64_t c0, float* const* acc) {
+FBS_A512 void pv(const float* const* p, const T* V, int64_t k0, const int64_t* map, int64_t km, int64_t n, int64_t hd,
+                 int64_t c0, float* const* acc) {
   const int64_t ew = Entry<T>::width(hd);
   __m512 a[QC][4];
   for (int i = 0; i < QC; ++i)
     for (int c = 0; c < 4; ++c) a[i][c] = _mm512_loadu_ps(acc[i] + c0 + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const T* v = V + j * ew + c0;
-    const float vs = Entry<T>::scale(V + j * ew, hd);
+    const T* row = V + slot_of(k0 + j, map, km) * ew;
+    const T* v = row + c0;
+    const float vs = Entry<T>::scale(row, hd);
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int i = 0; i < QC; ++i) {
       const __m512 w = _mm512_set1_ps(p[i][j] * vs);
@@ -75,14 +82,13 @@ FBS_A512 void pv(const float* const* p, const T* V, int64_t n, int64_t hd, int64
 }
 template <class T>
 FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0,
-                           int64_t k1, int64_t hd, float* s, float* part, const uint64_t* tbits,
-                           const int64_t* tbase) {
+                           int64_t k1, int64_t hd, float* s, float* part, const int64_t* map, int64_t km) {
   const int64_t kn = k1 - k0, nc = hd / 16, ps = hd + 2, ew = Entry<T>::width(hd);
   // scores s[i][j - k0] = q_i . K_j, 16 keys at a time; a block's last keys past k1 repeat key k1 - 1 (not stored)
   for (int64_t jb = k0; jb < k1; jb += 16) {
     const int64_t nb = std::min<int64_t>(16, k1 - jb);
     const T* kr[16];
-    for (int t = 0; t < 16; ++t) kr[t] = K + std::min(jb + t, k1 - 1) * ew;
+    for (int t = 0; t < 16; ++t) kr[t] = K + slot_of(std::min(jb + t, k1 - 1), map, km) * ew;
     const __mmask16 mask = nb == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nb) - 1);
     __m512 ks = _mm512_set1_ps(1.f);  // the 16 keys' scales (int8 entries)
     if constexpr (Entry<T>::extra > 0) {
@@ -102,40 +108,31 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
       _mm512_mask_storeu_ps(s + i * kn + (jb - k0), mask, r);
     }
   }
-  // per query: its softmax numerators over the keys it sees (zero past them, and for a token tree's node at the
-  // keys it does not see), their max and sum
+  // per query: its softmax numerators over the keys it sees (zero past them), their max and sum
   for (int64_t i = 0; i < nq; ++i) {
     float* si = s + i * kn;
     float* pi = part + i * ps;
     const int64_t n = std::max<int64_t>(0, std::min(k1, last[i] + 1) - k0);
-    // the tree's visibility of keys k0 + j .. k0 + j + 15 (all of them without a tree)
-    auto seen = [&](int64_t j) -> __mmask16 {
-      return tbits && k0 + j + 15 >= tbase[i] ? __mmask16(visible16(Visible{tbits[i], tbase[i]}, k0 + j))
-                                               : __mmask16(0xFFFF);
-    };
     __m512 mv = _mm512_set1_ps(-INFINITY);
-    bool any = false;
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 mk = (n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1)) & seen(j);
-      any = any || mk != 0;
+      const __mmask16 mk = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
       mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, si + j));
     }
     const float m = _mm512_reduce_max_ps(mv);
-    // their sum in fp64 (then rounded once): the same fp32 z whichever lanes the keys occupy, so a token tree's node
-    // (its ancestors at other slots than a chain's) sums exactly what its chain sums
+    // their sum in fp64 (then rounded once)
     __m512d zlo = _mm512_setzero_pd(), zhi = _mm512_setzero_pd();
     const __m512 mb = _mm512_set1_ps(m);
     for (int64_t j = 0; j < kn; j += 16) {
       const int64_t left = kn - j;
       const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
       const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(16, n - j));
-      const __mmask16 mv16 = (valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1)) & seen(j);
+      const __mmask16 mv16 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
       const __m512 e = _mm512_maskz_mov_ps(mv16, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mv16, si + j), mb)));
       zlo = _mm512_add_pd(zlo, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
       zhi = _mm512_add_pd(zhi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
       _mm512_mask_storeu_ps(si + j, mk, e);
     }
-    pi[0] = any ? m : -INFINITY;
+    pi[0] = n > 0 ? m : -INFINITY;
     pi[1] = float(_mm512_reduce_add_pd(_mm512_add_pd(zlo, zhi)));
     std::fill_n(pi + 2, hd, 0.f);
   }
@@ -149,14 +146,13 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
       aa[i] = part + (i0 + i) * ps + 2;
     }
     for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-      const T* Vk = V + k0 * ew;
       switch (qc) {
-        case 1: pv<1>(pp, Vk, kn, hd, c0, aa); break;
-        case 2: pv<2>(pp, Vk, kn, hd, c0, aa); break;
-        case 3: pv<3>(pp, Vk, kn, hd, c0, aa); break;
-        case 4: pv<4>(pp, Vk, kn, hd, c0, aa); break;
-        case 5: pv<5>(pp, Vk, kn, hd, c0, aa); break;
-        default: pv<6>(pp, Vk, kn, hd, c0, aa); break;
+        case 1: pv<1>(pp, V, k0, map, km, kn, hd, c0, aa); break;
+        case 2: pv<2>(pp, V, k0, map, km, kn, hd, c0, aa); break;
+        case 3: pv<3>(pp, V, k0, map, km, kn, hd, c0, aa); break;
+        case 4: pv<4>(pp, V, k0, map, km, kn, hd, c0, aa); break;
+        case 5: pv<5>(pp, V, k0, map, km, kn, hd, c0, aa); break;
+        default: pv<6>(pp, V, k0, map, km, kn, hd, c0, aa); break;
       }
     }
   }
@@ -170,9 +166,9 @@ FBS_A512 void group_t(const float* const* q, const int64_t* last, int64_t nq, co
     head_t(q, K, V, n, hd, scale, p, o, vis);                                                                     \
   }                                                                                                               \
   FBS_A512 void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V,       \
-                             int64_t k0, int64_t k1, int64_t hd, float* s, float* part, const uint64_t* tbits,   \
-                             const int64_t* tbase) {                                                               \
-    group_t(q, last, nq, K, V, k0, k1, hd, s, part, tbits, tbase);                                                \
+                             int64_t k0, int64_t k1, int64_t hd, float* s, float* part, const int64_t* map,      \
+                             int64_t km) {                                                                         \
+    group_t(q, last, nq, K, V, k0, k1, hd, s, part, map, km);                                                     \
   }
 FBS_KV_OVERLOADS(FBS_ATTN_DEFS)
 #undef FBS_ATTN_DEFS
