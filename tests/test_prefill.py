@@ -118,20 +118,27 @@ def _w8a8_reference(hf):
     return _replace_linears(ref, W8A8)
 
 
+def _prefill_against(family: str, reference, seed: int, **options):
+    """A fresh FBS over a tiny HF model, one 40-token prompt: (model, ids, the HF model's output, ``reference(hf)``'s
+    output (both with their caches), the engine's decoder after its prefill with ``options``, its next-token logits)."""
+    hf = tiny_hf(family)
+    m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
+    ids = prompt(40, seed)
+    with torch.no_grad():
+        plain = hf(torch.tensor([ids]), use_cache=True)
+        out = reference(hf)(torch.tensor([ids]), use_cache=True)
+        dec = start(m, [ids], None, None, dict(max_new_tokens=1, **options))
+        got = dec.prefill()[0]
+    return m, ids, plain, out, dec, got
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_prefill_gives_the_w8a8_reference_logits(family, one_thread):
     """Fresh FBS modules add nothing: with the int8 prefill, the prompt's cached K/V (all but the last token) are
     those of the HF model whose decoder products follow the int8 rule in float64, and the next-token logits (the
     last token runs the decode step, fp32 here) are that model's with plain products at the last position; both
     differ from the fp32 model's (the rule ran)."""
-    hf = tiny_hf(family)
-    m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
-    ids = prompt(40, 3)
-    with torch.no_grad():
-        plain = hf(torch.tensor([ids]), use_cache=True)
-        out = _w8a8_reference(hf)(torch.tensor([ids]), use_cache=True)
-        dec = start(m, [ids], None, None, dict(max_new_tokens=1, weights="fp32", prefill="int8"))
-        got = dec.prefill()[0]
+    m, ids, plain, out, dec, got = _prefill_against(family, _w8a8_reference, 3, weights="fp32", prefill="int8")
     ref, fp32 = out.logits[0, -1].float(), plain.logits[0, -1]
     scale = ref.abs().max()
     assert (got - ref).abs().max() < 2e-4 * scale
@@ -178,16 +185,10 @@ def test_block_prefill_gives_the_w4a8_reference_logits(family, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        hf = tiny_hf(family)
-        m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
-        ids = prompt(40, 4)
+        kw = dict(weights="q4", kv_dtype="fp32", prefill="blocks")
+        m, ids, plain, out, dec, got = _prefill_against(family, _w4a8_reference, 4, **kw)
         with torch.no_grad():
-            plain = hf(torch.tensor([ids]), use_cache=True)
-            out = _w4a8_reference(hf)(torch.tensor([ids]), use_cache=True)
-            kw = dict(max_new_tokens=1, weights="q4", kv_dtype="fp32", prefill="blocks")
-            dec = start(m, [ids], None, None, kw)
-            got = dec.prefill()[0]
-            int8 = start(m, [ids], None, None, {**kw, "prefill": "int8"}).prefill()[0]
+            int8 = start(m, [ids], None, None, {**kw, "max_new_tokens": 1, "prefill": "int8"}).prefill()[0]
     finally:
         torch.set_num_threads(before)
     ref, fp32 = out.logits[0, -1].float(), plain.logits[0, -1]
@@ -265,14 +266,8 @@ def test_bf16_prefill_gives_the_bf16_reference_logits(family, weights, one_threa
     next-token logits are those of the HF model whose decoder products follow it in float64 (to a bf16 step where a
     sum lies at a rounding boundary), and differ from the fp32 model's; the decode format's layer weights are not used
     (under q4 the K/V are the same; its logits come from the q4 format's own LM head, in q8)."""
-    hf = tiny_hf(family)
-    m = FBSForCausalLM.from_base(hf, config=fbs_tiny(family).config).eval()
-    ids = prompt(40, 6)
-    with torch.no_grad():
-        plain = hf(torch.tensor([ids]), use_cache=True)
-        out = _bf16_reference(hf)(torch.tensor([ids]), use_cache=True)
-        dec = start(m, [ids], None, None, dict(max_new_tokens=1, weights=weights, kv_dtype="fp32", prefill="bf16"))
-        got = dec.prefill()[0]
+    m, ids, plain, out, dec, got = _prefill_against(family, _bf16_reference, 6, weights=weights, kv_dtype="fp32",
+                                                    prefill="bf16")
     ref, fp32 = out.logits[0, -1].float(), plain.logits[0, -1]
     scale = ref.abs().max()
     err, far = (got - ref).abs().max(), (fp32 - ref).abs().max()

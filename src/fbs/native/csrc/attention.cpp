@@ -122,16 +122,13 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
                     float* ACC, const Tree* TREE) {
   const int64_t ew = Entry<T>::width(hd), rs = Hkv * C * ew, hs = C * ew, group = H / Hkv;
   // the groups: per cache row (in order of first use) and KV head, its queries (row j, head h); under a token tree,
-  // per row and KV head, each row (node) over its own virtual slots (attention.h): the keys before the round (slots
-  // below its base), then the round's slots it sees, in order, listed in vmap from vstart[j]
-  std::vector<int64_t> cache_rows, group_row;
-  if (TREE) {
-    for (int64_t j = 0; j < m; ++j) group_row.push_back(j);
-  } else {
+  // per row j and KV head (group u: row u / Hkv), each row (node) over its own virtual slots (attention.h): the keys
+  // before the round (slots below its base), then the round's slots it sees, in order, listed in vmap from vstart[j]
+  std::vector<int64_t> cache_rows;
+  if (!TREE)
     for (int64_t j = 0; j < m; ++j)
       if (std::find(cache_rows.begin(), cache_rows.end(), I[j]) == cache_rows.end()) cache_rows.push_back(I[j]);
-  }
-  const int64_t G = int64_t(TREE ? group_row.size() : cache_rows.size()) * Hkv;
+  const int64_t G = (TREE ? m : int64_t(cache_rows.size())) * Hkv;
   std::vector<int64_t> vmap, vstart(TREE ? m + 1 : 0, 0), vlast(TREE ? m : 0);
   if (TREE) {
     for (int64_t j = 0; j < m; ++j) {
@@ -146,7 +143,7 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
   for (int64_t u = 0; u < G; ++u) {
     const int64_t g = u % Hkv;
     for (int64_t j = 0; j < m; ++j) {
-      if (TREE ? j != group_row[u / Hkv] : I[j] != cache_rows[u / Hkv]) continue;
+      if (TREE ? j != u / Hkv : I[j] != cache_rows[u / Hkv]) continue;
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         qj.push_back(j);
         qh.push_back(h);
@@ -196,8 +193,7 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
       }
       qp.resize(n);
       for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
-      const int64_t row = TREE ? I[group_row[u / Hkv]] : cache_rows[u / Hkv], kv = row * rs + (u % Hkv) * hs;
-      const int64_t node = TREE ? group_row[u / Hkv] : 0;
+      const int64_t node = u / Hkv, row = TREE ? I[node] : cache_rows[node], kv = row * rs + (u % Hkv) * hs;
       group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt,
                    TREE ? vmap.data() + vstart[node] : nullptr, TREE ? TREE->base[node] : 0);
     }

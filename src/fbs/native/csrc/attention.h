@@ -89,14 +89,6 @@ struct Visible {
   int64_t base;
   bool operator()(int64_t k) const { return k < base || (k - base < 64 && ((bits >> (k - base)) & 1)); }
 };
-// The visibility of keys k0 .. k0 + 15 to a query: bit t set where key k0 + t is visible
-inline uint32_t visible16(const Visible& vis, int64_t k0) {
-  uint32_t m = 0;
-  for (int t = 0; t < 16; ++t)
-    if (vis(k0 + t)) m |= 1u << t;
-  return m;
-}
-
 // One query head q (hd) over n cached keys K and values V (n entries): o (hd) = softmax(scale q . K) @ V; p: n floats
 // of scratch. vis (null: every key): a token tree's node sees only the keys vis marks (the others' weights exactly
 // 0, the visible keys' arithmetic that of the same kernel over them alone). Portable, and per instruction set
