@@ -8,7 +8,9 @@ cache dtype: the PPL, its change against the fp32 cache of the same format, and 
 
     python scripts/kv_half_ppl.py --formats q4,q8,int8 --kv-dtypes fp32,fp16,bf16 --out results/kv_half_ppl.json
 
-A cache dtype ``int8-raw`` is the int8 cache without its key factors (``kv_smooth_keys=False``).
+A cache dtype ``int8-raw`` is the int8 cache without its key factors (``kv_smooth_keys=False``); ``int8-fp32scores``
+the int8 cache with its scores as fp32 products of the decoded keys (:func:`fbs.native.int8_scores` off; ``int8``
+scores in integers where the CPU has VNNI).
 """
 
 from __future__ import annotations
@@ -55,9 +57,15 @@ def main() -> None:
         rows[fmt] = {}
         for kvd in kv_dtypes:
             t0 = time.perf_counter()
-            # "int8-raw": the int8 cache without its key factors (DecodeOptions.kv_smooth_keys=False)
-            nll = [block_nll(model, c, fmt, args.ctx // 2 + 1, kvd.removesuffix("-raw"),
-                             smooth_keys=not kvd.endswith("-raw")) for c in chunks]
+            # "int8-raw": the int8 cache without its key factors (DecodeOptions.kv_smooth_keys=False);
+            # "int8-fp32scores": its scores as fp32 products (native.int8_scores off for this row)
+            integer = native.int8_scores()
+            native.int8_scores(integer and not kvd.endswith("-fp32scores"))
+            try:
+                nll = [block_nll(model, c, fmt, args.ctx // 2 + 1, kvd.removesuffix("-raw").removesuffix("-fp32scores"),
+                                 smooth_keys=not kvd.endswith("-raw")) for c in chunks]
+            finally:
+                native.int8_scores(integer)
             r = rows[fmt][kvd] = {"ppl": math.exp(sum(nll) / len(nll)), "chunk_nll": nll,
                                   "seconds_under_load": time.perf_counter() - t0}
             ref = rows[fmt]["fp32"]

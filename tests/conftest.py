@@ -154,3 +154,40 @@ def isa(request, monkeypatch):
     monkeypatch.setenv("FBS_NATIVE_ISA", request.param)
     assert native.int8_isa() == request.param
     return request.param
+
+
+def score_modes(isa: str, hd: int, kv_dtype: str = "int8") -> list[bool]:
+    """The ways attention scores this case here: with integer scores and without (:func:`fbs.native.int8_scores`)
+    where they apply (an int8 cache on the grouped AVX-512 kernel, hd a multiple of 64, a CPU with VNNI); else only
+    the one path there is (False)."""
+    applies = kv_dtype == "int8" and isa == "avx512" and hd % 64 == 0 and "avx512_vnni" in cpu_isas()
+    return [True, False] if applies else [False]
+
+
+@contextlib.contextmanager
+def int8_scores(on: bool):
+    """Integer scores over int8 caches on (where the CPU has them) or off inside the block, as before after it."""
+    from fbs import native
+
+    before = native.int8_scores()
+    native.int8_scores(on)
+    try:
+        yield
+    finally:
+        native.int8_scores(before)
+
+
+def scored_query(q: torch.Tensor) -> torch.Tensor:
+    """The query (last dimension a multiple of 32, fp32, already scaled) that the integer scores of an int8 cache
+    score with, in float64, by the rule :func:`fbs.native.int8_scores` states: per 32 values s = max |q| / 127,
+    hi = round(q * (127 / max |q|)) and lo = round(r * 254 (127 / max |q|)) with r = q - s hi rounded once, codes
+    clamped to +-127; q' = s hi + (s / 254) lo, s and s / 254 as fp32 values."""
+    x = q.float().reshape(*q.shape[:-1], -1, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    s = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    hi = torch.round(x * inv).clamp(-127, 127)
+    r = (x.double() - hi.double() * s.double()).float()  # x - s hi with one rounding (a fused multiply-add)
+    lo = torch.round(r * (254 * inv)).clamp(-127, 127)
+    out = hi.double() * s.double() + lo.double() * (s / 254).double()
+    return out.reshape(q.shape)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import fbs_tiny, int8_exact_, tiny_config, tiny_hf
+from conftest import fbs_tiny, int8_exact_, int8_scores, score_modes, scored_query, tiny_config, tiny_hf
 from fbs import FBSForCausalLM, native
 from fbs.engine.cache import KV_DTYPES, KVCache, kv_storage_dtype
 from fbs.engine.decoder import DecodeOptions
@@ -62,7 +62,9 @@ def test_native_attention_over_reduced_kv_equals_float64_sdpa(isa, kv_dtype, hd,
     grouped AVX-512 kernel (key ranges split across threads, tails of 16 keys), 24 the per-head AVX2 (and, on
     AVX-512, the scalar) path, 12 the scalar one; GQA (6 query heads over 2 KV heads) and one query head per KV head;
     rows that share a cache row (consecutive positions of one sequence, each seeing its own prefix) next to one of
-    their own."""
+    their own. An int8 cache on the grouped kernel with VNNI runs both with integer scores, where the oracle scores
+    the query those scores use (:func:`scored_query`, the rule stated by :func:`fbs.native.int8_scores`), and
+    without."""
     dt = KV_DTYPES[kv_dtype]
     H, Hkv = heads
     g = torch.Generator().manual_seed(hd + threads + H)
@@ -78,19 +80,23 @@ def test_native_attention_over_reduced_kv_equals_float64_sdpa(isa, kv_dtype, hd,
     kr, vr = kc.clone(), vc.clone()
     kr[idx, :, slots], vr[idx, :, slots] = kv_store(k[:, :, 0], dt), kv_store(v[:, :, 0], dt)
     valid = (torch.arange(C).unsqueeze(0) <= slots.unsqueeze(1))[:, None, None, :]
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), kv_load(kr[idx], torch.float64), kv_load(vr[idx], torch.float64), attn_mask=valid, scale=0.2,
-        enable_gqa=H != Hkv)
-    ref = ref.transpose(1, 2).reshape(b, 1, H * hd)
-    n = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.2)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)  # written as the PyTorch codec writes them
-    assert got.dtype == torch.float32
-    assert (got.double() - ref).abs().max() < 4e-6 * ref.abs().max()
+    for integer in score_modes(isa, hd, kv_dtype):
+        qr, scale = (scored_query(q * 0.2), 1.0) if integer else (q.double(), 0.2)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qr, kv_load(kr[idx], torch.float64), kv_load(vr[idx], torch.float64), attn_mask=valid, scale=scale,
+            enable_gqa=H != Hkv)
+        ref = ref.transpose(1, 2).reshape(b, 1, H * hd)
+        n = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        kw, vw = kc.clone(), vc.clone()
+        try:
+            with int8_scores(integer):
+                got = native.attend_one(q, k, v, kw, vw, idx, slots, 0.2)
+        finally:
+            torch.set_num_threads(n)
+        assert torch.equal(kw, kr) and torch.equal(vw, vr)  # written as the PyTorch codec writes them
+        assert got.dtype == torch.float32
+        assert (got.double() - ref).abs().max() < 4e-6 * ref.abs().max()
 
 
 def test_native_attention_refuses_other_cache_dtypes(isa):

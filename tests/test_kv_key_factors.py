@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import fbs_tiny, tiny_config, tiny_hf
+from conftest import fbs_tiny, int8_scores, score_modes, scored_query, tiny_config, tiny_hf
 from fbs import FBSForCausalLM, native
 from fbs.engine.calibration import calibration_ids
 from fbs.engine.loop import run, start
@@ -58,7 +58,9 @@ def test_key_factors_are_powers_of_two_so_scores_and_rope_are_exact():
 def test_native_attention_with_key_factors_equals_float64_sdpa(isa, hd, heads):
     """attend_one over an int8 cache with key factors: the new keys stored as :func:`kv_store` stores them divided by
     the factors, and the output a float64 SDPA over the decoded cache (:func:`kv_load` times the factors), within
-    fp32 accumulation error; hd 64 takes the grouped AVX-512 kernel, 24 the per-head ones, 12 the scalar one."""
+    fp32 accumulation error; hd 64 takes the grouped AVX-512 kernel, 24 the per-head ones, 12 the scalar one. hd 64
+    with VNNI runs with integer scores too, where the oracle scores the query they use (the query times the factors,
+    scaled, by :func:`scored_query`'s rule) against the keys as stored."""
     H, Hkv = heads
     g = torch.Generator().manual_seed(hd + H)
     B, C = 2, 200
@@ -77,12 +79,20 @@ def test_native_attention_with_key_factors_equals_float64_sdpa(isa, hd, heads):
     kr[idx, :, slots] = kv_store(k, torch.int8, f)[:, :, 0]
     vr[idx, :, slots] = kv_store(v[:, :, 0], torch.int8)
     valid = (torch.arange(C).unsqueeze(0) <= slots.unsqueeze(1))[:, None, None, :]
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), kv_load(kr[idx], torch.float64, f.double()), kv_load(vr[idx], torch.float64), attn_mask=valid,
-        scale=0.2, enable_gqa=H != Hkv).transpose(1, 2).reshape(b, 1, H * hd)
-    got = native.attend_one(q, k, v, kc, vc, idx, slots, 0.2, kf=f)
-    assert torch.equal(kc, kr) and torch.equal(vc, vr)
-    assert (got.double() - ref).abs().max() < 4e-6 * ref.abs().max()
+    for integer in score_modes(isa, hd):
+        if integer:  # q f scaled, in fp32 as the kernel forms it, against the stored keys
+            qf = (q * f.repeat_interleave(H // Hkv, 0)) * 0.2
+            qr, kref, scale = scored_query(qf), kv_load(kr[idx], torch.float64), 1.0
+        else:
+            qr, kref, scale = q.double(), kv_load(kr[idx], torch.float64, f.double()), 0.2
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qr, kref, kv_load(vr[idx], torch.float64), attn_mask=valid,
+            scale=scale, enable_gqa=H != Hkv).transpose(1, 2).reshape(b, 1, H * hd)
+        kw, vw = kc.clone(), vc.clone()
+        with int8_scores(integer):
+            got = native.attend_one(q, k, v, kw, vw, idx, slots, 0.2, kf=f)
+        assert torch.equal(kw, kr) and torch.equal(vw, vr)
+        assert (got.double() - ref).abs().max() < 4e-6 * ref.abs().max()
     plain = native.attend_one(q, k, v, kc.clone(), vc.clone(), idx, slots, 0.2)  # without them: another result
     assert (plain.double() - ref).abs().max() > 1e-3 * ref.abs().max()
 

@@ -202,7 +202,9 @@ def status() -> dict:
     """What the engine runs with, for records (builds nothing): enabled, loaded, the int8 kernel's instruction set
     (None when not loaded or without AVX2), and the build error if the build failed."""
     isa = int8_isa() if _module is not None else None
-    return {"enabled": enabled(), "loaded": _module is not None, "int8_isa": isa, "build_error": _failed}
+    scores = bool(_module.attention_int8_scores(None)) if _module is not None else False
+    return {"enabled": enabled(), "loaded": _module is not None, "int8_isa": isa, "int8_scores": scores,
+            "build_error": _failed}
 
 
 def gate_args(gate: tuple) -> tuple:
@@ -295,6 +297,18 @@ def _isa_code() -> int:
 
 
 # --------------------------------------------------------------------------- one-query attention
+def int8_scores(on: bool | None = None) -> bool:
+    """Whether attention over an int8 KV cache scores in integers here (AVX-512 VNNI): each query, per 32 values,
+    as two int8 codes, q = s hi + (s / 254) lo with s = max |q| / 127, hi = round(q / s), lo = round((q - s hi) 254
+    / s), within s / 508 of q; one ``vpdpbusd`` adds 4 products for 16 keys, and the sums are exact. ``on`` turns it
+    on or off for the process (off: fp32 products of the decoded keys, as on CPUs without VNNI). False without the
+    native kernels."""
+    mod = module()
+    if mod is None:
+        return False
+    return bool(mod.attention_int8_scores(on))
+
+
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                idx: torch.Tensor, slots: torch.Tensor, scale: float,
                acc: torch.Tensor | None = None, kf: torch.Tensor | None = None) -> torch.Tensor:

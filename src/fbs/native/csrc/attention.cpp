@@ -2,6 +2,8 @@
 // dispatch over (row, head), and the ATen entry. Each is a template over the cache's element type.
 #include "attention.h"
 
+#include <atomic>
+
 #include <ATen/Parallel.h>
 
 #include <type_traits>
@@ -114,6 +116,20 @@ void write_kv(const float* K, int64_t ks0, int64_t ks1, const float* V, int64_t 
 }
 
 namespace {
+std::atomic<bool> g_int8_scores{true};
+}  // namespace
+
+bool int8_scores() {
+#ifdef FBS_X86
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return cpu && g_int8_scores.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+namespace {
 #ifdef FBS_X86
 // attend() for hd a multiple of 64 with AVX-512: queries grouped by the K/V they read (attention.h).
 template <class T>
@@ -153,13 +169,26 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
     start[u + 1] = int64_t(qj.size());
   }
   const int64_t nq = int64_t(qj.size()), ps = hd + 2;
-  // the queries, scaled
+  // the queries, scaled; over an int8 cache with VNNI also as codes for the integer scores (query_codes_vnni)
   std::vector<float> qsc(nq * hd);
   std::vector<int64_t> qlast(nq);
   for (int64_t i = 0; i < nq; ++i) {
     const float* src = Q + qj[i] * qs0 + qh[i] * qs1;
     for (int64_t d = 0; d < hd; ++d) qsc[i * hd + d] = src[d] * scale;
     qlast[i] = TREE ? vlast[qj[i]] : L[qj[i]];
+  }
+  std::vector<int8_t> codes;
+  std::vector<const int8_t*> qcodes;
+  if constexpr (std::is_same_v<T, int8_t>) {
+    if (int8_scores()) {
+      const int64_t qb = query_code_bytes(hd);
+      codes.resize(nq * qb);
+      qcodes.resize(nq);
+      for (int64_t i = 0; i < nq; ++i) {
+        query_codes_vnni(qsc.data() + i * hd, hd, codes.data() + i * qb);
+        qcodes[i] = codes.data() + i * qb;
+      }
+    }
   }
   // key ranges per group at fixed offsets (kKeyRange keys each), not sized by the call: a query then sums the same
   // keys in the same order whichever other queries (positions, rows) share its call
@@ -195,7 +224,8 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
       for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
       const int64_t node = u / Hkv, row = TREE ? I[node] : cache_rows[node], kv = row * rs + (u % Hkv) * hs;
       group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt,
-                   TREE ? vmap.data() + vstart[node] : nullptr, TREE ? TREE->base[node] : 0);
+                   TREE ? vmap.data() + vstart[node] : nullptr, TREE ? TREE->base[node] : 0,
+                   qcodes.empty() ? nullptr : qcodes.data() + start[u]);
     }
   });
   // merge the ranges: o = sum_s acc_s e^(m_s - M) / sum_s z_s e^(m_s - M), M = max_s m_s
@@ -310,6 +340,11 @@ void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const in
   });
 }
 }  // namespace fbs_attn
+
+bool attention_int8_scores(std::optional<bool> on) {
+  if (on) fbs_attn::g_int8_scores.store(*on);
+  return fbs_attn::int8_scores();
+}
 
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
                       const at::Tensor& vc, const at::Tensor& idx, const at::Tensor& slots, double scale, int64_t isa,

@@ -14,6 +14,9 @@
 // tree's node is its own group, over virtual slots: the keys before the round at their slots, then the round's keys
 // it sees (its ancestors and itself) at the next slots, as the kept path holds them once compacted; so its ranges,
 // and its output, are those of the chain root..node and of one-token decoding, bit for bit.
+// Over an int8 cache with AVX-512 VNNI (int8_scores) the grouped kernel scores in integers: each query as two int8
+// codes per value (query_codes_vnni), each block of 16 keys transposed once so that one vpdpbusd adds 4 products
+// for all 16; the softmax and the V sums stay fp32.
 // Otherwise one task per (row, query head): scores, softmax, weighted sum of V; SIMD over the head dimension.
 #pragma once
 
@@ -111,11 +114,20 @@ void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, 
 // scratch. (arch/x86/attention_avx512.cpp)
 // map (null: none): the keys are virtual slots; slot k >= km is read from the cache's slot map[k - km] (a token
 // tree's node: the round's keys it sees, its ancestors and itself, in order, as its chain will hold them).
+// qq (null: none; int8 caches only): the queries' codes (query_codes_vnni), scored in integers against the int8 keys.
 #define FBS_GROUP_DECL(T)                                                                                       \
   void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0, \
-                    int64_t k1, int64_t hd, float* s, float* part, const int64_t* map, int64_t km);
+                    int64_t k1, int64_t hd, float* s, float* part, const int64_t* map, int64_t km,              \
+                    const int8_t* const* qq);
 FBS_KV_OVERLOADS(FBS_HEAD_DECL)
 FBS_KV_OVERLOADS(FBS_GROUP_DECL)
+// Integer scores over an int8 cache (AVX-512 VNNI): a query (hd floats, hd a multiple of 64, already scaled) as two
+// int8 codes per value and a scale per 32 values, q = s hi + (s / 254) lo with s = max |q| / 127 over the 32,
+// hi = round(q / s), lo = round((q - s hi) 254 / s): within s / 508 of q (about 1.5e-5 of the block's largest
+// value), so a score differs from the fp32 one by rounding of that order. out: query_code_bytes(hd) bytes (hi codes,
+// lo codes, then per block s, s / 254 and the offsets -128 sum hi, -128 sum lo as int32).
+inline int64_t query_code_bytes(int64_t hd) { return 2 * hd + 16 * (hd / 32); }
+void query_codes_vnni(const float* q, int64_t hd, int8_t* out);
 #undef FBS_HEAD_DECL
 #undef FBS_GROUP_DECL
 #endif
@@ -151,6 +163,14 @@ void attend(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, const in
             const void* KC, const void* VC, at::ScalarType kt, int64_t Hkv, int64_t C, int64_t hd, float scale,
             int64_t isa, float* O, float* ACC = nullptr, const Tree* TREE = nullptr);
 }  // namespace fbs_attn
+
+namespace fbs_attn {
+// Whether an int8 cache's scores are integer products (query_codes_vnni): the CPU has AVX-512 BW and VNNI and they
+// are not turned off (attention_int8_scores(false), fbs.native.int8_scores).
+bool int8_scores();
+}  // namespace fbs_attn
+// Turns the integer scores on or off (on given), then returns int8_scores(). See fbs.native.int8_scores.
+bool attention_int8_scores(std::optional<bool> on);
 
 // See fbs.native.attend_one.
 at::Tensor attend_one(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,

@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear);
   m.def("int8_isa", &int8_isa);
   m.def("attend_one", &attend_one);
+  m.def("attention_int8_scores", &attention_int8_scores, py::arg("on") = py::none());
   m.def("causal_attention", &causal_attention);
   m.def("causal_available", &causal_available);
   m.def("rms_norm", &rms_norm);
