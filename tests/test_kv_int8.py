@@ -3,12 +3,15 @@ and one fp32 scale, ``hd + 4`` bytes. Checked against hand-computed codes, again
 decoded entries (the native attention), against the fp32 cache (decoding), against the PyTorch step (the native
 layers), and under each cache policy (what is kept, stored quantized)."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import fbs_tiny, int8_exact_, tiny_config, tiny_hf
+from conftest import cpu_isas, fbs_tiny, int8_exact_, require_native, tiny_config, tiny_hf
 from test_kv_half import policy_runs
 from fbs import FBSForCausalLM, native
 from fbs.engine.cache import KVCache
@@ -154,3 +157,21 @@ def test_policies_store_what_they_keep_in_int8(kv, weights, one_thread):
         assert torch.equal(q8.cache.v[0][0, :, :keep], kv_store(full.cache.v[0][0, :, :keep], torch.int8))
         if kv == "streaming":
             assert (kq[:, :SINKS, :hd].int() - kf[:, :SINKS, :hd].int()).abs().max() <= 1
+
+
+def test_the_integer_scores_follow_the_environment_switch():
+    """``FBS_INT8_SCORES=0`` turns the integer scores off for the process (fbs.native.int8_scores); unset, they are on
+    exactly where the CPU has AVX-512 VNNI; the switch turns them on and off in a running process."""
+    require_native()
+    probe = "from fbs import native; print(native.int8_scores())"
+    env = {k: v for k, v in os.environ.items() if k != "FBS_INT8_SCORES"}
+    off = subprocess.run([sys.executable, "-c", probe], env={**env, "FBS_INT8_SCORES": "0"}, capture_output=True,
+                         text=True, check=True)
+    assert off.stdout.strip() == "False"
+    vnni = "avx512_vnni" in cpu_isas()
+    before = native.int8_scores()
+    try:
+        assert native.int8_scores(True) is vnni
+        assert native.int8_scores(False) is False
+    finally:
+        native.int8_scores(before)

@@ -43,10 +43,14 @@ def cmd_info(args) -> int:
     rows.append(("default weights", f"{default} (fbs generate / fbs serve without --weights)"))
     rows.append(("default KV cache", f"{default_kv_dtype(default)} (without --kv-dtype)"))
     rows.append(("default prefill", f"{default_prefill(default)} products (without --prefill)"))
+    from . import native
+
+    scores = "integer (avx512-vnni)" if native.int8_scores() else "fp32"
+    rows.append(("int8 KV scores", f"{scores} (FBS_INT8_SCORES=0: fp32)"))
     if args.json:
         print(json.dumps({**counts, "config": cfg.to_dict(), "native_kernels": kernels, "default_weights": default,
-                          "default_kv_dtype": default_kv_dtype(default), "default_prefill": default_prefill(default)},
-                         indent=2))
+                          "default_kv_dtype": default_kv_dtype(default), "default_prefill": default_prefill(default),
+                          "int8_kv_scores": scores}, indent=2))
     else:
         width = max(len(k) for k, _ in rows)
         for k, v in rows:

@@ -166,6 +166,14 @@ def _import_built(path: Path):
     return mod
 
 
+def _configured(mod):
+    """``mod`` with the process-wide switches the environment sets: ``FBS_INT8_SCORES=0`` turns the integer
+    attention scores off (:func:`int8_scores`)."""
+    if mod is not None and os.environ.get("FBS_INT8_SCORES", "1") == "0":
+        mod.attention_int8_scores(False)
+    return mod
+
+
 def module():
     """The compiled extension, building it on first use; None when disabled or the build failed (logged once)."""
     global _module, _failed
@@ -179,7 +187,7 @@ def module():
                 from torch.utils.cpp_extension import load
 
                 path = _build_dir()
-                _module = _import_built(path)
+                _module = _configured(_import_built(path))
                 if _module is not None:
                     return _module
                 with _exclusive(path.parent / f".{path.name}.lock"):
@@ -189,9 +197,10 @@ def module():
                     path.mkdir(parents=True, exist_ok=True)
                     # torch's own lock file there is stale when present: a build that holds it holds ours too
                     (path / "lock").unlink(missing_ok=True)
-                    _module = load("fbs_native", sources=[str(p) for p in sources()],
-                                   extra_include_paths=[str(_gen_dir())], extra_cflags=["-O3", "-fopenmp"],
-                                   extra_ldflags=["-fopenmp"], build_directory=str(path), verbose=False)
+                    _module = _configured(load("fbs_native", sources=[str(p) for p in sources()],
+                                               extra_include_paths=[str(_gen_dir())],
+                                               extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                               build_directory=str(path), verbose=False))
             except Exception as e:  # no compiler, no ninja, a read-only cache ...: the PyTorch ops stay in use
                 _failed = f"{type(e).__name__}: {e}"
                 logger.warning("native kernels unavailable, using PyTorch ops (%s)", _failed.splitlines()[0])
