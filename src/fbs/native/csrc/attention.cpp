@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "norm.h"
+#include "quant.h"
 #include "rowquant.h"
 
 namespace fbs_attn {
@@ -120,13 +121,8 @@ std::atomic<bool> g_int8_scores{true};
 }  // namespace
 
 bool int8_scores() {
-#ifdef FBS_X86
-  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vnni");
+  static const bool cpu = quant_isa() == fbs::kIsaAvx512Vnni;  // the quantized products' own check
   return cpu && g_int8_scores.load(std::memory_order_relaxed);
-#else
-  return false;
-#endif
 }
 
 namespace {
