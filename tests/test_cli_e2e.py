@@ -623,6 +623,37 @@ def test_draft_sources_by_name_and_their_training_commands(saved, capsys, tmp_pa
     assert code == 2 and "fbs train eagle" in err
 
 
+def test_on_policy_draft_data_and_a_feature_cached_bf16_eagle_run(saved, capsys, tmp_path):
+    """``data drafts`` records the model's own greedy answers (oracle: the API's full-depth decode of each prompt);
+    ``train eagle --data DIR --feature-cache --bf16`` trains on them, writes the features once and decodes
+    losslessly."""
+    from fbs.data import onpolicy
+
+    data, eagle = tmp_path / "drafts", tmp_path / "eagle"
+    code, out, err = run_cli(capsys, ["data", "drafts", *saved.args, "--out", str(data), "--langs", "en",
+                                      "--chat-items", "6", "--code-items", "0", "--max-new-tokens", "24",
+                                      "--batch-size", "4"])
+    assert code == 0 and "6 sequences (6 chat, 0 code)" in out and f"--data {data}" in out, err
+    rows = onpolicy.read_sequences(data)
+    for r in rows[:2]:
+        prompt = r["ids"][:r["prompt_len"]]
+        alone = saved.model.generate([prompt], max_new_tokens=24, force_compute=True, weights="auto")
+        assert r["ids"][r["prompt_len"]:] == [int(t) for t in alone.new_tokens[0]]
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["sequences"] == 6 and meta["command"].startswith("fbs data drafts") and "git" in json.dumps(meta)
+    code, out, err = run_cli(capsys, ["train", "eagle", *saved.args, "--data", str(data), "--block-size", "32",
+                                      "--eval-blocks", "1", "--steps", "3", "--batch-size", "2", "--warmup", "1",
+                                      "--feature-cache", "--bf16", "--no-progress", "--out-dir", str(eagle)])
+    assert code == 0 and f"eagle saved to {eagle}" in out, err
+    rec = json.loads((eagle / "eagle.json").read_text())["training"]
+    assert rec["recipe"]["feature_cache"] and rec["recipe"]["bf16"] and rec["steps_done"] == 3
+    assert (eagle / "features.safetensors").is_file()
+    ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, force_compute=True)
+    code, out, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",
+                                      "--draft", "eagle", "--draft-path", str(eagle)])
+    assert code == 0 and json.loads(out)["text"] == text, err
+
+
 def test_draft_search_writes_a_skip_set_that_decodes_losslessly(saved, capsys, tmp_path):
     corpus, out_json = tmp_path / "corpus", tmp_path / "set.json"
     assert run_cli(capsys, ["data", "build", "--out", str(corpus), "--tokenizer", saved.base, "--sources", "py_stdlib",

@@ -338,7 +338,7 @@ def test_verified_logits_are_decodings_bit_for_bit_on_the_shipped_smollm2(shippe
     greedy output is full depth's whatever the near-ties (before they were equal only to float rounding, and chat
     outputs diverged from full depth's on most prompts)."""
     model = shipped_smollm2
-    from fbs.bench.prompt_sets import render
+    from fbs.data.chat import render_user_turn as render
 
     ids = [render(model.tokenizer, "Explain why the sky is blue, briefly.")]
     kw = dict(max_new_tokens=40, ignore_eos=True, weights=fmt, output_scores=True)

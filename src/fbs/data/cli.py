@@ -185,6 +185,44 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drafts(args: argparse.Namespace) -> int:
+    import torch
+
+    from fbs.cli_args import load_from_args
+    from fbs.data import onpolicy
+    from fbs.data.sources import SourceError
+    from fbs.provenance import provenance
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    langs = tuple(x for x in args.langs.split(",") if x)
+    try:
+        model = load_from_args(args).eval()
+        items = onpolicy.prompts(model.tokenizer, langs, args.code_items, args.seed, args.chat_items,
+                                 args.max_prompt_tokens)
+    except (SourceError, ValueError, FileNotFoundError) as exc:
+        return _error(str(exc))
+    meta = {"model": args.model, "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"),
+            "langs": list(langs), "chat_items": args.chat_items, "code_items": args.code_items, "seed": args.seed,
+            "max_prompt_tokens": args.max_prompt_tokens, "decode": "greedy, full depth, weights=auto",
+            "command": (f"fbs data drafts --out {args.out} --langs {args.langs} --code-items {args.code_items} "
+                        + (f"--chat-items {args.chat_items} " if args.chat_items is not None else "")
+                        + f"--max-new-tokens {args.max_new_tokens} --max-prompt-tokens {args.max_prompt_tokens} "
+                        f"--batch-size {args.batch_size} --seed {args.seed}"
+                        + (f" --checkpoint {args.checkpoint}" if args.checkpoint else "")),
+            "provenance": provenance()}
+    try:
+        info = onpolicy.build(model, args.out, items, args.max_new_tokens, args.batch_size, progress_bar, meta)
+    except KeyboardInterrupt:
+        print(f"interrupted; the finished batches are in {args.out / onpolicy.SEQUENCES} (rerun to resume)",
+              file=sys.stderr)
+        return 130
+    print(f"{info['sequences']} sequences ({info['by_kind']['chat']} chat, {info['by_kind']['code']} code), "
+          f"{info['answer_tokens']:,} answer tokens, written to {args.out}; train a draft on them with "
+          f"`fbs train eagle --data {args.out}` (or medusa, draft-model)")
+    return 0
+
+
 # --- parser ----------------------------------------------------------------------------------
 
 
@@ -237,6 +275,24 @@ def register(subparsers: Any) -> None:
     c.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
     c.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     c.set_defaults(func=cmd_chat)
+
+    from fbs.cli_args import add_model_arguments
+
+    dr = sub.add_parser("drafts", help="on-policy draft data: the model's own greedy answers (full depth) to the "
+                                       "Alpaca training prompts and to code edits of standard-library functions "
+                                       "(fbs.data.onpolicy), for `fbs train eagle / medusa / draft-model --data`")
+    add_model_arguments(dr)
+    dr.add_argument("--out", required=True, type=Path, help="output directory (sequences.jsonl, meta.json); resumes")
+    dr.add_argument("--langs", default="en,zh", help="chat languages, comma-separated ('' for none)")
+    dr.add_argument("--chat-items", type=int, help="at most this many chat prompts (a seeded sample; default: all "
+                                                    "training items of --langs)")
+    dr.add_argument("--code-items", type=int, default=800, help="code-edit prompts (0 for none)")
+    dr.add_argument("--max-new-tokens", type=int, default=256, help="length cap of an answer")
+    dr.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out")
+    dr.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    dr.add_argument("--seed", type=int, default=0, help="seed of the code prompts' choice")
+    dr.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    dr.set_defaults(func=cmd_drafts)
 
     p = subparsers.add_parser("probe", help="BIOS-F1 of a frozen causal LM with a linear probe on hidden states")
     p.add_argument("--model", default="smollm2-135m", help="fbs.model.bases name or HF directory")

@@ -94,9 +94,14 @@ def cmd_segatron(args: argparse.Namespace) -> int:
 
 
 def _blocks(args: argparse.Namespace, tokenizer):
-    """(train, held-out) token blocks of ``--data`` (wiki_demo or a corpus directory)."""
+    """(train, held-out) token blocks of ``--data`` (wiki_demo, a corpus directory, or the on-policy sequences of
+    ``fbs data drafts``)."""
+    from ..data.onpolicy import is_sequence_dir, sequence_blocks
     from .data import corpus_blocks, wiki_demo_blocks
 
+    if args.data != "wiki_demo" and is_sequence_dir(args.data):
+        sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        return sequence_blocks(args.data, args.block_size, args.eval_blocks, sep, args.max_train_blocks)
     if args.data == "wiki_demo":
         data = wiki_demo_blocks(tokenizer, args.block_size, args.eval_blocks)
     else:
@@ -158,6 +163,7 @@ def _distil(args: argparse.Namespace, what: str) -> int:
     train_ids, eval_ids = _blocks(args, model.tokenizer)
     recipe = DistilRecipe(steps=args.steps, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
                           seed=args.seed, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
+                          feature_cache=getattr(args, "feature_cache", False), bf16=args.bf16,
                           **({"layers": args.layers} if what == "draft-model" else
                              {"heads": args.heads} if what == "medusa" else {}))
     meta = {"data": args.data, "block_size": args.block_size, "train_blocks": len(train_ids),
@@ -204,13 +210,16 @@ def _distil_arguments(p: argparse.ArgumentParser, steps: int) -> None:
                                                      "after the step that crosses it and save the result as is")
     p.add_argument("--out-dir", required=True, help="where the result goes (checkpoints under OUT/checkpoints)")
     p.add_argument("--no-resume", action="store_true", help="ignore checkpoints in out_dir")
+    p.add_argument("--bf16", action="store_true", help="matrix products under bfloat16 autocast (fast on CPUs with "
+                                                       "AMX / AVX-512 BF16 and on GPUs; losses stay fp32)")
 
 
 def _draft_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli_args import add_model_arguments
 
     add_model_arguments(p)
-    p.add_argument("--data", default="wiki_demo", help="wiki_demo or a corpus directory from `fbs data build`")
+    p.add_argument("--data", default="wiki_demo", help="wiki_demo, a corpus directory from `fbs data build`, or the "
+                                                       "on-policy sequences of `fbs data drafts`")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--eval-blocks", type=int, default=8, help="held-out blocks")
     p.add_argument("--max-train-blocks", type=int, help="corpus: read at most this many training blocks")
@@ -286,9 +295,15 @@ def register(subparsers: Any) -> None:
     h = sub.add_parser("medusa", help="Medusa-1 heads on the frozen model, self-distilled (fbs.baselines.medusa); "
                                       "resumes from out_dir")
     _distil_arguments(h, 1000)
+    h.add_argument("--feature-cache", action="store_true",
+                   help="compute the target's features of every training block once (OUT/features.safetensors) "
+                        "instead of a target forward pass per step")
     h.add_argument("--heads", type=int, default=4, help="K: head k predicts the token k + 2 ahead")
     h.set_defaults(func=cmd_medusa)
     e = sub.add_parser("eagle", help="EAGLE's draft layer over the frozen model's features (fbs.baselines.eagle), "
                                      "feature regression + KL; resumes from out_dir")
     _distil_arguments(e, 1000)
+    e.add_argument("--feature-cache", action="store_true",
+                   help="compute the target's features of every training block once (OUT/features.safetensors) "
+                        "instead of a target forward pass per step")
     e.set_defaults(func=cmd_eagle)

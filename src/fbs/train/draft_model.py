@@ -49,6 +49,8 @@ class DistilRecipe:
     layers: int = 5          # draft model: the student's layers
     heads: int = 4           # Medusa: K
     max_minutes: float | None = None  # wall-time bound: stop after the step that crosses it and keep the result
+    feature_cache: bool = False  # Medusa / EAGLE: the target's features of every block computed once (TeacherFeatures)
+    bf16: bool = False       # matrix products under bfloat16 autocast (the softmaxes and the loss stay fp32)
 
 
 def _lr_factor(step: int, recipe: DistilRecipe) -> float:
@@ -70,10 +72,84 @@ def _teacher(target, ids: torch.Tensor):
     return out.logits.float().log_softmax(-1), out.hidden_states[-1]
 
 
-def _distil(named: dict[str, torch.nn.Parameter], loss_of: Callable[[torch.Tensor], torch.Tensor],
+def autocast(recipe: DistilRecipe, like: torch.Tensor):
+    """bfloat16 autocast on ``like``'s device when the recipe asks for it, else a no-op context."""
+    return torch.autocast(like.device.type, dtype=torch.bfloat16, enabled=recipe.bf16)
+
+
+class TeacherFeatures:
+    """The frozen target's last-layer features (before the final norm) at full depth, for every training block,
+    computed once (Medusa and EAGLE learn from nothing else of the target: its next-token distribution is
+    ``head(feature)``, :meth:`logp`). Stored in bfloat16 under ``bf16`` (half the memory; the features then feed a
+    draft, they are not compared bit for bit), else in fp32 (the uncached loop's exact values), in ``path`` (safetensors, written atomically), so a resumed run reads them back instead
+    of recomputing; a file for other blocks is an error naming the fix."""
+
+    def __init__(self, target, blocks: torch.Tensor, path: str | Path | None = None, batch_size: int = 8,
+                 bf16: bool = False, progress: bool = False):
+        from safetensors.torch import load_file, save_file
+
+        from .speculative import _bar
+
+        self.target = target
+        digest = _blocks_digest(blocks)
+        if path is not None and Path(path).is_file():
+            data = load_file(str(path))
+            if bytes(data["digest"].tolist()).decode() != digest:
+                raise ValueError(f"{path} holds the features of other training blocks; delete it (or use another "
+                                 "--out-dir) to compute them for these")
+            self.hidden = data["hidden"]
+            return
+        out = []
+        bar = _bar(len(blocks), "target features", "block", progress)
+        with torch.no_grad(), torch.autocast(blocks.device.type, dtype=torch.bfloat16, enabled=bf16):
+            for i in range(0, len(blocks), batch_size):
+                out.append(_teacher(target, blocks[i:i + batch_size])[1].to(torch.bfloat16 if bf16 else torch.float32))
+                bar.update(len(out[-1]))
+        bar.close()
+        self.hidden = torch.cat(out)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(str(path) + ".tmp")
+            save_file({"hidden": self.hidden, "digest": torch.tensor(list(digest.encode()), dtype=torch.uint8)},
+                      str(tmp))
+            tmp.replace(path)
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.hidden[rows].float()
+
+    @torch.no_grad()
+    def logp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next-token log-probabilities from its features."""
+        return self.target.base.head(hidden).float().log_softmax(-1)
+
+
+def _blocks_digest(blocks: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(blocks.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def teacher_source(target, train_blocks: torch.Tensor, out_dir: Path, recipe: DistilRecipe, progress: bool):
+    """``teacher(ids, rows) -> (logp, hidden)`` for the loss: from :class:`TeacherFeatures` when the recipe caches
+    them (``rows`` index the training blocks), else a forward pass of the target over ``ids``."""
+    if not recipe.feature_cache:
+        return lambda ids, rows: _teacher(target, ids)
+    feats = TeacherFeatures(target, train_blocks, out_dir / "features.safetensors", bf16=recipe.bf16,
+                            progress=progress)
+
+    def teacher(ids, rows):
+        hidden = feats[rows]
+        with autocast(recipe, hidden):
+            return feats.logp(hidden), hidden
+
+    return teacher
+
+
+def _distil(named: dict[str, torch.nn.Parameter], loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
             train_blocks: torch.Tensor, out_dir: Path, recipe: DistilRecipe, resume: bool, stop_at: int | None,
             progress: bool, what: str) -> dict:
-    """The shared resumable loop: AdamW over ``named``, ``loss_of(ids)`` per step. Returns the curve and timings."""
+    """The shared resumable loop: AdamW over ``named``, ``loss_of(ids, rows)`` per step (``rows``: the blocks'
+    indices in ``train_blocks``). Returns the curve and timings."""
     from .speculative import _bar
 
     opt = torch.optim.AdamW(list(named.values()), lr=recipe.lr, weight_decay=recipe.weight_decay)
@@ -98,7 +174,7 @@ def _distil(named: dict[str, torch.nn.Parameter], loss_of: Callable[[torch.Tenso
         for g in opt.param_groups:
             g["lr"] = recipe.lr * _lr_factor(step, recipe)
         idx = torch.tensor([order(step * recipe.batch_size + j) for j in range(recipe.batch_size)])
-        loss = loss_of(train_blocks[idx])
+        loss = loss_of(train_blocks[idx], idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -154,9 +230,11 @@ def train_draft_model(target, train_blocks: torch.Tensor, out_dir: str | Path, r
     for p in (emb, head):
         p.requires_grad_(False)
 
-    def loss_of(ids):
+    def loss_of(ids, rows):
         t_logp, _ = _teacher(target, ids)
-        return kl_to_teacher(t_logp, student(input_ids=ids).logits)
+        with autocast(recipe, ids):
+            logits = student(input_ids=ids).logits
+        return kl_to_teacher(t_logp, logits)
 
     def logits(ids):
         return student(input_ids=ids).logits
@@ -192,16 +270,20 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
     named = dict(heads.named_parameters())
     K = recipe.heads
 
-    def loss_of(ids):
-        t_logp, hidden = _teacher(target, ids)
-        h = base.norm(hidden)
+    teacher = teacher_source(target, train_blocks, out_dir, recipe, progress)
+
+    def loss_of(ids, rows):
+        t_logp, hidden = teacher(ids, rows)
         losses = []
-        for k, block in enumerate(heads.blocks):
-            t = ids.shape[1] - 1 - k
-            if t <= 0:
-                break
-            hk = h[:, :t]
-            losses.append(kl_to_teacher(t_logp[:, 1 + k:], base.lm_head(hk + torch.nn.functional.silu(block(hk)))))
+        with autocast(recipe, hidden):
+            h = base.norm(hidden)
+            for k, block in enumerate(heads.blocks):
+                t = ids.shape[1] - 1 - k
+                if t <= 0:
+                    break
+                hk = h[:, :t]
+                losses.append(kl_to_teacher(t_logp[:, 1 + k:],
+                                            base.lm_head(hk + torch.nn.functional.silu(block(hk)))))
         return torch.stack(losses).mean()
 
     def head0(ids):

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from ..baselines.eagle import EagleLayer
 from ..provenance import provenance
-from .draft_model import DistilRecipe, _distil, _finished, _teacher, evaluate_draft, kl_to_teacher
+from .draft_model import (DistilRecipe, _distil, _finished, _teacher, autocast, evaluate_draft, kl_to_teacher,
+                          teacher_source)
 
 #: EAGLE's weight of the classification term against the feature regression.
 CLS_WEIGHT = 0.1
@@ -49,12 +50,15 @@ def train_eagle(target, train_blocks: torch.Tensor, out_dir: str | Path, recipe:
     layer = EagleLayer.for_model(target).train()
     named = dict(layer.named_parameters())
 
-    def loss_of(ids):
-        t_logp, hidden = _teacher(target, ids)
-        pred = eagle_outputs(layer, target, ids, hidden)
+    teacher = teacher_source(target, train_blocks, out_dir, recipe, progress)
+
+    def loss_of(ids, rows):
+        t_logp, hidden = teacher(ids, rows)
+        with autocast(recipe, hidden):
+            pred = eagle_outputs(layer, target, ids, hidden)
+            logits = base.lm_head(base.norm(pred))
         reg = F.smooth_l1_loss(pred.float(), hidden[:, 1:].float())
-        kl = kl_to_teacher(t_logp[:, 1:], base.lm_head(base.norm(pred)))
-        return reg + cls_weight * kl
+        return reg + cls_weight * kl_to_teacher(t_logp[:, 1:], logits)
 
     def first_draft(ids):
         _, hidden = _teacher(target, ids)
