@@ -444,3 +444,50 @@ def test_drafts_run_the_lm_head_in_the_decode_format(weights, one_thread):
     fp32 = model.base.lm_head(model.base.norm(x))
     assert torch.equal(got, fp32) == (weights == "fp32")  # q8 / q4 formats: not the fp32 product
     assert draft_lm_head(_decoder(model, max_new_tokens=4, weights="hf")) is model.base.lm_head
+
+
+@pytest.mark.parametrize("weights", ["q4", "int8", "fp32"])
+def test_a_shortlisted_draft_head_scores_its_tokens_as_the_full_head_does(weights, one_thread):
+    """FR-Spec's reduced draft vocabulary (:func:`draft_lm_head` with ``shortlist``): at the listed tokens the
+    logits are the full decode-format head's bit for bit (oracle: that head), -inf elsewhere; Medusa heads and an
+    EAGLE layer carrying a shortlist still decode exactly full depth's tokens."""
+    from fbs.baselines.eagle import EagleLayer
+    from fbs.engine.drafts import draft_lm_head
+
+    model = _model("llama")
+    dec = _decoder(model, max_new_tokens=4, weights=weights)
+    ids = torch.tensor([3, 17, 40, 41, 99, 200, 254])
+    x = model.base.norm(torch.randn(3, 1, model.base.spec.hidden_size, generator=torch.Generator().manual_seed(0)))
+    full, short = draft_lm_head(dec)(x), draft_lm_head(dec, ids)(x)
+    assert torch.equal(short[..., ids], full[..., ids])
+    rest = torch.ones(full.shape[-1], dtype=torch.bool)
+    rest[ids] = False
+    assert bool(torch.isneginf(short[..., rest]).all())
+    kw = dict(max_new_tokens=16, ignore_eos=True, weights=weights)
+    ref = model.generate(_prompts(), force_compute=True, **kw).new_tokens
+    heads, layer = _heads(model), EagleLayer.for_model(model)
+    for name, opts, module in (("medusa", {"heads": heads}, heads), ("eagle", {"layer": layer}, layer)):
+        module.shortlist = torch.arange(0, 256, 3)  # a third of the vocabulary
+        res = model.generate(_prompts(), draft=name, draft_options=opts, **kw)
+        assert res.new_tokens == ref, name
+        assert res.speculative.proposed > 0
+
+
+def test_shortlists_are_the_most_frequent_tokens_and_survive_save_and_load(tmp_path):
+    from fbs.baselines.eagle import EagleLayer
+    from fbs.baselines.medusa import frequent_tokens
+
+    blocks = torch.tensor([[5, 5, 5, 9, 9, 2], [7, 7, 9, 1, 5, 2]])  # counts: 5:4, 9:3, 2:2, 7:2, 1:1
+    assert frequent_tokens(blocks, 3).tolist() == [2, 5, 9]  # 2 and 7 tie at 2: the smaller id
+    assert frequent_tokens(blocks, 4).tolist() == [2, 5, 7, 9] and frequent_tokens(blocks, 99).tolist() == [1, 2, 5, 7, 9]
+    model = _model("llama")
+    heads, layer = _heads(model), EagleLayer.for_model(model)
+    for module, cls in ((heads, MedusaHeads), (layer, EagleLayer)):
+        module.shortlist = torch.tensor([1, 60000, 2 ** 40])  # int64, past float16's exact range
+        kw = {"dtype": torch.float16} if cls is EagleLayer else {}
+        module.save(tmp_path / cls.__name__, model.config.base_fingerprint, **kw)
+        back = cls.load(tmp_path / cls.__name__, model)
+        assert back.shortlist.dtype == torch.int64 and back.shortlist.tolist() == [1, 60000, 2 ** 40]
+        module.shortlist = None
+        module.save(tmp_path / (cls.__name__ + "0"), model.config.base_fingerprint)
+        assert cls.load(tmp_path / (cls.__name__ + "0"), model).shortlist is None

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.hf_adapter import apply_rope
+from .medusa import take_shortlist, with_shortlist
 
 CONFIG_NAME = "eagle.json"
 WEIGHTS_NAME = "eagle.safetensors"
@@ -41,6 +42,9 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 class EagleLayer(nn.Module):
     """The EAGLE draft layer: ``W_fc`` over [feature; token embedding], then one pre-norm decoder layer."""
+
+    #: the reduced draft vocabulary (token ids) whose rows of the LM head the draft scores at decode, or None (all)
+    shortlist: torch.Tensor | None = None
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
                  bias: bool = False, eps: float = 1e-6):
@@ -126,8 +130,10 @@ class EagleLayer(nn.Module):
         from ..model.checkpoint import save_module_dir
 
         info = {"shape": self.shape, "base_fingerprint": base_fingerprint, **(meta or {})}
+        if self.shortlist is not None:
+            info["shortlist"] = int(self.shortlist.numel())
         state = {k: v.to(dtype or v.dtype) for k, v in self.state_dict().items()}
-        return save_module_dir(path, state, info, WEIGHTS_NAME, CONFIG_NAME)
+        return save_module_dir(path, with_shortlist(state, self), info, WEIGHTS_NAME, CONFIG_NAME)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "EagleLayer":
@@ -138,7 +144,7 @@ class EagleLayer(nn.Module):
 
         info, tensors = read_module_dir(path, WEIGHTS_NAME, CONFIG_NAME, "EAGLE layer", TRAIN_HINT)
         layer = cls(**info["shape"])
-        layer.load_state_dict({k: v.float() for k, v in tensors.items()})
+        layer.load_state_dict({k: v.float() for k, v in take_shortlist(tensors, layer).items()})
         if model is not None:
             spec = model.base.spec
             have = (layer.norm_in.numel(), layer.num_heads, layer.num_kv_heads, layer.head_dim)
@@ -155,7 +161,7 @@ class EagleLayer(nn.Module):
 
 
 def draft_factory(session, layer=None, path=None, check_base: bool = True, depth: int | None = None, topk: int = 4,
-                  nodes: int = 16):
+                  nodes: int = 16, shortlist: bool = True):
     """``eagle`` with a layer module, a saved one (``path``), or the one shipped for the model's base
     (:func:`fbs.baselines.medusa.shipped_draft`); the tree's ``depth``, ``topk`` and ``nodes`` go to
     :class:`fbs.engine.drafts.EagleDraft`."""
@@ -166,4 +172,4 @@ def draft_factory(session, layer=None, path=None, check_base: bool = True, depth
         path = path if path is not None else shipped_draft("eagle", session.dec.m)
         if path is not None:
             layer = EagleLayer.load(path, session.dec.m, check_base)
-    return EagleDraft(session, layer, depth=depth, topk=topk, nodes=nodes)
+    return EagleDraft(session, layer, depth=depth, topk=topk, nodes=nodes, shortlist=shortlist)

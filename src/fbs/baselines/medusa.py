@@ -27,7 +27,38 @@ WEIGHTS_NAME = "medusa.safetensors"
 TRAIN_HINT = "train heads with `fbs train medusa --out-dir DIR`"
 
 
+SHORTLIST_KEY = "shortlist"
+
+
+def with_shortlist(state: dict, module) -> dict:
+    """``state`` plus the module's reduced draft vocabulary (``module.shortlist``: int64 token ids, or None), saved
+    beside the weights (never cast with them)."""
+    ids = getattr(module, "shortlist", None)
+    return state if ids is None else {**state, SHORTLIST_KEY: ids.to(torch.int64).cpu()}
+
+
+def take_shortlist(tensors: dict, module) -> dict:
+    """Set ``module.shortlist`` from a saved file's tensors (None when it has none); the rest, for
+    ``load_state_dict``."""
+    tensors = dict(tensors)
+    ids = tensors.pop(SHORTLIST_KEY, None)
+    module.shortlist = None if ids is None else ids.to(torch.int64)
+    return tensors
+
+
+def frequent_tokens(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` most frequent token ids of ``blocks`` (ties to the smaller id), sorted by id: a draft's reduced
+    vocabulary (FR-Spec; EAGLE-3's draft vocabulary) from its training data."""
+    counts = torch.bincount(blocks.reshape(-1).to(torch.int64))
+    n = min(n, int((counts > 0).sum()))
+    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))[:n]
+    return torch.tensor(sorted(order), dtype=torch.int64)
+
+
 class MedusaHeads(nn.Module):
+    #: the reduced draft vocabulary (token ids) whose rows of the LM head the heads score at decode, or None (all)
+    shortlist: torch.Tensor | None = None
+
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
         self.num_heads = num_heads
@@ -45,7 +76,9 @@ class MedusaHeads(nn.Module):
 
         info = {"hidden_size": self.blocks[0].in_features, "num_heads": self.num_heads,
                 "base_fingerprint": base_fingerprint, **(meta or {})}
-        return save_module_dir(path, self.state_dict(), info, WEIGHTS_NAME, CONFIG_NAME)
+        if self.shortlist is not None:
+            info["shortlist"] = int(self.shortlist.numel())
+        return save_module_dir(path, with_shortlist(self.state_dict(), self), info, WEIGHTS_NAME, CONFIG_NAME)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, check_base: bool = True) -> "MedusaHeads":
@@ -54,7 +87,7 @@ class MedusaHeads(nn.Module):
 
         info, tensors = read_module_dir(path, WEIGHTS_NAME, CONFIG_NAME, "Medusa heads", TRAIN_HINT)
         heads = cls(info["hidden_size"], info["num_heads"])
-        heads.load_state_dict(tensors)
+        heads.load_state_dict(take_shortlist(tensors, heads))
         if model is not None:
             if info["hidden_size"] != model.base.spec.hidden_size:
                 raise CheckpointError(f"the heads in {path} are for hidden size {info['hidden_size']}, the model has "
@@ -83,7 +116,7 @@ def shipped_draft(kind: str, model):
 
 
 def draft_factory(session, heads=None, path=None, check_base: bool = True, tree=None, typical: bool = False,
-                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
+                  posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, shortlist: bool = True):
     """``medusa`` with a heads module, saved heads (``path``), or the heads shipped for the model's base
     (:func:`shipped_draft`); the other options go to :class:`fbs.engine.drafts.HeadsDraft`."""
     from ..engine.drafts import HeadsDraft
@@ -93,4 +126,4 @@ def draft_factory(session, heads=None, path=None, check_base: bool = True, tree=
         if path is not None:
             heads = MedusaHeads.load(path, session.dec.m, check_base)
     return HeadsDraft(session, heads, tree=tree, typical=typical, posterior_threshold=posterior_threshold,
-                      posterior_alpha=posterior_alpha)
+                      posterior_alpha=posterior_alpha, shortlist=shortlist)

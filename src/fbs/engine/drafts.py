@@ -408,11 +408,39 @@ def _tree_order(tokens: list[int], parents: list[int], accepted: list[int]) -> d
 
 
 # --------------------------------------------------------------------------- a separate draft model
-def draft_lm_head(dec):
+def draft_lm_head(dec, shortlist: torch.Tensor | None = None):
     """The LM head a draft runs on its own states: the decode ops' (the decode format's product, e.g. q8 under q4,
     :meth:`fbs.engine.fused.FusedOps.lm_head`) where they have one, else the model's. Only proposals read it: the
-    verifier's logits decide what is kept."""
-    return getattr(dec.ops, "lm_head", None) or dec.m.base.lm_head
+    verifier's logits decide what is kept.
+
+    With ``shortlist`` (token ids; FR-Spec's and EAGLE-3's reduced draft vocabulary) the head scores only those
+    tokens (their rows of the head, in the same format: :meth:`fbs.engine.fused.FusedOps.lm_head_rows`) and gives
+    every other token -inf, so a proposal reads len(shortlist) / V of the head's bytes. Its logits at the listed
+    tokens are the full head's (same rows, same product)."""
+    if shortlist is None:
+        return getattr(dec.ops, "lm_head", None) or dec.m.base.lm_head
+    rows_of = getattr(dec.ops, "lm_head_rows", None)
+    if rows_of is not None:
+        part = rows_of(shortlist)
+    else:
+        w = dec.m.base.lm_head.weight[shortlist.to(dec.m.base.lm_head.weight.device)]
+        part = lambda x: torch.nn.functional.linear(x, w)  # noqa: E731
+    vocab = dec.m.base.spec.vocab_size
+    ids = shortlist.to(dec.m.base.embedding_weight.device)
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        y = part(x)
+        out = y.new_full((*y.shape[:-1], vocab), float("-inf"))
+        out[..., ids] = y
+        return out
+
+    return head
+
+
+def _shortlist(module) -> torch.Tensor | None:
+    """A draft module's reduced vocabulary (its ``shortlist`` buffer), or None (the full vocabulary)."""
+    ids = getattr(module, "shortlist", None)
+    return ids if ids is not None and ids.numel() else None
 
 
 def _linear_params(module: torch.nn.Module) -> int:
@@ -576,12 +604,13 @@ class HeadsDraft(BaseDraft):
     typical acceptance instead (faster, not the target's distribution).
 
     ``heads``: a module with ``num_heads`` mapping final-normed hidden states (b, d) and the model's LM head to
-    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`)."""
+    (K, b, V) logits (:class:`fbs.baselines.medusa.MedusaHeads`). Heads with a ``shortlist`` score only those
+    tokens (:func:`draft_lm_head`) unless ``shortlist=False``."""
 
     name = "medusa"
 
     def __init__(self, session, heads=None, tree=None, typical: bool = False, posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3):
+                 posterior_alpha: float = 0.3, shortlist: bool = True):
         super().__init__(session)
         if heads is None:
             raise ValueError("draft 'medusa' needs heads: draft_options={'heads': module} or, with fbs.baselines "
@@ -594,7 +623,10 @@ class HeadsDraft(BaseDraft):
         self.hidden: dict[int, torch.Tensor] = {}
         self.calls = 0
         head = self.dec.m.base.lm_head
-        self.macs_per_call = _linear_params(heads) + heads.num_heads * head.weight.numel()  # each head runs the LM head
+        short = _shortlist(heads) if shortlist else None
+        self.lm_head = draft_lm_head(self.dec, short)
+        rows = head.weight.shape[0] if short is None else short.numel()
+        self.macs_per_call = _linear_params(heads) + heads.num_heads * rows * head.weight.shape[1]  # each head: LM head
         self.cost = self.macs_per_call / max(heads.num_heads, 1) / max(_linear_params(self.dec.m.base.hf), 1)
 
     def propose(self, rows, budget):
@@ -603,7 +635,7 @@ class HeadsDraft(BaseDraft):
         if not live:
             return out
         h = self.dec.m.base.norm(torch.cat([self.hidden[r] for r in live]))
-        logits = self.heads(h, draft_lm_head(self.dec)).float()  # (K, b, V)
+        logits = self.heads(h, self.lm_head).float()  # (K, b, V)
         self.calls += len(live)
         o = self.dec.opts
         ranks = 1 + max((max(p) for p in self.tree), default=0) if self.tree is not None else 1
@@ -655,11 +687,13 @@ class EagleDraft(BaseDraft):
     and their ancestors), each adding its ``topk`` children scored by the path's summed log-probability; finally
     the ``nodes`` best-scored nodes (with their ancestors) form the tree, ordered by depth then score.
     ``depth`` defaults to ``draft_tokens``. Tree candidates are deterministic: sampling keeps the target's
-    distribution with the verifier's exact rule."""
+    distribution with the verifier's exact rule. A layer with a ``shortlist`` scores only those tokens
+    (:func:`draft_lm_head`) unless ``shortlist=False``."""
 
     name = "eagle"
 
-    def __init__(self, session, layer=None, depth: int | None = None, topk: int = 4, nodes: int = 16):
+    def __init__(self, session, layer=None, depth: int | None = None, topk: int = 4, nodes: int = 16,
+                 shortlist: bool = True):
         super().__init__(session)
         if layer is None:
             raise ValueError("draft 'eagle' needs a trained layer: draft_options={'layer': module} or, with "
@@ -679,7 +713,9 @@ class EagleDraft(BaseDraft):
         self.pending: dict[int, torch.Tensor] = {}  # row -> the prompt's features, waiting for the next token
         self.layer_rows = self.head_rows = 0
         self.layer_macs = _linear_params(layer)
-        self.head_macs = base.lm_head.weight.numel()
+        short = _shortlist(layer) if shortlist else None
+        self.lm_head = draft_lm_head(self.dec, short)
+        self.head_macs = base.lm_head.weight.numel() if short is None else short.numel() * base.spec.hidden_size
 
     # ---- entries from true features --------------------------------------------
     def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:
@@ -718,7 +754,7 @@ class EagleDraft(BaseDraft):
     # ---- the dynamic tree --------------------------------------------------------
     def _logp(self, h: torch.Tensor) -> torch.Tensor:
         self.head_rows += h.shape[0]
-        return draft_lm_head(self.dec)(self.base.norm(h)).float().log_softmax(-1)
+        return self.lm_head(self.base.norm(h)).float().log_softmax(-1)
 
     @torch.no_grad()
     def propose(self, rows, budget):

@@ -598,6 +598,12 @@ class FusedOps(LayerByLayer):
         the format's bytes instead of the fp32 head's."""
         return matmul(x.contiguous(), *self.head_w.tensors)
 
+    def lm_head_rows(self, ids: torch.Tensor):
+        """:meth:`lm_head` restricted to the tokens ``ids``: their rows of the head in the decode format (made once
+        per call of this method; per-row formats give each row the full head's values), as a function of x."""
+        w = self._weight(self.base.lm_head.weight.detach()[ids.to(self.emb.device)], head=True)
+        return lambda x: matmul(x.contiguous(), *w.tensors)
+
     def preview_terms(self, zlow: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, ...]:
         """Per gated layer, the (rows, 1, G) part of its gate's hidden pre-activation that does not depend on the
         layer's input: hidden bias + preview term of ``zlow`` (rows, 1, R), all layers in one matmul; ``zlow`` None

@@ -164,6 +164,7 @@ def _distil(args: argparse.Namespace, what: str) -> int:
     recipe = DistilRecipe(steps=args.steps, lr=args.lr, warmup=args.warmup, batch_size=args.batch_size,
                           seed=args.seed, checkpoint_every=args.checkpoint_every, max_minutes=args.max_minutes,
                           feature_cache=getattr(args, "feature_cache", False), bf16=args.bf16,
+                          shortlist=getattr(args, "shortlist", 0),
                           **({"layers": args.layers} if what == "draft-model" else
                              {"heads": args.heads} if what == "medusa" else {}))
     meta = {"data": args.data, "block_size": args.block_size, "train_blocks": len(train_ids),
@@ -298,6 +299,9 @@ def register(subparsers: Any) -> None:
     h.add_argument("--feature-cache", action="store_true",
                    help="compute the target's features of every training block once (OUT/features.safetensors) "
                         "instead of a target forward pass per step")
+    h.add_argument("--shortlist", type=int, default=0,
+                   help="at decode, score only the N most frequent tokens of the training data (FR-Spec / EAGLE-3's "
+                        "reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
     h.add_argument("--heads", type=int, default=4, help="K: head k predicts the token k + 2 ahead")
     h.set_defaults(func=cmd_medusa)
     e = sub.add_parser("eagle", help="EAGLE's draft layer over the frozen model's features (fbs.baselines.eagle), "
@@ -306,4 +310,7 @@ def register(subparsers: Any) -> None:
     e.add_argument("--feature-cache", action="store_true",
                    help="compute the target's features of every training block once (OUT/features.safetensors) "
                         "instead of a target forward pass per step")
+    e.add_argument("--shortlist", type=int, default=0,
+                   help="at decode, score only the N most frequent tokens of the training data (FR-Spec / EAGLE-3's "
+                        "reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
     e.set_defaults(func=cmd_eagle)

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..baselines.medusa import MedusaHeads
+from ..baselines.medusa import MedusaHeads, frequent_tokens
 from ..baselines.specdec import save_draft_model, student_from_target
 from ..provenance import provenance
 from .checkpoint import capture_rng, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -51,6 +51,7 @@ class DistilRecipe:
     max_minutes: float | None = None  # wall-time bound: stop after the step that crosses it and keep the result
     feature_cache: bool = False  # Medusa / EAGLE: the target's features of every block computed once (TeacherFeatures)
     bf16: bool = False       # matrix products under bfloat16 autocast (the softmaxes and the loss stay fp32)
+    shortlist: int = 0       # Medusa / EAGLE: score only the N most frequent training tokens at decode (0: all)
 
 
 def _lr_factor(step: int, recipe: DistilRecipe) -> float:
@@ -293,6 +294,8 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
     before = evaluate_draft(head0, target, eval_blocks, shift=1) if eval_blocks is not None else None  # fresh heads
     run = _distil(named, loss_of, train_blocks, out_dir, recipe, resume, stop_at, progress, "medusa")
     heads.eval()
+    if recipe.shortlist:
+        heads.shortlist = frequent_tokens(train_blocks, recipe.shortlist)
     summary = {"recipe": dataclasses.asdict(recipe), "heads": K,
                "head_params": sum(p.numel() for p in heads.parameters()), **run,
                "loss_first": run["curve"][0] if run["curve"] else None,

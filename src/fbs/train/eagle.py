@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..baselines.eagle import EagleLayer
+from ..baselines.medusa import frequent_tokens
 from ..provenance import provenance
 from .draft_model import (DistilRecipe, _distil, _finished, _teacher, autocast, evaluate_draft, kl_to_teacher,
                           teacher_source)
@@ -67,6 +68,8 @@ def train_eagle(target, train_blocks: torch.Tensor, out_dir: str | Path, recipe:
     before = evaluate_draft(first_draft, target, eval_blocks, shift=1) if eval_blocks is not None else None
     run = _distil(named, loss_of, train_blocks, out_dir, recipe, resume, stop_at, progress, "eagle")
     layer.eval()
+    if recipe.shortlist:
+        layer.shortlist = frequent_tokens(train_blocks, recipe.shortlist)
     summary = {"recipe": dataclasses.asdict(recipe), "cls_weight": cls_weight,
                "layer_params": sum(p.numel() for p in layer.parameters()), **run,
                "loss_first": run["curve"][0] if run["curve"] else None,
