@@ -643,10 +643,13 @@ def test_on_policy_draft_data_and_a_feature_cached_bf16_eagle_run(saved, capsys,
     assert meta["sequences"] == 6 and meta["command"].startswith("fbs data drafts") and "git" in json.dumps(meta)
     code, out, err = run_cli(capsys, ["train", "eagle", *saved.args, "--data", str(data), "--block-size", "32",
                                       "--eval-blocks", "1", "--steps", "3", "--batch-size", "2", "--warmup", "1",
-                                      "--feature-cache", "--bf16", "--no-progress", "--out-dir", str(eagle)])
+                                      "--feature-cache", "--bf16", "--regression", "normed", "--shortlist", "50",
+                                      "--no-progress", "--out-dir", str(eagle)])
     assert code == 0 and f"eagle saved to {eagle}" in out, err
-    rec = json.loads((eagle / "eagle.json").read_text())["training"]
+    saved_info = json.loads((eagle / "eagle.json").read_text())
+    rec = saved_info["training"]
     assert rec["recipe"]["feature_cache"] and rec["recipe"]["bf16"] and rec["steps_done"] == 3
+    assert rec["regression"] == "normed" and saved_info["shortlist"] == 50
     assert (eagle / "features.safetensors").is_file()
     ref, text = api_text(saved.model, chat_ids(), max_new_tokens=NEW, force_compute=True)
     code, out, err = run_cli(capsys, ["generate", PROMPT, *saved.args, "--max-new-tokens", str(NEW), "--json",

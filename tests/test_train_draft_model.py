@@ -109,6 +109,10 @@ def test_eagle_training_lowers_kl_stops_at_its_time_bound_and_decodes_losslessly
 def test_cached_features_are_the_targets_and_train_exactly_like_the_uncached_loop(tmp_path, one_thread):
     """Oracles: the target's own forward pass (its logits are the head of the cached feature) and the uncached loop
     (in fp32 the cached features are the same numbers, so the loss curves agree); a file of other blocks is refused."""
+    import itertools
+
+    from fbs.baselines.eagle import EagleLayer
+    from fbs.baselines.medusa import frequent_tokens
     from fbs.train.draft_model import TeacherFeatures
     from fbs.train.eagle import train_eagle
 
@@ -125,13 +129,20 @@ def test_cached_features_are_the_targets_and_train_exactly_like_the_uncached_loo
     assert torch.equal(again.hidden, feats.hidden)
     with pytest.raises(ValueError, match="other training blocks.*delete it"):
         TeacherFeatures(target, blocks[1:7], tmp_path / "f.safetensors")
-    for train, kw in ((train_medusa_heads, {"heads": 2}), (train_eagle, {})):
-        plain = DistilRecipe(steps=4, lr=1e-2, warmup=1, batch_size=2, checkpoint_every=4, **kw)
+    for (train, kw), short in itertools.product(((train_medusa_heads, {"heads": 2}), (train_eagle, {})), (0, 40)):
+        plain = DistilRecipe(steps=4, lr=1e-2, warmup=1, batch_size=2, checkpoint_every=4, shortlist=short, **kw)
         cached = DistilRecipe(**{**plain.__dict__, "feature_cache": True})
-        a = train(target, blocks[:6], tmp_path / f"{train.__name__}_a", plain, resume=False)
-        b = train(target, blocks[:6], tmp_path / f"{train.__name__}_b", cached, resume=False)
+        a = train(target, blocks[:6], tmp_path / f"{train.__name__}_{short}_a", plain, resume=False)
+        b = train(target, blocks[:6], tmp_path / f"{train.__name__}_{short}_b", cached, resume=False)
         assert b["curve"] == pytest.approx(a["curve"], rel=1e-5)
-        assert (tmp_path / f"{train.__name__}_b" / "features.safetensors").is_file()
+        assert (tmp_path / f"{train.__name__}_{short}_b" / "features.safetensors").is_file()
+        if short:  # trained over the shortlist (the KL renormalised over it: another loss), saved with it
+            full = train(target, blocks[:6], tmp_path / f"{train.__name__}_f", plain.__class__(
+                **{**plain.__dict__, "shortlist": 0}), resume=False)
+            assert b["curve"][0] != pytest.approx(full["curve"][0], rel=1e-3)
+            cls = MedusaHeads if train is train_medusa_heads else EagleLayer
+            saved = cls.load(tmp_path / f"{train.__name__}_{short}_b", target)
+            assert saved.shortlist.tolist() == frequent_tokens(blocks[:6], 40).tolist()
     # bf16: the products under autocast; the loss still falls
     fast = DistilRecipe(steps=10, lr=1e-2, warmup=1, batch_size=2, checkpoint_every=5, heads=2, feature_cache=True,
                         bf16=True)

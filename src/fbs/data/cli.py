@@ -202,7 +202,10 @@ def cmd_drafts(args: argparse.Namespace) -> int:
                                  args.max_prompt_tokens)
     except (SourceError, ValueError, FileNotFoundError) as exc:
         return _error(str(exc))
-    meta = {"model": args.model, "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"),
+    from fbs.model.loading import choose_checkpoint
+
+    ckpt = choose_checkpoint(args.model, args.checkpoint, shipped=not args.fresh)
+    meta = {"model": args.model, "fbs_checkpoint": str(ckpt) if ckpt else "none: a fresh FBS (the base model's outputs)",
             "langs": list(langs), "chat_items": args.chat_items, "code_items": args.code_items, "seed": args.seed,
             "max_prompt_tokens": args.max_prompt_tokens, "decode": "greedy, full depth, weights=auto",
             "command": (f"fbs data drafts --out {args.out} --langs {args.langs} --code-items {args.code_items} "

@@ -171,7 +171,12 @@ def _distil(args: argparse.Namespace, what: str) -> int:
             "fbs_checkpoint": args.checkpoint or ("fresh" if args.fresh else "shipped"),
             "command": "fbs train " + what}
     if what == "eagle":
-        from .eagle import train_eagle as fn
+        import functools
+
+        from .eagle import train_eagle
+
+        fn = functools.partial(train_eagle, regression=args.regression)
+        meta["regression"] = args.regression
     else:
         fn = train_draft_model if what == "draft-model" else train_medusa_heads
     try:
@@ -313,4 +318,7 @@ def register(subparsers: Any) -> None:
     e.add_argument("--shortlist", type=int, default=0,
                    help="at decode, score only the N most frequent tokens of the training data (FR-Spec / EAGLE-3's "
                         "reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
+    e.add_argument("--regression", choices=("raw", "normed"), default="raw",
+                   help="feature regression on the last layer's output (raw) or after the final norm (normed: what "
+                        "the LM head reads)")
     e.set_defaults(func=cmd_eagle)

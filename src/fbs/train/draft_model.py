@@ -119,9 +119,10 @@ class TeacherFeatures:
         return self.hidden[rows].float()
 
     @torch.no_grad()
-    def logp(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's next-token log-probabilities from its features."""
-        return self.target.base.head(hidden).float().log_softmax(-1)
+    def logp(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's next-token log-probabilities from its features (over ``vocab`` only, renormalised, if
+        given)."""
+        return draft_head(self.target, vocab)(self.target.base.norm(hidden)).float().log_softmax(-1)
 
 
 def _blocks_digest(blocks: torch.Tensor) -> str:
@@ -130,18 +131,42 @@ def _blocks_digest(blocks: torch.Tensor) -> str:
     return hashlib.sha256(blocks.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
-def teacher_source(target, train_blocks: torch.Tensor, out_dir: Path, recipe: DistilRecipe, progress: bool):
+def draft_head(target, vocab: torch.Tensor | None = None):
+    """The target's frozen LM head over normed states, restricted to the tokens ``vocab`` (the draft's shortlist)
+    when given."""
+    head = target.base.lm_head
+    w = head.weight.detach()  # frozen: no gradient for the head's 28M weights
+    b = None if getattr(head, "bias", None) is None else head.bias.detach()
+    if vocab is not None:
+        w, b = w[vocab], None if b is None else b[vocab]
+    return lambda x: torch.nn.functional.linear(x, w, b)
+
+
+def training_vocab(train_blocks: torch.Tensor, recipe: DistilRecipe) -> torch.Tensor | None:
+    """The draft's shortlist (:func:`fbs.baselines.medusa.frequent_tokens` of the training blocks) when the recipe
+    asks for one, else None. Its drafts are trained over it as well: the KL to the target's distribution
+    renormalised over the shortlist, which is all the draft scores at decode (and V / N times cheaper)."""
+    return frequent_tokens(train_blocks, recipe.shortlist) if recipe.shortlist else None
+
+
+def teacher_source(target, train_blocks: torch.Tensor, out_dir: Path, recipe: DistilRecipe, progress: bool,
+                   vocab: torch.Tensor | None = None):
     """``teacher(ids, rows) -> (logp, hidden)`` for the loss: from :class:`TeacherFeatures` when the recipe caches
-    them (``rows`` index the training blocks), else a forward pass of the target over ``ids``."""
+    them (``rows`` index the training blocks), else a forward pass of the target over ``ids``; ``logp`` over
+    ``vocab`` only (renormalised) when given."""
     if not recipe.feature_cache:
-        return lambda ids, rows: _teacher(target, ids)
+        def forward(ids, rows):
+            logp, hidden = _teacher(target, ids)
+            return (logp if vocab is None else logp[..., vocab].log_softmax(-1)), hidden
+
+        return forward
     feats = TeacherFeatures(target, train_blocks, out_dir / "features.safetensors", bf16=recipe.bf16,
                             progress=progress)
 
     def teacher(ids, rows):
         hidden = feats[rows]
         with autocast(recipe, hidden):
-            return feats.logp(hidden), hidden
+            return feats.logp(hidden, vocab), hidden
 
     return teacher
 
@@ -271,7 +296,9 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
     named = dict(heads.named_parameters())
     K = recipe.heads
 
-    teacher = teacher_source(target, train_blocks, out_dir, recipe, progress)
+    vocab = training_vocab(train_blocks, recipe)
+    teacher = teacher_source(target, train_blocks, out_dir, recipe, progress, vocab)
+    head = draft_head(target, vocab)
 
     def loss_of(ids, rows):
         t_logp, hidden = teacher(ids, rows)
@@ -283,8 +310,7 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
                 if t <= 0:
                     break
                 hk = h[:, :t]
-                losses.append(kl_to_teacher(t_logp[:, 1 + k:],
-                                            base.lm_head(hk + torch.nn.functional.silu(block(hk)))))
+                losses.append(kl_to_teacher(t_logp[:, 1 + k:], head(hk + torch.nn.functional.silu(block(hk)))))
         return torch.stack(losses).mean()
 
     def head0(ids):
@@ -294,8 +320,7 @@ def train_medusa_heads(target, train_blocks: torch.Tensor, out_dir: str | Path, 
     before = evaluate_draft(head0, target, eval_blocks, shift=1) if eval_blocks is not None else None  # fresh heads
     run = _distil(named, loss_of, train_blocks, out_dir, recipe, resume, stop_at, progress, "medusa")
     heads.eval()
-    if recipe.shortlist:
-        heads.shortlist = frequent_tokens(train_blocks, recipe.shortlist)
+    heads.shortlist = vocab
     summary = {"recipe": dataclasses.asdict(recipe), "heads": K,
                "head_params": sum(p.numel() for p in heads.parameters()), **run,
                "loss_first": run["curve"][0] if run["curve"] else None,

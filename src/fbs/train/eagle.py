@@ -6,7 +6,7 @@ depth, before the final norm) and the embedding of the token at i + 1, and learn
     loss = SmoothL1(f^_{i+1}, f_{i+1}) + w * KL(p_target(. | <= i+1) || softmax(LM_head(norm(f^_{i+1}))))
 
 (EAGLE's feature regression plus its classification term, here as KL to the target's distribution; ``w`` is
-``cls_weight``). The backbone, embeddings, final norm and LM head are frozen. The loop is the resumable one of
+``cls_weight``; with ``regression="normed"`` the regression compares norm(f^) with norm(f), :data:`REGRESSIONS`). The backbone, embeddings, final norm and LM head are frozen. The loop is the resumable one of
 :mod:`fbs.train.draft_model` (checkpoints, pure-function data order and schedule, the wall-time bound).
 """
 
@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ..baselines.eagle import EagleLayer
-from ..baselines.medusa import frequent_tokens
 from ..provenance import provenance
-from .draft_model import (DistilRecipe, _distil, _finished, _teacher, autocast, evaluate_draft, kl_to_teacher,
-                          teacher_source)
+from .draft_model import (DistilRecipe, _distil, _finished, _teacher, autocast, draft_head, evaluate_draft,
+                          kl_to_teacher, teacher_source, training_vocab)
 
 #: EAGLE's weight of the classification term against the feature regression.
 CLS_WEIGHT = 0.1
@@ -38,12 +37,21 @@ def eagle_outputs(layer: EagleLayer, target, ids: torch.Tensor, hidden: torch.Te
     return layer(f, e, cos, sin)[0]
 
 
+#: Where the feature regression is measured: ``raw``, on the last layer's output itself; ``normed``, after the
+#: model's final norm (the features the LM head reads, which are what EAGLE's HF ``hidden_states[-1]`` are), so
+#: that the few very large dimensions of a pre-norm residual stream do not dominate the loss.
+REGRESSIONS = ("raw", "normed")
+
+
 def train_eagle(target, train_blocks: torch.Tensor, out_dir: str | Path, recipe: DistilRecipe,
                 eval_blocks: torch.Tensor | None = None, resume: bool = True, stop_at: int | None = None,
-                progress: bool = False, meta: dict | None = None, cls_weight: float = CLS_WEIGHT) -> dict:
+                progress: bool = False, meta: dict | None = None, cls_weight: float = CLS_WEIGHT,
+                regression: str = "raw") -> dict:
     """Train an EAGLE layer for the FBS ``target`` (full depth) on ``train_blocks`` (N, T); writes it to
     ``out_dir`` once the run is over (every step, or the wall-time bound). Returns the summary with held-out KL
     and top-1 agreement of the first draft token (true features in) before and after."""
+    if regression not in REGRESSIONS:
+        raise ValueError(f"unknown regression {regression!r}; choose from {', '.join(REGRESSIONS)}")
     out_dir = Path(out_dir)
     torch.manual_seed(recipe.seed)
     target.eval()
@@ -51,14 +59,20 @@ def train_eagle(target, train_blocks: torch.Tensor, out_dir: str | Path, recipe:
     layer = EagleLayer.for_model(target).train()
     named = dict(layer.named_parameters())
 
-    teacher = teacher_source(target, train_blocks, out_dir, recipe, progress)
+    vocab = training_vocab(train_blocks, recipe)
+    teacher = teacher_source(target, train_blocks, out_dir, recipe, progress, vocab)
+    head = draft_head(target, vocab)
 
     def loss_of(ids, rows):
         t_logp, hidden = teacher(ids, rows)
         with autocast(recipe, hidden):
             pred = eagle_outputs(layer, target, ids, hidden)
-            logits = base.lm_head(base.norm(pred))
-        reg = F.smooth_l1_loss(pred.float(), hidden[:, 1:].float())
+            logits = head(base.norm(pred))
+        want = hidden[:, 1:]
+        if regression == "normed":
+            with autocast(recipe, hidden):
+                pred, want = base.norm(pred), base.norm(want)
+        reg = F.smooth_l1_loss(pred.float(), want.float())
         return reg + cls_weight * kl_to_teacher(t_logp[:, 1:], logits)
 
     def first_draft(ids):
@@ -68,9 +82,8 @@ def train_eagle(target, train_blocks: torch.Tensor, out_dir: str | Path, recipe:
     before = evaluate_draft(first_draft, target, eval_blocks, shift=1) if eval_blocks is not None else None
     run = _distil(named, loss_of, train_blocks, out_dir, recipe, resume, stop_at, progress, "eagle")
     layer.eval()
-    if recipe.shortlist:
-        layer.shortlist = frequent_tokens(train_blocks, recipe.shortlist)
-    summary = {"recipe": dataclasses.asdict(recipe), "cls_weight": cls_weight,
+    layer.shortlist = vocab
+    summary = {"recipe": dataclasses.asdict(recipe), "cls_weight": cls_weight, "regression": regression,
                "layer_params": sum(p.numel() for p in layer.parameters()), **run,
                "loss_first": run["curve"][0] if run["curve"] else None,
                "loss_last": run["curve"][-1] if run["curve"] else None}
