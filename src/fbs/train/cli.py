@@ -318,7 +318,7 @@ def register(subparsers: Any) -> None:
     e.add_argument("--shortlist", type=int, default=0,
                    help="at decode, score only the N most frequent tokens of the training data (FR-Spec / EAGLE-3's "
                         "reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
-    e.add_argument("--regression", choices=("raw", "normed"), default="raw",
-                   help="feature regression on the last layer's output (raw) or after the final norm (normed: what "
-                        "the LM head reads)")
+    e.add_argument("--regression", choices=("raw", "normed"), default="normed",
+                   help="feature regression after the final norm (normed: what the LM head reads) or on the last "
+                        "layer's output itself (raw)")
     e.set_defaults(func=cmd_eagle)

@@ -37,16 +37,17 @@ def eagle_outputs(layer: EagleLayer, target, ids: torch.Tensor, hidden: torch.Te
     return layer(f, e, cos, sin)[0]
 
 
-#: Where the feature regression is measured: ``raw``, on the last layer's output itself; ``normed``, after the
-#: model's final norm (the features the LM head reads, which are what EAGLE's HF ``hidden_states[-1]`` are), so
-#: that the few very large dimensions of a pre-norm residual stream do not dominate the loss.
+#: Where the feature regression is measured: ``raw``, on the last layer's output itself; ``normed`` (the default),
+#: after the model's final norm (the features the LM head reads, which are what EAGLE's HF ``hidden_states[-1]``
+#: are), so that the few very large dimensions of a pre-norm residual stream do not dominate the loss. On SmolLM2
+#: (on-policy data, 300 steps of 2,048 tokens) held-out first-draft top-1 was 22.9 % normed against 17.3 % raw.
 REGRESSIONS = ("raw", "normed")
 
 
 def train_eagle(target, train_blocks: torch.Tensor, out_dir: str | Path, recipe: DistilRecipe,
                 eval_blocks: torch.Tensor | None = None, resume: bool = True, stop_at: int | None = None,
                 progress: bool = False, meta: dict | None = None, cls_weight: float = CLS_WEIGHT,
-                regression: str = "raw") -> dict:
+                regression: str = "normed") -> dict:
     """Train an EAGLE layer for the FBS ``target`` (full depth) on ``train_blocks`` (N, T); writes it to
     ``out_dir`` once the run is over (every step, or the wall-time bound). Returns the summary with held-out KL
     and top-1 agreement of the first draft token (true features in) before and after."""
