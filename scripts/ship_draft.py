@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fbs.baselines.eagle import CONFIG_NAME as EAGLE_JSON, EagleLayer
     from fbs.baselines.medusa import CONFIG_NAME as MEDUSA_JSON, MedusaHeads
+    from fbs.provenance import provenance
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=("medusa", "eagle"))
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
               "training": info.get("training"), "train_command": info.get("command"),
               "train_data": info.get("data"), "fbs_checkpoint": info.get("fbs_checkpoint"),
               "regression": info.get("regression"), "provenance": info.get("provenance"),
-              "data_meta": json.loads((args.data / "meta.json").read_text()) if args.data else None}
+              "data_meta": json.loads((args.data / "meta.json").read_text()) if args.data else None,
+              "ship_provenance": provenance()}
     args.record.parent.mkdir(parents=True, exist_ok=True)
     args.record.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     print(f"shipped {args.src} -> {args.dst} ({size / 1e6:.1f} MB); record {args.record}")

@@ -88,7 +88,7 @@ def split(items: list[ChatItem], heldout: dict[str, int] | None = None,
 # ---------------------------------------------------------------------------- rendering
 def render_user_turn(tokenizer, text: str) -> list[int]:
     """The user turn ``text`` under the tokenizer's chat template, ending where the assistant's answer starts."""
-    if not getattr(tokenizer, "chat_template", None):
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:  # an HF tokenizer without one
         raise ValueError("the chat, code and summarise prompts need a tokenizer with a chat template; this model's "
                          "has none (fbs bench: use --prompt-set text)")
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

@@ -191,7 +191,6 @@ def cmd_drafts(args: argparse.Namespace) -> int:
     from fbs.cli_args import load_from_args
     from fbs.data import onpolicy
     from fbs.data.sources import SourceError
-    from fbs.provenance import provenance
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -212,8 +211,7 @@ def cmd_drafts(args: argparse.Namespace) -> int:
                         + (f"--chat-items {args.chat_items} " if args.chat_items is not None else "")
                         + f"--max-new-tokens {args.max_new_tokens} --max-prompt-tokens {args.max_prompt_tokens} "
                         f"--batch-size {args.batch_size} --seed {args.seed}"
-                        + (f" --checkpoint {args.checkpoint}" if args.checkpoint else "")),
-            "provenance": provenance()}
+                        + (f" --checkpoint {args.checkpoint}" if args.checkpoint else ""))}
     try:
         info = onpolicy.build(model, args.out, items, args.max_new_tokens, args.batch_size, progress_bar, meta)
     except KeyboardInterrupt:

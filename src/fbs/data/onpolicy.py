@@ -139,7 +139,9 @@ def build(model, out_dir: str | os.PathLike, items: list[dict], max_new_tokens: 
             os.fsync(f.fileno())
     rows = read_sequences(out_dir)
     prev = json.loads((out_dir / META).read_text()) if (out_dir / META).is_file() else {}
-    info = {**(meta or {}), "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+    from ..provenance import provenance
+
+    info = {"provenance": provenance(), **(meta or {}), "max_new_tokens": max_new_tokens, "batch_size": batch_size,
             "sequences": len(rows), "by_kind": {k: sum(r["kind"] == k for r in rows) for k in ("chat", "code")},
             "answer_tokens": sum(len(r["ids"]) - r["prompt_len"] for r in rows),
             "tokens": sum(len(r["ids"]) for r in rows),
