@@ -444,3 +444,50 @@ def test_load_test_counts_every_token_without_errors(server):
         assert c["ttft_p50_s"] > 0 and c["throughput_tok_s"] > 0
     assert all(c["skip_ratio"] == 0 and c["tflops_rel"] == 1 for c in cells if c["mode"] == "full")
     assert all(c["skip_ratio"] > 0 for c in cells if c["mode"] == "skip")
+
+
+def test_run_drives_the_engine_from_the_calling_thread(model, monkeypatch):
+    """``fbs serve``'s ``run(app, scheduler=...)``: the engine steps in the calling thread (OpenMP throttles a second
+    thread's team on small machines) and uvicorn in another; a completion equals the engine's own generate, and
+    stopping the scheduler stops the server."""
+    from fbs.serve import batcher
+    from fbs.serve.app import run
+
+    app = create_app(model, model.tokenizer, NAME, Limits(max_concurrent=2, max_queue=4, context_length=512,
+                                                           max_tokens=64))
+    sched = app.state.scheduler
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ids = _ids(5, 12)
+    _, text = _reference(model, ids, 8, ignore_eos=True)
+    stepped_in, got = set(), {}
+    orig = batcher.SlotBatch.step
+
+    def step(self):
+        stepped_in.add(threading.current_thread().name)
+        return orig(self)
+
+    monkeypatch.setattr(batcher.SlotBatch, "step", step)
+
+    def client():
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):  # a bound on polls until the server listens, not a timing assertion
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=5).read()
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    time.sleep(0.05)
+            c = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=120)
+            got["text"] = c.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].text
+        finally:
+            sched.stop()
+
+    t = threading.Thread(target=client)
+    t.start()
+    run(app, "127.0.0.1", port, "warning", scheduler=sched)
+    t.join()
+    assert got["text"] == text
+    assert stepped_in == {threading.current_thread().name} and sched._thread is None

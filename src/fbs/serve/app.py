@@ -185,8 +185,12 @@ async def _disconnected(request: HTTPRequest) -> None:
 
 def create_app(model, tokenizer=None, model_name: str = "fbs", limits: Limits | None = None,
                defaults: dict | None = None) -> Starlette:
-    """The ASGI app serving ``model`` (an :class:`~fbs.FBSForCausalLM`) under ``model_name``."""
-    return Server(model, tokenizer, model_name, limits, defaults).app()
+    """The ASGI app serving ``model`` (an :class:`~fbs.FBSForCausalLM`) under ``model_name``; its scheduler is
+    ``app.state.scheduler``."""
+    server = Server(model, tokenizer, model_name, limits, defaults)
+    app = server.app()
+    app.state.scheduler = server.scheduler
+    return app
 
 
 # --------------------------------------------------------------------------- running it
@@ -196,11 +200,27 @@ def _uvicorn_config(app, host: str, port: int, log_level: str):
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
 
 
-def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve in the foreground until interrupted."""
+def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+        scheduler: Scheduler | None = None) -> None:
+    """Serve until interrupted. With ``scheduler`` (the app's), the engine runs in this thread
+    (:meth:`Scheduler.run_here`: OpenMP work is ~3x slower in a second thread on a small machine) and uvicorn in a
+    background thread; Ctrl-C or the server's exit stops both."""
     import uvicorn
 
-    uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
+    server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
+    if scheduler is None:
+        server.run()
+        return
+    scheduler._external = True  # the lifespan's start() must not start a thread of its own
+    thread = threading.Thread(target=server.run, name="fbs-http", daemon=True)
+    thread.start()
+    try:
+        scheduler.run_here(until=lambda: not thread.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 class ServerThread:

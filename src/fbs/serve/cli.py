@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"weights {weights}, KV cache {resolve_kv_dtype(args.kv_dtype, weights)}, "
           f"prefill {resolve_prefill(args.prefill, weights)}, {limits.max_concurrent} slots, "
           f"context {context} tokens) at http://{args.host}:{args.port}/v1", flush=True)
-    run(app, args.host, args.port, args.log_level)
+    run(app, args.host, args.port, args.log_level, scheduler=app.state.scheduler)
     return 0
 
 
