@@ -271,8 +271,8 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
     from fbs.serve.app import ServerThread
 
     captured = {}
-    monkeypatch.setattr(fbs.serve.app, "run", lambda app, host, port, log_level: captured.update(
-        app=app, host=host, port=port, log_level=log_level))
+    monkeypatch.setattr(fbs.serve.app, "run", lambda app, host, port, log_level, scheduler=None: captured.update(
+        app=app, host=host, port=port, log_level=log_level, scheduler=scheduler))
     threads = torch.get_num_threads()
     try:
         code, out, _ = run_cli(capsys, [
@@ -288,6 +288,7 @@ def test_serve_wires_its_options_into_the_app(saved, capsys, monkeypatch):
                            f"prefill {default_prefill('int8')}, 2 slots, "
                            "context 100 tokens) at http://127.0.0.2:8123/v1")
     assert (captured["host"], captured["port"], captured["log_level"]) == ("127.0.0.2", 8123, "warning")
+    assert captured["scheduler"] is captured["app"].state.scheduler  # the engine runs in serve's main thread
     with ServerThread(captured["app"]) as srv:
         with urllib.request.urlopen(srv.url + "/models", timeout=30) as r:
             assert json.loads(r.read())["data"] == [{"id": "tiny", "object": "model", "created": 0,
