@@ -408,7 +408,7 @@ def _tree_order(tokens: list[int], parents: list[int], accepted: list[int]) -> d
 
 
 # --------------------------------------------------------------------------- a separate draft model
-def draft_lm_head(dec, shortlist: torch.Tensor | None = None):
+def draft_lm_head(dec, shortlist: torch.Tensor | None = None, scatter: bool = True):
     """The LM head a draft runs on its own states: the decode ops' (the decode format's product, e.g. q8 under q4,
     :meth:`fbs.engine.fused.FusedOps.lm_head`) where they have one, else the model's. Only proposals read it: the
     verifier's logits decide what is kept.
@@ -416,7 +416,8 @@ def draft_lm_head(dec, shortlist: torch.Tensor | None = None):
     With ``shortlist`` (token ids; FR-Spec's and EAGLE-3's reduced draft vocabulary) the head scores only those
     tokens (their rows of the head, in the same format: :meth:`fbs.engine.fused.FusedOps.lm_head_rows`) and gives
     every other token -inf, so a proposal reads len(shortlist) / V of the head's bytes. Its logits at the listed
-    tokens are the full head's (same rows, same product)."""
+    tokens are the full head's (same rows, same product). ``scatter=False``: the (..., len(shortlist)) logits of
+    the listed tokens alone, in shortlist order."""
     if shortlist is None:
         return getattr(dec.ops, "lm_head", None) or dec.m.base.lm_head
     rows_of = getattr(dec.ops, "lm_head_rows", None)
@@ -425,6 +426,8 @@ def draft_lm_head(dec, shortlist: torch.Tensor | None = None):
     else:
         w = dec.m.base.lm_head.weight[shortlist.to(dec.m.base.lm_head.weight.device)]
         part = lambda x: torch.nn.functional.linear(x, w)  # noqa: E731
+    if not scatter:
+        return part
     vocab = dec.m.base.spec.vocab_size
     ids = shortlist.to(dec.m.base.embedding_weight.device)
 
@@ -714,7 +717,10 @@ class EagleDraft(BaseDraft):
         self.layer_rows = self.head_rows = 0
         self.layer_macs = _linear_params(layer)
         short = _shortlist(layer) if shortlist else None
-        self.lm_head = draft_lm_head(self.dec, short)
+        # the tree is scored in the shortlist's own space (its log-softmax equals the scattered head's there):
+        # top-k over N, not V, logits; token ids through ``vocab``
+        self.lm_head = draft_lm_head(self.dec, short, scatter=False)
+        self.vocab = None if short is None else short.tolist()
         self.head_macs = base.lm_head.weight.numel() if short is None else short.numel() * base.spec.hidden_size
 
     # ---- entries from true features --------------------------------------------
@@ -766,13 +772,20 @@ class EagleDraft(BaseDraft):
                 out[r] = self._tree(r, depth)
         return out
 
+    def _top(self, lp: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
+        """Each row's top-``topk`` (log-probabilities, token ids) of ``lp`` (rows, N or V)."""
+        top = lp.topk(min(self.topk, lp.shape[-1]), dim=-1)
+        ids = top.indices.tolist()
+        if self.vocab is not None:
+            ids = [[self.vocab[i] for i in row] for row in ids]
+        return top.values.tolist(), ids
+
     def _tree(self, r: int, depth: int) -> Draft:
         P = len(self.context(r)) - 1
         K = self.topk
-        lp = self._logp(self.root[r][None])[0]
-        top = lp.topk(K)
+        (vals,), (toks,) = self._top(self._logp(self.root[r][None]))
         # node: [token, parent, depth, score, predicted feature or None]
-        nodes = [[int(t), -1, 1, float(s), None] for s, t in zip(top.values, top.indices)]
+        nodes = [[t, -1, 1, s, None] for s, t in zip(vals, toks)]
         level = list(range(len(nodes)))
         tk, tv, done = [], [], []  # keys / values of expanded nodes, their node indices
         for d in range(1, depth):
@@ -796,14 +809,13 @@ class EagleDraft(BaseDraft):
             tk.append(k[0])
             tv.append(v[0])
             done.extend(sel)
-            lps = self._logp(h[0])
+            vals, toks = self._top(self._logp(h[0]))
             level = []
             for i, j in enumerate(sel):
                 nodes[j][4] = h[0, i]
-                top = lps[i].topk(K)
-                for s, t in zip(top.values, top.indices):
+                for s, t in zip(vals[i], toks[i]):
                     level.append(len(nodes))
-                    nodes.append([int(t), j, d + 1, nodes[j][3] + float(s), None])
+                    nodes.append([t, j, d + 1, nodes[j][3] + s, None])
         keep: set[int] = set()
         for j in sorted(range(len(nodes)), key=lambda j: -nodes[j][3]):
             chain = []
