@@ -7,6 +7,8 @@ summary) through the server, streamed or not, alone or among concurrent requests
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -449,7 +451,7 @@ def test_load_test_counts_every_token_without_errors(server):
 def test_run_drives_the_engine_from_the_calling_thread(model, monkeypatch):
     """``fbs serve``'s ``run(app, scheduler=...)``: the engine steps in the calling thread (OpenMP throttles a second
     thread's team on small machines) and uvicorn in another; a completion equals the engine's own generate, and
-    stopping the scheduler stops the server."""
+    SIGTERM (handled by run in the main thread, where uvicorn no longer runs) stops both."""
     from fbs.serve import batcher
     from fbs.serve.app import run
 
@@ -482,12 +484,16 @@ def test_run_drives_the_engine_from_the_calling_thread(model, monkeypatch):
             c = openai.OpenAI(base_url=url + "/v1", api_key="t", max_retries=0, timeout=120)
             got["text"] = c.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0,
                                                extra_body={"ignore_eos": True}).choices[0].text
-        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a supervisor sends: run() stops the engine and the server
+        except BaseException:
             sched.stop()
+            raise
 
+    before = signal.getsignal(signal.SIGTERM)
     t = threading.Thread(target=client)
     t.start()
     run(app, "127.0.0.1", port, "warning", scheduler=sched)
     t.join()
     assert got["text"] == text
     assert stepped_in == {threading.current_thread().name} and sched._thread is None
+    assert signal.getsignal(signal.SIGTERM) is before  # its handlers are the caller's again

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import socket
 import threading
 
@@ -204,7 +205,8 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
         scheduler: Scheduler | None = None) -> None:
     """Serve until interrupted. With ``scheduler`` (the app's), the engine runs in this thread
     (:meth:`Scheduler.run_here`: OpenMP work is ~3x slower in a second thread on a small machine) and uvicorn in a
-    background thread; Ctrl-C or the server's exit stops both."""
+    background thread; SIGINT / SIGTERM (handled here when this is the main thread) or the server's exit stop
+    both, the server gracefully."""
     import uvicorn
 
     server = uvicorn.Server(_uvicorn_config(app, host, port, log_level))
@@ -213,6 +215,14 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
         return
     scheduler._external = True  # the lifespan's start() must not start a thread of its own
     thread = threading.Thread(target=server.run, name="fbs-http", daemon=True)
+
+    def stop(signum, frame):  # uvicorn handles signals only in the main thread, which is the engine's here
+        server.should_exit = True
+        scheduler.stop()
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread.start()
     try:
         scheduler.run_here(until=lambda: not thread.is_alive())
@@ -221,6 +231,8 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
     finally:
         server.should_exit = True
         thread.join(10)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 class ServerThread:
