@@ -51,8 +51,8 @@ def frequent_tokens(blocks: torch.Tensor, n: int) -> torch.Tensor:
     vocabulary (FR-Spec; EAGLE-3's draft vocabulary) from its training data."""
     counts = torch.bincount(blocks.reshape(-1).to(torch.int64))
     n = min(n, int((counts > 0).sum()))
-    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))[:n]
-    return torch.tensor(sorted(order), dtype=torch.int64)
+    order = torch.sort(-counts, stable=True).indices[:n]  # stable: equal counts keep the smaller id first
+    return order.sort().values
 
 
 class MedusaHeads(nn.Module):

@@ -115,11 +115,11 @@ def build(model, out_dir: str | os.PathLike, items: list[dict], max_new_tokens: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / SEQUENCES
-    done = {r["id"] for r in read_sequences(out_dir)} if path.is_file() else set()
+    have = read_sequences(out_dir) if path.is_file() else []
+    done = {r["id"] for r in have}
     if path.is_file():  # drop a torn last line before appending
-        kept = [json.dumps(r, ensure_ascii=False) for r in read_sequences(out_dir)]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in have), encoding="utf-8")
         tmp.replace(path)
     todo = [it for it in items if it["id"] not in done]
     # similar lengths together: a batch's prompts are padded to its longest

@@ -213,7 +213,7 @@ def run(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
     if scheduler is None:
         server.run()
         return
-    scheduler._external = True  # the lifespan's start() must not start a thread of its own
+    scheduler.use_caller_thread()  # the lifespan's start() must not start a thread of its own
     thread = threading.Thread(target=server.run, name="fbs-http", daemon=True)
 
     def stop(signum, frame):  # uvicorn handles signals only in the main thread, which is the engine's here

@@ -220,6 +220,10 @@ class Scheduler:
             self._thread.start()
         return self
 
+    def use_caller_thread(self) -> None:
+        """From now on :meth:`start` starts no thread: the engine runs where :meth:`run_here` is called."""
+        self._external = True
+
     def run_here(self, until: Callable[[], bool] | None = None, poll_s: float = 0.1) -> None:
         """Run the engine in the calling thread until :meth:`stop` (or ``until()`` turns true, checked at least
         every ``poll_s`` while idle); :meth:`start` then starts no thread of its own.
@@ -229,7 +233,7 @@ class Scheduler:
         work (loading the model) the engine decodes about 3x slower in a second thread (2 cores: 19.6 against
         6.7 ms a token, measured). ``fbs serve`` therefore runs the engine in its main thread and the HTTP server
         in another."""
-        self._external = True
+        self.use_caller_thread()
         self._loop(until, poll_s)
 
     def stop(self) -> None:

@@ -220,6 +220,16 @@ def _distil_arguments(p: argparse.ArgumentParser, steps: int) -> None:
                                                        "AMX / AVX-512 BF16 and on GPUs; losses stay fp32)")
 
 
+def _feature_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the drafts that learn from the target's features alone (Medusa, EAGLE)."""
+    p.add_argument("--feature-cache", action="store_true",
+                   help="compute the target's features of every training block once (OUT/features.safetensors) "
+                        "instead of a target forward pass per step")
+    p.add_argument("--shortlist", type=int, default=0,
+                   help="train and decode over the N most frequent tokens of the training data only (FR-Spec / "
+                        "EAGLE-3's reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
+
+
 def _draft_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli_args import add_model_arguments
 
@@ -301,23 +311,13 @@ def register(subparsers: Any) -> None:
     h = sub.add_parser("medusa", help="Medusa-1 heads on the frozen model, self-distilled (fbs.baselines.medusa); "
                                       "resumes from out_dir")
     _distil_arguments(h, 1000)
-    h.add_argument("--feature-cache", action="store_true",
-                   help="compute the target's features of every training block once (OUT/features.safetensors) "
-                        "instead of a target forward pass per step")
-    h.add_argument("--shortlist", type=int, default=0,
-                   help="at decode, score only the N most frequent tokens of the training data (FR-Spec / EAGLE-3's "
-                        "reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
+    _feature_draft_arguments(h)
     h.add_argument("--heads", type=int, default=4, help="K: head k predicts the token k + 2 ahead")
     h.set_defaults(func=cmd_medusa)
     e = sub.add_parser("eagle", help="EAGLE's draft layer over the frozen model's features (fbs.baselines.eagle), "
                                      "feature regression + KL; resumes from out_dir")
     _distil_arguments(e, 1000)
-    e.add_argument("--feature-cache", action="store_true",
-                   help="compute the target's features of every training block once (OUT/features.safetensors) "
-                        "instead of a target forward pass per step")
-    e.add_argument("--shortlist", type=int, default=0,
-                   help="at decode, score only the N most frequent tokens of the training data (FR-Spec / EAGLE-3's "
-                        "reduced draft vocabulary: N / V of the LM head's bytes per proposal; 0: all)")
+    _feature_draft_arguments(e)
     e.add_argument("--regression", choices=("raw", "normed"), default="normed",
                    help="feature regression after the final norm (normed: what the LM head reads) or on the last "
                         "layer's output itself (raw)")
