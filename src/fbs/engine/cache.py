@@ -80,17 +80,25 @@ class KVCache:
 
     def advance(self, layer: int, rows: list[int], positions: list[list[int]]) -> list[int]:
         """Book T new entries per row (positions[i] are row i's T positions); returns each row's first slot."""
-        lens = self.lengths[layer]
-        starts = [lens[r] for r in rows]
+        return self.advance_layers(range(layer, layer + 1), rows, positions)[0]
+
+    def advance_layers(self, layers: range, rows: list[int], positions: list[list[int]]) -> list[list[int]]:
+        """:meth:`advance` at each of ``layers`` (a step's native run books them together: one call per step, not
+        per layer); returns per layer each row's first slot."""
         t = len(positions[0])
-        if max(starts) + t > self.capacity:
-            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded at layer {layer}")
-        for i, r in enumerate(rows):
-            self.positions[layer][r].extend(positions[i])
-            lens[r] += t
+        out = []
+        for l in layers:
+            lens, held = self.lengths[l], self.positions[l]
+            starts = [lens[r] for r in rows]
+            if max(starts) + t > self.capacity:
+                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded at layer {l}")
+            for i, r in enumerate(rows):
+                held[r].extend(positions[i])
+                lens[r] += t
+            out.append(starts)
         if self.evictor is not None:
-            self.evictor.booked(layer, rows, starts, positions)
-        return starts
+            self.evictor.booked(layers, rows, out, positions)
+        return out
 
     def settle(self, layer: int, rows: list[int]) -> None:
         """The rows' new entries at ``layer`` are written and attended: the cache policy (if any) evicts down to its
@@ -285,17 +293,23 @@ class CacheContext:
             slots = self._slots[starts] = torch.tensor(starts, device=self.cos.device)
         return slots
 
-    def book(self, l: int, wrote: list[bool] | None) -> None:
-        """Book the entries a native run (:meth:`fbs.engine.fused.FusedOps.native_run`) wrote at layer l: every row's
-        (``wrote`` None) or those flagged; it wrote them at each row's current length."""
-        if wrote is None:
-            self.cache.advance(l, self.rows, self.positions)
-            self.settle(l)
-        elif any(wrote):
-            idx = [i for i, w in enumerate(wrote) if w]
-            rows = [self.rows[i] for i in idx]
-            self.cache.advance(l, rows, [self.positions[i] for i in idx])
-            self.cache.settle(l, rows)
+    def book(self, layers: range, wrote: list[bool] | None) -> None:
+        """Book the entries a native run (:meth:`fbs.engine.fused.FusedOps.native_run`) wrote at ``layers``: every
+        row's at every layer (``wrote`` None) or those flagged (layer-major, one flag per row and layer); it wrote
+        them at each row's current length."""
+        b = len(self.rows)
+        if wrote is None or all(wrote):
+            self.cache.advance_layers(layers, self.rows, self.positions)
+            if self.cache.evictor is not None:
+                self.cache.evictor.settle_layers(layers, self.rows)
+            return
+        for k, l in enumerate(layers):
+            flags = wrote[k * b:(k + 1) * b]
+            if any(flags):
+                idx = [i for i, w in enumerate(flags) if w]
+                rows = [self.rows[i] for i in idx]
+                self.cache.advance(l, rows, [self.positions[i] for i in idx])
+                self.cache.settle(l, rows)
 
     # ---- chunk head -------------------------------------------------------
     def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:

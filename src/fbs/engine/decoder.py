@@ -396,10 +396,7 @@ class DecodeStep:
         and ``run`` flat lists, b per layer (``logits`` read where ``gated``). The PAW and CH layers are not among
         them (their trace fields stay as they are)."""
         dec, rows, b = self.dec, self.rows, len(self.rows)
-        for k, l in enumerate(layers):
-            part = slice(k * b, (k + 1) * b)
-            dec._record(self.steps, l, rows, skip[part], run[part], logits[part] if gated[k] else None, None, None,
-                        None)
+        dec._record(self.steps, layers, rows, skip, run, logits if any(gated) else None, None, None, None)
         if dec.m.gates.use_prev_skip:
             last = run[-b:]
             self.prev_skip = None if all(last) else dec._skip_indicator(last)
@@ -663,7 +660,7 @@ class Decoder:
             new, zlow_new, sel, paw, ch = self._ffn_only(l, x, ctx, pre, run, st.zlow)
         else:
             new, zlow_new, sel, paw, ch = self._whole_layer(l, x, ctx, pre, run, st.zlow)
-        self._record(st.steps, l, st.rows, skip, run, logits, sel, paw, ch)
+        self._record(st.steps, range(l, l + 1), st.rows, skip, run, logits, sel, paw, ch)
         if paw is not None:
             st.zlow, st.zero_z, st.zterms = zlow_new, False, None
         if self.m.gates.use_prev_skip:
@@ -743,20 +740,23 @@ class Decoder:
         """How the rows ``sel`` (indices into the step's rows) that run layer l combine: plain, or the policy's."""
         return COMPUTE if self.skipper is None else self.skipper.mix(l, sel)
 
-    def _record(self, steps, l, rows, skip, run, logits, sel, paw, ch) -> None:
-        rec, m = self.rec, self.m
+    def _record(self, steps, layers: range, rows, skip, run, logits, sel, paw, ch) -> None:
+        """The trace of ``layers`` (consecutive) for the step's rows: ``skip``, ``run`` and ``logits`` (None: no gate
+        decided) are layer-major flat lists, one entry per row and layer (NaN logits where a layer has no gate)."""
+        rec, m, b, a, z = self.rec, self.m, len(rows), layers.start, layers.stop
         kv_always = self.policy == "project" or self.granularity == "ffn"
         keep_p = logits is not None and self.opts.record_gate_p
         for i, r in enumerate(rows):
-            rec.executed[r][steps[i]][l] = run[i]
-            rec.intended[r][steps[i]][l] = skip[i]
-            rec.kv[r][steps[i]][l] = run[i] or kv_always
+            s, ran = steps[i], run[i::b]
+            rec.executed[r][s][a:z] = ran
+            rec.intended[r][s][a:z] = skip[i::b]
+            rec.kv[r][s][a:z] = [True] * len(ran) if kv_always else ran
             if keep_p:
-                rec.p[r][steps[i]][l] = logits[i]  # a logit; finish turns the whole grid into probabilities
-        if paw is not None and l == m.layers_cfg.paw[0]:
+                rec.p[r][s][a:z] = logits[i::b]  # logits; finish turns the whole grid into probabilities
+        if paw is not None and a == m.layers_cfg.paw[0]:
             for i, k in zip(sel, paw.k_hard[:, 0].tolist()):
                 rec.k[rows[i]][steps[i]] = k
-        if ch is not None and l == m.layers_cfg.ch[0]:
+        if ch is not None and a == m.layers_cfg.ch[0]:
             for i, bv in zip(sel, ch.boundary.view(-1).tolist()):
                 rec.bound[rows[i]][steps[i]] = bv
 

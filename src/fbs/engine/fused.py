@@ -524,7 +524,7 @@ class FusedOps(LayerByLayer):
         skip still write K/V (``project``). Books the cache entries written. Returns (x', input of the last layer,
         logits, skip, run), the last three flat lists (b per layer; logits NaN where no gate ran); x' is that input
         itself when no row ran the last layer."""
-        lens, b = ctx.cache.lengths, len(ctx.rows)
+        lens = ctx.cache.lengths
         slots = [lens[l][r] for l in layers for r in ctx.rows]
         ps = [] if prev_skip is None else prev_skip.view(-1).tolist()
         out = native.run_layers([self.native_layers[l] for l in layers], x, x_prev, ps,
@@ -532,9 +532,7 @@ class FusedOps(LayerByLayer):
                                 ctx.cache.k[layers.start:layers.stop], ctx.cache.v[layers.start:layers.stop],
                                 ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped,
                                 self._scores_of(layers, ctx), ctx.cache.key_factor[layers.start:layers.stop])
-        run = out[4]
-        for k, l in enumerate(layers):
-            ctx.book(l, None if write_skipped else run[k * b:(k + 1) * b])
+        ctx.book(layers, None if write_skipped else out[4])
         return out
 
     @staticmethod
@@ -559,8 +557,7 @@ class FusedOps(LayerByLayer):
                                 [], None, cos.contiguous(), sin.contiguous(), ctx.cache.k[layers.start:layers.stop],
                                 ctx.cache.v[layers.start:layers.stop], idx, slots, [False] * len(layers), [], [], 0,
                                 False, kfs=ctx.cache.key_factor[layers.start:layers.stop])
-        for l in layers:
-            ctx.book(l, None)
+        ctx.book(layers, None)
         return out[0].view(b, t, d)
 
     def _weight(self, w: torch.Tensor, head: bool = False, lowrank=None) -> Weight:

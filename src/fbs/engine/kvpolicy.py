@@ -262,16 +262,26 @@ class Evictor:
         """(B, Hkv, C) accumulated attention of layer l's entries, when the policy keeps it (the step adds to it)."""
         return None
 
-    def booked(self, l: int, rows: list[int], starts: list[int], positions: list[list[int]]) -> None:
-        """Entries of ``rows`` were booked at ``starts`` with ``positions``."""
+    def booked(self, layers: range, rows: list[int], starts: list[list[int]], positions: list[list[int]]) -> None:
+        """Entries of ``rows`` were booked at each of ``layers``, at ``starts`` (per layer, per row) with
+        ``positions``."""
 
     def settle(self, l: int, rows: list[int]) -> None:
         """The rows' new entries at layer l are written and attended: evict those rows back to the budget. A
         one-token step appends at most one entry per layer, so at most one is evicted."""
+        due = self._due(l, rows)
+        if not due:
+            return
+        idx = torch.tensor(due, device=self.cache.k[l].device)
+        old = torch.tensor([self.ring[l][r] for r in due], device=idx.device)
+        self._evict(l, due, idx, old)
+        self._advance_ring(l, due)
+        self._after(l, due, idx)
+
+    def _due(self, l: int, rows: list[int]) -> list[int]:
+        """The rows over the budget at layer l (by one entry each; their first eviction set up)."""
         lens = self.cache.lengths[l]
         over = [r for r in rows if lens[r] > self.budget]
-        if not over:
-            return
         if any(lens[r] != self.budget + 1 for r in over):
             raise RuntimeError(f"layer {l} holds more than one entry over the KV budget {self.budget}: multi-token "
                                "writes after the prompt are not supported under a cache policy")
@@ -279,17 +289,23 @@ class Evictor:
         for r in over:
             if ring[r] is None:
                 self._first_eviction(l, r)
-        idx = torch.tensor(over, device=self.cache.k[l].device)
-        old = torch.tensor([ring[r] for r in over], device=idx.device)
-        self._evict(l, over, idx, old)
+        return over
+
+    def _advance_ring(self, l: int, rows: list[int]) -> None:
+        """After the eviction at layer l: the new entry (slot N) sits in the ring slot of the oldest recent one, which
+        becomes the newest; the rows hold the budget again."""
         width = self.budget - self.fixed
-        pos = self.cache.positions[l]
-        for r in over:
+        pos, ring, lens = self.cache.positions[l], self.ring[l], self.cache.lengths[l]
+        for r in rows:
             o = ring[r]
-            pos[r][o] = pos[r].pop()  # the new entry (slot N) moved into the ring slot of the oldest recent one
+            pos[r][o] = pos[r].pop()
             ring[r] = self.fixed + (o - self.fixed + 1) % width
             lens[r] = self.budget
-        self._after(l, over, idx)
+
+    def settle_layers(self, layers: range, rows: list[int]) -> None:
+        """:meth:`settle` at each of ``layers`` (a native run's layers, booked together)."""
+        for l in layers:
+            self.settle(l, rows)
 
     def _first_eviction(self, l: int, r: int) -> None:
         self.ring[l][r] = self.fixed
@@ -429,26 +445,49 @@ class Streaming(Evictor):
         self.sink_k[l][r] = self.cache.k[l][r, :, :SINKS]
         self.sink_pos[l][r] = self.cache.positions[l][r][:SINKS]
 
-    def _evict(self, l, rows, idx, old):
+    def settle(self, l, rows):
+        self.settle_layers(range(l, l + 1), rows)
+
+    def settle_layers(self, layers, rows):
+        """:meth:`Evictor.settle` at each of ``layers``, their tensor work together (a step's native run books all its
+        layers at once): the new entries moved in one copy, the sinks re-rotated in one pass per shift."""
+        c, n = self.cache, self.budget
+        dst, src, placed = [], [], []
+        for l in layers:
+            due = self._due(l, rows)
+            for r in due:  # the new entry (slot N) into the ring slot of the oldest recent one, which leaves
+                o = self.ring[l][r]
+                for t in (c.k[l], c.v[l]):
+                    dst.append(t[r, :, o])
+                    src.append(t[r, :, n])
+            self._advance_ring(l, due)
+            placed += [(l, r) for r in due]
+        if placed:
+            torch._foreach_copy_(dst, src)
+            self._place_sinks(placed)
+
+    def _place_sinks(self, placed: list[tuple[int, int]]) -> None:
+        """Rotate the sinks of each (layer, row) in ``placed`` to the positions just before its oldest window entry
+        (at the ring slot), from their pristine copy; the pairs that share a shift (usually all of a step's) in one
+        pass."""
         c = self.cache
-        self._move((c.k[l], c.v[l]), idx, torch.full_like(old, self.budget), old)
-
-    def _after(self, l, rows, idx):
-        self._place_sinks(l, rows, idx)
-
-    def _place_sinks(self, l, rows, idx):
-        """Rotate the sinks to the positions just before the oldest window entry (at the ring slot)."""
-        pos = self.cache.positions[l]
-        deltas = tuple(tuple(pos[r][self.ring[l][r]] - SINKS + i - p for i, p in enumerate(self.sink_pos[l][r]))
-                       for r in rows)
-        if self._memo[0] != deltas:  # a step's layers usually share it
-            cos, sin = self.rope(torch.tensor(deltas, device=idx.device))
-            one, _ = self.rope(torch.zeros(1, 1, dtype=torch.long, device=idx.device))
-            s = one[..., :1]  # the rope's attention scaling (cos at 0): the re-rotation is a pure rotation
-            self._memo = (deltas, (cos / s, sin / s))
-        cos, sin = self._memo[1]
-        k, f = self.cache.k[l], self.cache.key_factor[l]  # rotated in the tables' dtype (fp32), stored in the cache's
-        k[idx, :, :SINKS] = kv_store(_rotate(kv_load(self.sink_k[l][idx], cos.dtype, f), cos, sin), k.dtype, f)
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        for l, r in placed:
+            pos, first = c.positions[l][r], self.ring[l][r]
+            shift = tuple(pos[first] - SINKS + i - p for i, p in enumerate(self.sink_pos[l][r]))
+            groups.setdefault((shift, c.key_factor[l] is None), []).append((l, r))
+        for (shift, plain), pairs in groups.items():
+            if self._memo[0] != shift:
+                cos, sin = self.rope(torch.tensor([shift], device=c.k[0].device))
+                one, _ = self.rope(torch.zeros(1, 1, dtype=torch.long, device=c.k[0].device))
+                s = one[..., :1]  # the rope's attention scaling (cos at 0): the re-rotation is a pure rotation
+                self._memo = (shift, (cos / s, sin / s))
+            cos, sin = self._memo[1]
+            sinks = torch.stack([self.sink_k[l][r] for l, r in pairs])                # (g, Hkv, SINKS, W)
+            f = None if plain else torch.stack([c.key_factor[l] for l, _ in pairs])  # (g, Hkv, 1, hd)
+            # rotated in the tables' dtype (fp32), stored in the cache's
+            new = kv_store(_rotate(kv_load(sinks, cos.dtype, f), cos, sin), sinks.dtype, f)
+            torch._foreach_copy_([c.k[l][r, :, :SINKS] for l, r in pairs], list(new.unbind(0)))
 
     def _select(self, k, positions):
         t = k.shape[2]
@@ -476,7 +515,7 @@ class Streaming(Evictor):
             self.sink_k[l][idx] = self.cache.k[l][idx, :, :SINKS]
             for r in rows:
                 self.sink_pos[l][r] = self.cache.positions[l][r][:SINKS]
-            self._place_sinks(l, rows, idx)
+            self._place_sinks([(l, r) for r in rows])
 
     def load_row(self, row, src, src_row):
         super().load_row(row, src, src_row)
@@ -490,14 +529,21 @@ class _PerHead(Evictor):
 
     def __init__(self, policy, cache, rope):
         super().__init__(policy, cache, rope)
-        self.pos = [torch.zeros(cache.k[0].shape[:3], dtype=torch.long, device=cache.k[0].device) for _ in cache.k]
+        # one tensor for all layers (each layer's a contiguous view of it): a step books every layer's entry of a row
+        # in one fill
+        self._pos = torch.zeros((len(cache.k), *cache.k[0].shape[:3]), dtype=torch.long, device=cache.k[0].device)
+        self.pos = list(self._pos.unbind(0))
 
-    def booked(self, l, rows, starts, positions):
+    def booked(self, layers, rows, starts, positions):
         if len(positions[0]) != 1:
             raise RuntimeError("multi-token writes after the prompt are not supported under a cache policy")
-        pos = self.pos[l]
-        for r, s, p in zip(rows, starts, positions):  # one fill per row: cheaper than building index tensors
-            pos[r, :, s] = p[0]
+        if all(s == starts[0] for s in starts):  # every layer at the same slots (no layer skipped by a row)
+            for r, s, p in zip(rows, starts[0], positions):  # one fill per row: cheaper than index tensors
+                self._pos[layers.start:layers.stop, r, :, s] = p[0]
+            return
+        for l, st in zip(layers, starts):
+            for r, s, p in zip(rows, st, positions):
+                self.pos[l][r, :, s] = p[0]
 
     def _stored(self, l, rows, idx, kept, evicted):
         self.pos[l][idx, :, :kept.shape[2]] = kept
