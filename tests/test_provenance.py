@@ -93,10 +93,13 @@ def test_dirty_flag_follows_tracked_files(scratch_repo):
     assert prov.git_state(scratch_repo) == (git_head(scratch_repo), False)
     (scratch_repo / "pkg" / "untracked.py").write_text("x = 1\n")
     assert prov.git_state(scratch_repo)[1] is False  # untracked files do not make the tree dirty
+    assert prov.dirty_files(scratch_repo) == []
     module.write_text(module.read_text() + "\n# edited\n")
     assert prov.git_state(scratch_repo) == (git_head(scratch_repo), True)
+    assert prov.dirty_files(scratch_repo) == ["pkg/provenance.py"]  # which file: code or a document
     _git(scratch_repo, "commit", "-q", "-am", "two")
     assert prov.git_state(scratch_repo) == (git_head(scratch_repo), False)
+    assert prov.dirty_files(scratch_repo) == []
 
 
 def test_outside_git_or_without_git_the_fields_are_null(tmp_path, monkeypatch):
@@ -108,7 +111,7 @@ def test_outside_git_or_without_git_the_fields_are_null(tmp_path, monkeypatch):
     assert prov.source_root(tmp_path / "venv" / "x.py") == tmp_path.resolve()
     monkeypatch.setattr(prov, "source_root", lambda start=None: None)
     d = prov.provenance()
-    assert d["git_commit"] is None and d["git_dirty"] is None
+    assert d["git_commit"] is None and d["git_dirty"] is None and d["git_dirty_files"] is None
     assert d["fbs_version"] == prov.package_version("fbs") and d["fbs_version"]  # identifies the code instead
     monkeypatch.undo()
     monkeypatch.setenv("PATH", str(tmp_path))  # no git executable: the run goes on, the fields are null

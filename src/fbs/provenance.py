@@ -22,8 +22,10 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni")
 #: Prefix of the AMX flags (amx_tile, amx_int8, amx_bf16, ...), all recorded.
 ISA_PREFIX = "amx_"
 #: Keys of :func:`provenance`, each always present.
-FIELDS = ("fbs_version", "git_commit", "git_dirty", "cpu", "cpu_flags", "logical_cpus", "torch_threads",
-          "torch_interop_threads", "python", "torch", "transformers", "native_build", "native")
+FIELDS = ("fbs_version", "git_commit", "git_dirty", "git_dirty_files", "cpu", "cpu_flags", "logical_cpus",
+          "torch_threads", "torch_interop_threads", "python", "torch", "transformers", "native_build", "native")
+#: ``git_dirty_files`` lists at most this many paths (then "...")
+DIRTY_FILES_MAX = 40
 
 GIT_TIMEOUT_S = 10
 
@@ -50,15 +52,27 @@ def _git(root: Path, *args: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def dirty_files(root: Path | None = None) -> list[str] | None:
+    """The tracked files of ``root`` (default: :func:`source_root`) that differ from HEAD, as paths in the tree (at
+    most :data:`DIRTY_FILES_MAX`, then "..."); untracked files do not count. None outside a git tree or without git.
+    What a dirty record's reader needs to know: whether the code differed from the commit, or only documents."""
+    root = source_root() if root is None else root
+    status = None if root is None else _git(root, "status", "--porcelain", "--untracked-files=no")
+    if status is None:
+        return None
+    paths = [line[3:] for line in status.splitlines() if line.strip()]
+    return paths[:DIRTY_FILES_MAX] + (["..."] if len(paths) > DIRTY_FILES_MAX else [])
+
+
 def git_state(root: Path | None = None) -> tuple[str | None, bool | None]:
     """(HEAD commit, dirty) of ``root`` (default: :func:`source_root`). Dirty: a tracked file differs from HEAD
-    (untracked files do not count). (None, None) outside a git tree or without git."""
+    (:func:`dirty_files`). (None, None) outside a git tree or without git."""
     root = source_root() if root is None else root
     if root is None:
         return None, None
     head = _git(root, "rev-parse", "HEAD")
-    status = _git(root, "status", "--porcelain", "--untracked-files=no")
-    return (head.strip() or None) if head else None, None if status is None else bool(status.strip())
+    changed = dirty_files(root)
+    return (head.strip() or None) if head else None, None if changed is None else bool(changed)
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,6 +124,7 @@ def provenance() -> dict[str, Any]:
     cpu, flags = cpu_info()
     build, native = native_info()
     return {"fbs_version": package_version("fbs"), "git_commit": commit, "git_dirty": dirty,
+            "git_dirty_files": dirty_files() if dirty else ([] if dirty is False else None),
             "cpu": cpu, "cpu_flags": list(flags), "logical_cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
