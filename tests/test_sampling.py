@@ -17,6 +17,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 
 from conftest import fbs_tiny, randomize
 from fbs.engine import DecodeOptions, Decoder
+from fbs.engine.greedy import greedy_ids
 
 TEMPERATURES = (0.6, 1.0, 1.7)
 TOP_K = (0, 1, 7, 60)
@@ -169,3 +170,18 @@ def test_seeded_sampled_requests_through_serve_are_reproducible(one_thread):
         for t in threads:
             t.join()
     assert results[0] == results[2] == text
+
+
+def test_greedy_ids_are_torch_argmax_on_ties_nan_and_infinities():
+    """The greedy choice (NumPy on CPU) against torch.argmax: the first maximal index, NaN counted as maximal, on hand
+    cases and on random rows of a vocabulary's width, for 1-d, 2-d and strided inputs."""
+    nan, inf = float("nan"), float("inf")
+    hand = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [-inf] * 4, [0.0, inf, inf, 1.0]])
+    assert greedy_ids(hand) == [1, 0, 0, 1] == hand.argmax(-1).tolist()
+    wide = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0))
+    wide[3, 100] = wide[3, 200] = wide[3].max() + 1  # a tie: the first index
+    with torch.inference_mode():
+        assert greedy_ids(wide) == wide.argmax(-1).tolist()
+        assert greedy_ids(wide[:, ::3]) == wide[:, ::3].argmax(-1).tolist()
+        assert greedy_ids(wide[5]) == int(wide[5].argmax())
+    assert greedy_ids(wide.double()) == wide.argmax(-1).tolist()  # other dtypes: torch's own argmax

@@ -43,6 +43,7 @@ from .cache import CacheContext, KVCache, kv_storage_dtype
 from .defaults import PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
 from .flops import FlopCounter
 from .fused import WEIGHTS, source_stamp, decode_ops
+from .greedy import greedy_ids
 from .kvpolicy import make_policy, prefill_chunk_size, prefill_chunks
 from .prefill import prefill_ops
 from .calibration import calibration_ids
@@ -771,7 +772,7 @@ class Decoder:
             if len(self.out[r]) < o.min_new_tokens and self.eos:
                 logits[i, list(self.eos)] = float("-inf")
         if not o.do_sample:
-            return logits.argmax(-1).tolist()
+            return greedy_ids(logits)
         probs = self.warp(logits).softmax(-1)
         return torch.multinomial(probs, 1, generator=self.gen)[:, 0].tolist()
 

@@ -50,6 +50,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .greedy import greedy_ids
+
 
 # --------------------------------------------------------------------------- the interface
 @dataclasses.dataclass
@@ -352,7 +354,7 @@ class LookaheadDraft(BaseDraft):
         return tokens, parents, ids
 
     def commit(self, rows, positions, kept, verified) -> None:
-        pred = verified.logits.argmax(-1).tolist()
+        pred = greedy_ids(verified.logits)
         for i, r in enumerate(rows):
             P, c = positions[i], kept[i]
             t = verified.lengths[i]
@@ -651,7 +653,7 @@ class HeadsDraft(BaseDraft):
                 q = self.dec.warp(lg).softmax(-1)
                 out[r] = Draft(torch.multinomial(q, 1, generator=self.dec.gen)[:, 0].tolist(), q)
             else:
-                out[r] = Draft(lg.argmax(-1).tolist())
+                out[r] = Draft(greedy_ids(lg))
         return out
 
     def prefill_tap(self, l: int, rows: list[int], x: torch.Tensor) -> None:

@@ -51,6 +51,7 @@ from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
 from .drafts import BaseDraft, Draft, DraftSource, Verified, make_draft, register_draft
 from .flops import LayerCost, step_bytes
 from .fused import full_depth
+from .greedy import greedy_ids
 from ..model.chunk import ChunkOut, ChunkState
 
 #: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
@@ -707,7 +708,7 @@ class _Speculation:
         read with ``draft_stop``: else ones)."""
         o = self.dec.opts
         if not o.do_sample:
-            toks = logits.argmax(-1).tolist()
+            toks = greedy_ids(logits)
             return toks, None, logits.softmax(-1).amax(-1).tolist() if o.draft_stop > 0 else [1.0] * len(toks)
         probs = self.dec.warp(logits).softmax(-1)
         toks = torch.multinomial(probs, 1, generator=self.dec.gen)[:, 0].tolist()
@@ -731,7 +732,7 @@ class _Speculation:
         logits = self._mask_eos(raw.clone()[None], [n])[0]
         g = len(drafts)
         if not self.dec.opts.do_sample:
-            target = logits[:g + 1].argmax(-1).tolist()
+            target = greedy_ids(logits[:g + 1])
             a = 0
             while a < g and drafts[a] == target[a]:
                 a += 1
