@@ -228,12 +228,14 @@ def quant_isa(request, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
-def test_multi_row_products_equal_single_rows_and_the_float64_product(quant_isa, kind, m):
-    """n = 50 output channels (not a multiple of the 16-channel tile), k = 200 inputs (not a multiple of the
-    32-block: zero-padded): M rows in one call equal M one-row calls exactly (each row's sums do not depend on the
-    rows it shares a weight pass with) and the float64 product of the quantized activations."""
+@pytest.mark.parametrize("n", [40, 50])
+def test_multi_row_products_equal_single_rows_and_the_float64_product(quant_isa, kind, m, n):
+    """n = 40 or 50 output channels (not a multiple of the 16-channel tile; an odd and an even number of tiles, as
+    the few-row kernel takes tiles in pairs), k = 200 inputs (not a multiple of the 32-block: zero-padded): M rows in
+    one call equal M one-row calls exactly (each row's sums do not depend on the rows it shares a weight pass with)
+    and the float64 product of the quantized activations."""
     g = torch.Generator().manual_seed(m)
-    n, k = 50, 200
+    k = 200
     blocks = quantize_blocks(torch.randn(n, k, generator=g) * 0.1, kind)
     packed = native_quant.pack(kind, *blocks)
     x = torch.randn(m, k, generator=g) * torch.rand(1, k, generator=g) * 3

@@ -48,8 +48,8 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
 #ifdef FBS_X86
   const int64_t T = (N + kTile - 1) / kTile, tile = (a.Kp / kBlock) * block_bytes(kind);
   // VNNI, several rows: the rows interleaved per 8 (Rows8, one pointer per group); a prompt's rows (>= kManyMin) take
-  // the many-row path, a few rows (a batch, a verified draft) of q4 the decode tile over Rows8
-  const bool few = isa == fbs::kIsaAvx512Vnni && kind == kQ4Block && a.M >= 2 && a.M < kManyMin;
+  // the many-row path, a few rows (a batch, a verified draft) the decode tile over Rows8, two tiles a call
+  const bool few = isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && a.M >= 2 && a.M < kManyMin;
   if (isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && (a.M >= kManyMin || few)) {
     const int64_t Kb = a.Kp / kBlock, G = (a.M + kManyRows - 1) / kManyRows, gs = Kb * kManyRows;
     std::vector<int8_t> q(G * gs * kBlock, 0);
@@ -66,8 +66,11 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
     });
     const Rows8 rows{q.data(), d.data(), ds.data(), a.M, Kb};
     if (few) {
-      at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) tile_rows8_vnni512(rows, P + t * tile, Y, ldy, N, t * kTile);
+      const int64_t pairs = (T + 1) / 2;  // tiles two at a time (the last alone when T is odd)
+      at::parallel_for(0, pairs, 2, [&](int64_t p0, int64_t p1) {
+        for (int64_t i = p0; i < p1; ++i)
+          tile_rows8_vnni512(rows, P + 2 * i * tile, kind, std::min<int64_t>(2, T - 2 * i), tile, Y, ldy, N,
+                             2 * i * kTile);
       });
       return;
     }
