@@ -1,0 +1,67 @@
+"""A probe: the native kernels' few-row q4 products (one 16-channel tile a call, two tiles a call) against an AMX
+variant (``tdpbsud``), one thread, DRAM-cold weights.
+
+Builds ``scripts/probe_amx.cpp`` (which includes the library's ``quant_vnni512.cpp`` as it is) with
+``torch.utils.cpp_extension``, times each kernel on an (n, k) q4 product for 1, 2, 4 and 8 rows (best of
+``--rounds`` passes over enough weight copies that each product reads its weights from DRAM), checks that the two-tile
+and AMX results equal the one-tile ones bit for bit, prints a table and writes JSON (with the provenance of the code
+and machine). Needs a CPU with AMX-INT8 and a kernel that grants the tile state; the build takes about a minute.
+
+    python scripts/probe_amx.py --n 3072 --k 576 --out results/probe_amx_s27.json
+
+Run it on an idle machine: it measures speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from torch.utils.cpp_extension import load
+
+from fbs import native
+from fbs.provenance import provenance
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build():
+    """The probe, linked against the library's own build (the functions of quant_vnni512.cpp call into it)."""
+    lib = native.module()
+    if lib is None:
+        raise SystemExit("the native kernels are not available here (fbs info says why)")
+    so = Path(lib.__file__)
+    return load("fbs_probe_amx", sources=[str(ROOT / "scripts" / "probe_amx.cpp")], extra_cflags=["-O2"],
+                extra_ldflags=[f"-L{so.parent}", f"-l:{so.name}", f"-Wl,-rpath,{so.parent}"], verbose=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=3072, help="output channels (a multiple of 32)")
+    ap.add_argument("--k", type=int, default=576, help="inputs (a multiple of 32)")
+    ap.add_argument("--mb", type=float, default=40.0, help="MB of distinct weight copies cycled through per pass")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    mod = build()
+    copies = max(1, int(args.mb * 2**20 // (args.n * args.k * 0.625)))
+    res = mod.probe_amx(args.n, args.k, copies, args.rounds)
+    rows = [{"rows": int(r[0]), "us_one_tile": float(r[1]), "us_two_tiles": float(r[2]), "us_amx": float(r[3]),
+             "bit_identical": bool(r[4])} for r in res.tolist()]
+    print(f"q4 product {args.n} x {args.k}, one thread, {copies} weight copies, best of {args.rounds}")
+    print("| rows | one tile a call (us) | two tiles a call (us) | AMX tdpbsud (us) | results equal |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} | {r['us_one_tile']:.1f} | {r['us_two_tiles']:.1f} | {r['us_amx']:.1f} | {r['bit_identical']} |")
+    if args.out:
+        doc = {"command": "python scripts/probe_amx.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+                                                                    if v is not None),
+               "n": args.n, "k": args.k, "copies": copies, "rounds": args.rounds, "threads": 1, "rows": rows,
+               "provenance": provenance()}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
