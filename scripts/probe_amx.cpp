@@ -66,25 +66,6 @@ PROBE_AMX inline void update(const int32_t* C, const uint8_t* p, const float* d,
   }
 }
 
-// One block's products of two channel tiles: activation tile A, weight tiles 2 and 3, sums into C0 and C1 (tile
-// registers are immediates, hence the template).
-template <int A, int C0, int C1>
-PROBE_AMX inline void issue(const int8_t* xa, const uint8_t* u0, const uint8_t* u1) {
-  _tile_loadd(A, xa, 32);
-  _tile_loadd(2, u0, 64);
-  _tile_zero(C0);
-  _tile_dpbsud(C0, A, 2);
-  _tile_loadd(3, u1, 64);
-  _tile_zero(C1);
-  _tile_dpbsud(C1, A, 3);
-}
-
-template <int C0, int C1>
-PROBE_AMX inline void store(int32_t* c0, int32_t* c1) {
-  _tile_stored(C0, c0, 64);
-  _tile_stored(C1, c1, 64);
-}
-
 // Two q4 channel tiles (p, p + tb) for the MB rows of Rows8 group 0, channels n0 .. n0 + 31.
 template <int MB>
 PROBE_AMX void tile_amx(const Rows8& a, const uint8_t* p, int64_t tb, float* Y, int64_t ldy, int64_t n0) {
@@ -102,18 +83,36 @@ PROBE_AMX void tile_amx(const Rows8& a, const uint8_t* p, int64_t tb, float* Y, 
       unpack(p + b * bb, u[e][0]);
       unpack(q + b * bb, u[e][1]);
       const int8_t* xa = a.q + b * kManyRows * kBlock;
-      if (e == 0)
-        issue<0, 4, 5>(xa, u[0][0], u[0][1]);
-      else
-        issue<1, 6, 7>(xa, u[1][0], u[1][1]);
+      // the tile registers are immediates of the instructions (the intrinsics paste them into the assembly), so each
+      // parity spells its own
+      if (e == 0) {
+        _tile_loadd(0, xa, 32);
+        _tile_loadd(2, u[0][0], 64);
+        _tile_zero(4);
+        _tile_dpbsud(4, 0, 2);
+        _tile_loadd(3, u[0][1], 64);
+        _tile_zero(5);
+        _tile_dpbsud(5, 0, 3);
+      } else {
+        _tile_loadd(1, xa, 32);
+        _tile_loadd(2, u[1][0], 64);
+        _tile_zero(6);
+        _tile_dpbsud(6, 1, 2);
+        _tile_loadd(3, u[1][1], 64);
+        _tile_zero(7);
+        _tile_dpbsud(7, 1, 3);
+      }
     }
     if (b > 0) {
       const int64_t c = b - 1;
       const int e = c & 1;
-      if (e == 0)
-        store<4, 5>(C[0][0], C[0][1]);
-      else
-        store<6, 7>(C[1][0], C[1][1]);
+      if (e == 0) {
+        _tile_stored(4, C[0][0], 64);
+        _tile_stored(5, C[0][1], 64);
+      } else {
+        _tile_stored(6, C[1][0], 64);
+        _tile_stored(7, C[1][1], 64);
+      }
       update<MB>(C[e][0], p + c * bb, a.d + c * kManyRows, a.ds + c * kManyRows, af0);
       update<MB>(C[e][1], q + c * bb, a.d + c * kManyRows, a.ds + c * kManyRows, af1);
     }
