@@ -2,9 +2,10 @@
 
 What a multi-token step (a verified draft, a batch) pays in its products: for each weight shape of the default model
 and format (``--shapes``, ``kind:n:k``), ``fbs.native.quant.linear`` over M rows (``--rows``), cycling through
-enough distinct weight copies (``--mb`` MB) that each call reads its weights from DRAM. Each round times every (shape,
-rows) once, the rounds interleaved; per cell the best and the median over rounds, and the median of the paired ratio to
-one row. Prints a table and writes JSON (with the provenance of the code and machine).
+enough distinct weight copies (``--mb`` MB) that each call reads its weights from DRAM. Each round times every
+(shape, rows) once, in a shuffled order (a cell's place in a fixed order moved its time by up to 1.7x); per cell the
+best and the median over rounds, and the median of the paired ratio to one row. Prints a table and writes JSON (with
+the provenance of the code and machine).
 
     python scripts/bench_products.py --threads 2 --out results/bench_products_s27.json
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -58,7 +60,9 @@ def main() -> None:
         packs, x = cells[key]
         for p in packs:
             native_quant.linear(x, p, key[0], key[1])
+    rng = random.Random(0)
     for r in range(args.rounds):
+        rng.shuffle(order)
         for key in order:
             packs, x = cells[key]
             t0 = time.perf_counter()
@@ -69,7 +73,8 @@ def main() -> None:
     out = []
     for (kind, n, k, m), ts in times.items():
         one = times[(kind, n, k, rows[0])]
-        out.append({"kind": kind, "n": n, "k": k, "rows": m, "us_best": 1e6 * min(ts), "us_median": 1e6 * statistics.median(ts),
+        out.append({"kind": kind, "n": n, "k": k, "rows": m, "us_best": 1e6 * min(ts),
+                    "us_median": 1e6 * statistics.median(ts),
                     "ratio_to_first": statistics.median(t / o for t, o in zip(ts, one))})
     print(f"\n{args.threads} threads, {args.rounds} rounds, DRAM-cold weights ({args.mb:g} MB a shape)")
     print(f"| product | rows | best us | median us | paired ratio to {rows[0]} row(s) |\n|---|---|---|---|---|")

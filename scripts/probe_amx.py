@@ -50,9 +50,11 @@ def main() -> None:
     rows = [{"rows": int(r[0]), "us_one_tile": float(r[1]), "us_two_tiles": float(r[2]), "us_amx": float(r[3]),
              "bit_identical": bool(r[4])} for r in res.tolist()]
     print(f"q4 product {args.n} x {args.k}, one thread, {copies} weight copies, best of {args.rounds}")
-    print("| rows | one tile a call (us) | two tiles a call (us) | AMX tdpbsud (us) | results equal |\n|---|---|---|---|---|")
+    print("| rows | one tile a call (us) | two tiles a call (us) | AMX tdpbsud (us) | results equal |")
+    print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rows']} | {r['us_one_tile']:.1f} | {r['us_two_tiles']:.1f} | {r['us_amx']:.1f} | {r['bit_identical']} |")
+        print(f"| {r['rows']} | {r['us_one_tile']:.1f} | {r['us_two_tiles']:.1f} | {r['us_amx']:.1f} | "
+              f"{r['bit_identical']} |")
     if args.out:
         doc = {"command": "python scripts/probe_amx.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
                                                                     if v is not None),
