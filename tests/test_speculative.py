@@ -125,6 +125,36 @@ def test_rejected_draft_leaves_the_state_of_a_run_that_never_drafted(policy, one
     check()
 
 
+@pytest.mark.parametrize("policy", ["hole", "project"])
+def test_rounds_without_a_draft_leave_the_state_of_a_run_that_never_drafted(policy, monkeypatch, one_thread):
+    """Prompt lookup with every other round's proposal withheld: the verifier's one-token passes (no draft: no log of
+    CH's states) and its multi-token passes alternate, and after the run the tokens, the KV cache and every chunk state
+    equal full-depth decoding's (the qwen3 tiny model has a CH layer)."""
+    from fbs.engine import drafts
+
+    model = _model("qwen3")
+    assert model.ch, "the test needs a CH layer"
+    real, calls = drafts.PromptLookupDraft.propose, []
+
+    def every_other(self, rows, budget):
+        calls.append(len(calls) % 2)
+        return real(self, rows, budget) if calls[-1] else {}
+
+    monkeypatch.setattr(drafts.PromptLookupDraft, "propose", every_other)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 9, 5, 6]])
+    dec = start(model, prompt, None, None, dict(ignore_eos=True, max_new_tokens=40, draft="prompt-lookup",
+                                                kv_policy=policy))
+    for _ in run(dec):
+        pass
+    ref = start(model, prompt, None, None, dict(ignore_eos=True, max_new_tokens=len(dec.out[0]), force_compute=True,
+                                                kv_policy=policy))
+    for _ in run(ref):
+        pass
+    assert dec.out[0] == ref.out[0]
+    assert dec.spec.proposed[0] > 0 and calls.count(0) > 2  # drafts were verified, and rounds went without
+    _assert_same_state(dec, ref)
+
+
 def test_draft_verify_static_plan_is_lossless(one_thread):
     model = _model("qwen2")
     kw = dict(max_new_tokens=48, ignore_eos=True)

@@ -572,8 +572,10 @@ class _Speculation:
             padded = [s + [s[-1]] * (t - len(s)) for s in seqs]  # pads follow the real tokens; cropped below
             positions = [[p + j for j in range(t)] for p in P]
         x = self.drafter.verify_input(rows, padded)
+        # a chain pass over one token per row (no draft this round) keeps that token, and its chunk steps leave the
+        # state after it in place: no log of CH's states to roll back (a tree pass commits them only through the log)
         x, ks, bounds = self.layers(self.verify_ops, rows, x, positions, self.drafter.start, dec.L,
-                                    tree=(mask, parents) if tree else None)
+                                    tree=(mask, parents) if tree else None, log=t > 1 or tree)
         raw = self.verify_ops.head(x).float()                   # (b, t, V)
         self.head_rows += raw.shape[0] * t
         committed = {}
@@ -798,14 +800,16 @@ class _Speculation:
         self.gamma[r] = best_gamma(alpha, cost, o.draft_tokens, min_gamma=0)
 
     # ---- the verifier's pass (and Kangaroo's shallow layers) ------------------
-    def layers(self, ops, rows, x, pos, start: int, stop: int, tree=None):
+    def layers(self, ops, rows, x, pos, start: int, stop: int, tree=None, log: bool = True):
         """Layers start..stop-1 at full depth over x (b, t, d) at positions ``pos``, writing the cache; returns the
         output, PAW's k (b, t) at its first layer and CH's boundaries (b, t) at its first layer (None if not run).
-        ``tree``: (ancestor mask (b, t, t), parents per row) of a token tree (:class:`_TreeContext`)."""
+        ``tree``: (ancestor mask (b, t, t), parents per row) of a token tree (:class:`_TreeContext`). ``log``: record
+        CH's state after each token (:class:`_ChunkLog`); without it a chain pass leaves the state after its last
+        token."""
         dec = self.dec
         cos, sin = ops.rope(x, torch.tensor(pos, device=dec.dev))
         ctx = dec.context(rows, pos, cos, sin)
-        ctx.trail = {}
+        ctx.trail = {} if log else None
         ctx.native_many = True
         if tree is not None:
             ctx = _TreeContext(ctx, *tree, native_steps=getattr(ops, "native_packed", False))
