@@ -64,15 +64,21 @@ def dirty_files(root: Path | None = None) -> list[str] | None:
     return paths[:DIRTY_FILES_MAX] + (["..."] if len(paths) > DIRTY_FILES_MAX else [])
 
 
-def git_state(root: Path | None = None) -> tuple[str | None, bool | None]:
-    """(HEAD commit, dirty) of ``root`` (default: :func:`source_root`). Dirty: a tracked file differs from HEAD
-    (:func:`dirty_files`). (None, None) outside a git tree or without git."""
+def _head_and_changes(root: Path | None = None) -> tuple[str | None, list[str] | None]:
+    """(HEAD commit, :func:`dirty_files`) of ``root`` (default: :func:`source_root`); (None, None) outside a git
+    tree or without git."""
     root = source_root() if root is None else root
     if root is None:
         return None, None
     head = _git(root, "rev-parse", "HEAD")
-    changed = dirty_files(root)
-    return (head.strip() or None) if head else None, None if changed is None else bool(changed)
+    return (head.strip() or None) if head else None, dirty_files(root)
+
+
+def git_state(root: Path | None = None) -> tuple[str | None, bool | None]:
+    """(HEAD commit, dirty) of ``root`` (default: :func:`source_root`). Dirty: a tracked file differs from HEAD
+    (:func:`dirty_files`). (None, None) outside a git tree or without git."""
+    head, changed = _head_and_changes(root)
+    return head, None if changed is None else bool(changed)
 
 
 @functools.lru_cache(maxsize=1)
@@ -120,11 +126,11 @@ def provenance() -> dict[str, Any]:
     when the package is not imported from a git tree; ``fbs_version`` identifies it then."""
     import transformers
 
-    commit, dirty = git_state()
+    commit, changed = _head_and_changes()  # one `git status` for the flag and the list
     cpu, flags = cpu_info()
     build, native = native_info()
-    return {"fbs_version": package_version("fbs"), "git_commit": commit, "git_dirty": dirty,
-            "git_dirty_files": dirty_files() if dirty else ([] if dirty is False else None),
+    return {"fbs_version": package_version("fbs"), "git_commit": commit,
+            "git_dirty": None if changed is None else bool(changed), "git_dirty_files": changed,
             "cpu": cpu, "cpu_flags": list(flags), "logical_cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
             "python": platform.python_version(), "torch": torch.__version__,

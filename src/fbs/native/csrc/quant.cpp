@@ -49,8 +49,8 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
   const int64_t T = (N + kTile - 1) / kTile, tile = (a.Kp / kBlock) * block_bytes(kind);
   // VNNI, several rows: the rows interleaved per 8 (Rows8, one pointer per group); a prompt's rows (>= kManyMin) take
   // the many-row path, a few rows (a batch, a verified draft) the decode tile over Rows8, two tiles a call
-  const bool few = isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && a.M >= 2 && a.M < kManyMin;
-  if (isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && (a.M >= kManyMin || few)) {
+  const bool few = a.M < kManyMin;
+  if (isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && a.M >= 2) {
     const int64_t Kb = a.Kp / kBlock, G = (a.M + kManyRows - 1) / kManyRows, gs = Kb * kManyRows;
     std::vector<int8_t> q(G * gs * kBlock, 0);
     std::vector<float> d(G * gs, 0.f), ds(G * gs, 0.f);
