@@ -12,7 +12,14 @@ every (format, shape) once, in a shuffled order, each the median of ``--reps`` c
 after each call, so every call sees the same context. Ratios are per round (paired), reported as the median over
 rounds with a seeded bootstrap CI. Prints a table and writes JSON (with the provenance of the code and machine).
 
+``--llama-formats Q4_0,Q4_1,Q8_0`` times llama.cpp's own multi-token pass in the same rounds (one more job of the
+shuffled order per format): ``llama-bench -p 1,T.. -n 0 -d <context>``, T new positions of one sequence after
+``--context`` of depth, the analog of our verification pass; its ratio is the T-position pass over the 1-position
+pass of the same call. It needs ``scripts/build_llama_cpp.sh``'s build.
+
     .venv/bin/python scripts/bench_multitoken.py --formats int8,q4 --rounds 5 --out results/bench_multitoken.json
+    .venv/bin/python scripts/bench_multitoken.py --formats q4:int8 --verify 1,4,8 --batch 1,8 \
+        --llama-formats Q4_0,Q4_1,Q8_0 --out results/bench_multitoken_llama.json
 
 Run it on an idle machine: it measures speed.
 """
@@ -27,6 +34,7 @@ import time
 
 import torch
 
+from fbs.bench import llama_cpp
 from fbs.engine import start
 from fbs.engine.fused import full_depth
 from fbs.model.loading import load_fbs
@@ -88,6 +96,20 @@ def time_step(dec, reps: int) -> float:
     return _timed(one, reps)
 
 
+def time_llama(binary, model_file, positions: list[int], context: int, threads: int, reps: int,
+               kv_type: str) -> dict[int, float]:
+    """Seconds of llama.cpp's pass over n new positions of one sequence after ``context`` (llama-bench's pp n at
+    depth ``context``, the median of its ``reps`` samples), for each n in ``positions``."""
+    cmd = [str(binary), "-m", str(model_file), "-p", ",".join(map(str, positions)), "-n", "0", "-d", str(context),
+           "-t", str(threads), "-r", str(reps), "-o", "json"]
+    if kv_type != "f16":
+        cmd += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"]
+    run = llama_cpp.run_tool(cmd)
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({run.returncode}): {run.stderr.strip()[-500:]}")
+    return {t.n_prompt: statistics.median(t.samples_ns) / 1e9 for t in llama_cpp.parse_bench_json(run.stdout)}
+
+
 def bootstrap(values: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float]:
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
@@ -107,6 +129,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-dtype", default="auto", help="the KV cache storage (auto: each format's default, fp16 for "
                     "the quantized formats; fp32 as in the records before s17)")
+    ap.add_argument("--llama-formats", default="", help="llama.cpp formats timed in the same rounds (Q4_0,Q4_1,...; "
+                    "empty: none)")
+    ap.add_argument("--llama-kv-type", default="f16", choices=llama_cpp.KV_TYPES,
+                    help="llama.cpp's KV cache type (q8_0 with flash attention)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -116,6 +142,15 @@ def main() -> None:
     batch = [int(b) for b in args.batch.split(",")]
     decs = {(f, b): _decoder(model, f, b, args.context, args.kv_dtype) for f in fmts for b in sorted(set(batch) | {1})}
     jobs = [("verify", f, t) for f in fmts for t in verify] + [("batch", f, b) for f in fmts for b in batch]
+    llama = [f.strip() for f in args.llama_formats.split(",") if f.strip()]
+    if llama:
+        root = llama_cpp.install_dir()
+        binary = root / "bin" / "llama-bench"
+        files = {f: llama_cpp.model_path(root, args.model, f) for f in llama}
+        missing = [str(p) for p in [binary, *files.values()] if not p.exists()]
+        if missing:
+            raise SystemExit(f"llama.cpp reference: {', '.join(missing)} not found; {llama_cpp.BUILD_HINT}")
+        jobs += [("llama", f, 0) for f in llama]
     rounds: list[dict] = []
     rng = random.Random(1)
     for r in range(args.rounds):
@@ -123,19 +158,24 @@ def main() -> None:
         rng.shuffle(order)
         got = {}
         for kind, f, n in order:
+            if kind == "llama":  # one llama-bench call times every n of the format
+                for t, sec in time_llama(binary, files[f], verify, args.context, args.threads, args.reps,
+                                         args.llama_kv_type).items():
+                    got[("llama-verify", f, t)] = sec
+                continue
             got[(kind, f, n)] = (time_verify(decs[(f, 1)], n, args.reps) if kind == "verify"
                                  else time_step(decs[(f, n)], args.reps))
         rounds.append(got)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     rows = []
-    for kind, f, n in jobs:
+    for kind, f, n in [j for j in jobs if j[0] != "llama"] + [("llama-verify", f, t) for f in llama for t in verify]:
         secs = [rd[(kind, f, n)] for rd in rounds]
         base = [rd[(kind, f, 1)] for rd in rounds] if (kind, f, 1) in rounds[0] else None
         row = {"kind": kind, "format": f, "n": n, "ms": 1000 * statistics.median(secs),
                "ms_rounds": [1000 * s for s in secs]}
         if base is not None:
             # verify: cost of the n-position pass over the 1-position pass; batch: tokens/s over B = 1's
-            ratio = [s / b for s, b in zip(secs, base)] if kind == "verify" else [n * b / s for s, b in zip(secs, base)]
+            ratio = [s / b for s, b in zip(secs, base)] if kind != "batch" else [n * b / s for s, b in zip(secs, base)]
             row["ratio"] = statistics.median(ratio)
             row["ratio_ci95"] = bootstrap(ratio)
         rows.append(row)
@@ -143,8 +183,9 @@ def main() -> None:
           f"rounds x median of {args.reps}")
     print("| what | format | n | ms | ratio [95% CI] |\n|---|---|---|---|---|")
     for row in rows:
-        what = "verify pass, n positions (cost / 1-position pass)" if row["kind"] == "verify" \
-            else "decode step, batch n (tokens/s / B=1)"
+        what = {"verify": "verify pass, n positions (cost / 1-position pass)",
+                "batch": "decode step, batch n (tokens/s / B=1)",
+                "llama-verify": f"llama.cpp pp n @ d{args.context}, KV {args.llama_kv_type} (cost / pp 1)"}[row["kind"]]
         ci = row.get("ratio_ci95")
         ratio = "" if ci is None else f"{row['ratio']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
         print(f"| {what} | {row['format']} | {row['n']} | {row['ms']:.1f} | {ratio} |")

@@ -352,6 +352,36 @@ def test_lora_apart_without_native_kernels_is_the_merged_weight():
         Weight(merged, "q4", lowrank=(a, b[:, :3]))
 
 
+@pytest.mark.parametrize("n", [40, 4099])
+def test_a_packed_weights_delta_apart_adds_x_a_b_and_does_not_depend_on_threads_or_rows(n):
+    """The native product of a block weight with its LoRA delta apart (what a native layer computes): minus the same
+    blocks without the delta it is x A^T B^T (float64 oracle); a row's result is the same bits alone or among other
+    rows, and with one thread or two (a wide delta, 4 x 4,099, is split by columns over the threads)."""
+    require_native("avx2")
+    g = torch.Generator().manual_seed(6)
+    k, r = 96, 4
+    base = dequantize_blocks(*quantize_blocks(torch.randn(n, k, generator=g) * 0.1, "q4_1"))
+    a, b = torch.randn(r, k, generator=g) * 0.3, torch.randn(n, r, generator=g) * 0.05
+    w = Weight(base + b @ a, "q4", packed=True, lowrank=(a, b))
+    plain = native.packed_weight(native_quant.KINDS[w.kind], w.w, None, n, k)
+    assert w.lowrank is not None
+    x = torch.randn(5, k, generator=g)
+    isa = native._isa_code()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = w.native.linear(x, isa)
+        alone = w.native.linear(x[3:4].contiguous(), isa)
+        torch.set_num_threads(1)
+        one = w.native.linear(x, isa)
+        delta = y - plain.linear(x, isa)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y, one) and torch.equal(alone[0], y[3])
+    ref = (x.double() @ a.double().t()) @ b.double().t()
+    assert torch.allclose(delta.double(), ref, atol=1e-5, rtol=1e-4)
+
+
 def test_a_base_off_the_grid_quantizes_the_merged_weight():
     """A delta is kept apart only where the base weight is exactly blocks of the format (else it would cost reads
     and gain nothing): q8 of a q4-grid base, or an fp32 base, quantize the merged weight as without adapters."""

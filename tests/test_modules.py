@@ -106,6 +106,31 @@ def test_paw_decode_paths_equal_the_training_paths():
         assert torch.allclose(_depthwise3(u, paw.conv.weight, paw.conv.bias), ref, atol=1e-5)
 
 
+def test_paw_row_wise_horizon_heads_equal_the_batched_heads_and_do_not_depend_on_other_rows():
+    """Decoding's horizon heads (every product through a row-independent ``linear``, the horizons' mixing matrices
+    in one stacked product) equal the training path's einsum, and a row's logits are the same bits alone or among
+    other rows (what verifying T positions at once relies on). The oracle ``linear`` is a float64 product per row."""
+    cfg = tiny_config(k_max=6)
+    paw = _rand_module(ParafoveaWindow(cfg, 32), seed=12)
+    emb = torch.randn(cfg.preview_vocab_size, 32)
+    keys = paw.vocab_proj(emb).detach()
+    xn = torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(13))
+
+    def rows(x, w, b=None):  # each row on its own, in float64
+        y = torch.stack([(r.double() @ w.double().t()) for r in x.reshape(-1, x.shape[-1])])
+        y = y if b is None else y + b.double()
+        return y.float().reshape(*x.shape[:-1], w.shape[0])
+
+    with torch.no_grad():
+        for h in (1, 4, 6):
+            ref = paw.horizon_logits(xn, keys, h)
+            got = paw.horizon_logits(xn, keys, h, linear=rows)
+            assert got.shape == ref.shape == (3, 2, h, cfg.preview_vocab_size + 1)
+            assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), h
+            alone = paw.horizon_logits(xn[1:2, 1:], keys, h, linear=rows)
+            assert torch.equal(alone[0, 0], got[1, 1]), h
+
+
 def test_validators():
     assert VALIDATORS["json"]('{"a": [1, 2]}') and not VALIDATORS["json"]('{"a": [1, 2}')
     assert VALIDATORS["brackets"]("f(a[0], {b})") and not VALIDATORS["brackets"]("f(a[0)]")

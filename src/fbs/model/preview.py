@@ -103,9 +103,11 @@ class ParafoveaWindow(nn.Module):
             c = self.query(xn)  # (B, T, R)
             q = c.unsqueeze(-2) + torch.einsum("btr,hrs->bths", c, mix) + self.horizon_bias[:horizons]  # (B, T, h, R)
             logits = (q @ vocab_keys.t()) * self.head_scale  # (B, T, h, N)
-        else:  # the same products, each row on its own (c A_r = linear(c, A_r^T))
+        else:  # the same products, each row on its own: c A_r for every r at once, as linear(c, [A_1^T; A_2^T; ...])
             c = _apply(self.query, xn, linear)
-            q = c.unsqueeze(-2) + torch.stack([linear(c, a.t()) for a in mix], dim=-2) + self.horizon_bias[:horizons]
+            stacked = mix.transpose(1, 2).reshape(horizons * mix.shape[1], mix.shape[2])
+            mixed = linear(c, stacked).unflatten(-1, (horizons, mix.shape[2]))  # (B, T, h, R)
+            q = c.unsqueeze(-2) + mixed + self.horizon_bias[:horizons]
             logits = linear(q, vocab_keys) * self.head_scale
         other = self.other_logit[:horizons].view(1, 1, -1, 1).expand(*logits.shape[:-1], 1)
         return torch.cat([logits, other], dim=-1)  # (B, T, h, N+1)

@@ -35,7 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("kind", &fbs_packed::Packed::kind)
       .def_readonly("n", &fbs_packed::Packed::n)
       .def_readonly("k", &fbs_packed::Packed::k)
-      .def("set_lowrank", &fbs_packed::Packed::set_lowrank);
+      .def("set_lowrank", &fbs_packed::Packed::set_lowrank)
+      .def("linear", &fbs_packed::Packed::linear);
   pybind11::class_<fbs_layer::Layer>(m, "NativeLayer")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
                           const fbs_packed::Packed&, std::optional<at::Tensor>, const fbs_packed::Packed&,

@@ -14,13 +14,15 @@ constexpr int64_t kInt8F32 = -1;  // the block kinds are fbs_quant::kI8Channel .
 
 struct Packed {
   int64_t kind = kInt8F32, n = 0, k = 0;
-  at::Tensor p, s;  // packed bytes; scales (kInt8F32: (n,) bf16; kI8Channel: fp32 padded to whole tiles; else none)
+  at::Tensor p, s;     // packed bytes; scales (kInt8F32: (n,) bf16; kI8Channel: fp32 padded to whole tiles; else none)
   at::Tensor la, lbt;  // the low-rank delta (undefined when none): A (r, k) and Bt (r, n), fp32, the scale in Bt
   // Y (M, n) = X (M, k) @ W^T, X with row stride k, Y with row stride n; isa: the step's instruction-set code
   // (kIsaAvx512 or kIsaAvx2; the block kinds take VNNI where the CPU has it unless the step asks for AVX2)
   void mm(const float* X, int64_t M, float* Y, int64_t isa) const;
   // Add the delta scale * B A (B (n, r), A (r, k)) apart: a (r, k) and bt = scale * B^T (r, n), fp32 contiguous.
   void set_lowrank(at::Tensor a, at::Tensor bt);
+  // mm of x (M, k) fp32 contiguous (checked) into a new (M, n) tensor: the product a native layer computes
+  at::Tensor linear(const at::Tensor& x, int64_t isa) const;
 };
 
 // A Packed from its tensors, checked against (n, k): kind kInt8F32 needs k a multiple of 16.
