@@ -10,8 +10,8 @@ import torch
 from conftest import fbs_tiny, randomize
 from fbs.engine import run, start
 from fbs.baselines.kangaroo import KangarooAdapter
-from fbs.engine.speculative import (accept_sampled, acceptance_mle, best_gamma, draft_plan, draft_step_cost,
-                             expected_speedup)
+from fbs.engine.drafts import acceptance_mle, best_gamma, expected_speedup
+from fbs.engine.speculative import accept_sampled, draft_plan, draft_step_cost
 
 #: per family, (randomize seed, gate bias) whose gates skip a fair share and whose drafts are often, not always,
 #: right (teacher-forced agreement with full depth 0.67-0.81 at 24-44% skipped; measured when the test was written)

@@ -101,6 +101,45 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
     assert lookup_continuation([1, 2, 3], 3, 1, 4) == []
 
 
+def test_prompt_lookup_sizes_its_proposals_by_the_acceptance_of_their_match_length():
+    """With ``adapt`` a proposal is cut to the length that maximises a free draft's expected speed-up at the
+    acceptance its match length has had in this row (geometric model, prior 0.8 of weight 2, each drafted token
+    0.15 of a step: the oracle below is that formula written out); every proposal of a 1-token match rejected, its
+    length falls from the budget to nothing, then a one-token probe every 8th match; a 3-token match in the same
+    row and the other row keep the whole budget; ``adapt=False`` always proposes the whole budget."""
+    from types import SimpleNamespace
+
+    from fbs.engine.drafts import PromptLookupDraft
+
+    def oracle(kept, rejected, found):  # argmax_g E[tokens] / cost, E = sum_{i<=g} alpha^i, cost = 1 + 0.15 g
+        alpha = kept / (kept + rejected)
+        return max(range(found + 1), key=lambda g: sum(alpha ** i for i in range(g + 1)) / (1 + 0.15 * g))
+
+    one = [5, 6, 7, 8, 9, 5]                  # only the 1-gram (5) matches: 6, 7, 8, 9 follow it
+    three = [1, 2, 3, 4, 4, 4, 4, 1, 2, 3]    # the 3-gram (1, 2, 3) matches: 4, 4, 4, 4 follow it
+    dec = SimpleNamespace(prompts=[one, three], out=[[], []])
+    draft = PromptLookupDraft(SimpleNamespace(dec=dec))
+    kept, rejected, lengths, want = 1.6, 0.4, [], []
+    for _ in range(30):
+        got = draft.propose([0, 1], {0: 4, 1: 4})
+        assert got[1].tokens == [4, 4, 4, 4]
+        lengths.append(len(got[0].tokens))
+        want.append(oracle(kept, rejected, 4))
+        draft.commit([0, 1], [5, 9], [1, 5], None)  # row 0: nothing kept; row 1: all four kept
+        if want[-1]:
+            rejected += 1
+    probes = [i for i, (g, w) in enumerate(zip(lengths, want)) if w == 0 and g]
+    assert want[0] == 4 and 0 in want and want == sorted(want, reverse=True)
+    assert [g if w else 0 for g, w in zip(lengths, want)] == want          # the oracle wherever it proposes
+    assert probes and all(lengths[i] == 1 for i in probes)                # a withheld match probes one token
+    withheld = [i for i, w in enumerate(want) if w == 0]
+    assert probes == [i for k, i in enumerate(withheld, 1) if k % 8 == 0]
+    plain = PromptLookupDraft(SimpleNamespace(dec=dec), adapt=False)
+    for _ in range(5):
+        assert len(plain.propose([0], {0: 4})[0].tokens) == 4
+        plain.commit([0], [5], [1], None)
+
+
 def test_prompt_lookup_on_a_copying_model_accepts_its_proposals(one_thread):
     """A model that continues a repeated pattern: prompt lookup proposes the pattern, the verifier accepts it."""
     model = _model("llama")

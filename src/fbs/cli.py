@@ -142,6 +142,9 @@ def cmd_generate(args) -> int:
 
 
 def _option_value(text: str):
+    """A --draft-option value: an int, a float, true / false, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)
@@ -236,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-path", help="the draft's trained files: `fbs train draft-model` (specdec), `fbs train "
                                         "medusa` (medusa) or `fbs train kangaroo` (kangaroo)")
     p.add_argument("--draft-option", action="append", metavar="KEY=VALUE",
-                   help="a draft source's option, repeatable (prompt-lookup: max_ngram, min_ngram; lookahead: "
-                        "window, ngram, pool)")
+                   help="a draft source's option, repeatable (prompt-lookup: max_ngram, min_ngram, adapt=true|false; "
+                        "lookahead: window, ngram, pool)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--trace", action="store_true", help="with --json: include the per-step trace")

@@ -177,6 +177,46 @@ class BaseDraft:
         return self.dec.prompts[r] + self.dec.out[r]
 
 
+# --------------------------------------------------------------------------- the cost model of a round
+#: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
+#: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
+VERIFY_TOKEN_COST = 0.15
+#: Decay per round of the acceptance counts behind the adaptive gamma (the last ~10 rounds weigh), and the prior.
+ACCEPT_DECAY, ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT = 0.9, 0.8, 2.0
+#: A row whose drafts do not pay (gamma 0: plain full-depth steps) drafts one token every this many rounds, so
+#: that its acceptance estimate can recover.
+PROBE_EVERY = 8
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens a round commits when each of ``gamma`` drafts is accepted with probability ``alpha`` independently
+    (Leviathan et al. 2023, Eq. 1): (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, draft_cost: float,
+                     verify_token_cost: float = VERIFY_TOKEN_COST) -> float:
+    """Tokens per unit of cost against plain decoding (one token per decode step): a draft step costs
+    ``draft_cost`` decode steps, a verification pass of gamma+1 tokens 1 + ``verify_token_cost`` * gamma."""
+    return expected_tokens(alpha, gamma) / (gamma * draft_cost + 1.0 + verify_token_cost * gamma)
+
+
+def best_gamma(alpha: float, draft_cost: float, max_gamma: int, verify_token_cost: float = VERIFY_TOKEN_COST,
+               min_gamma: int = 1) -> int:
+    """The draft length in min_gamma..max_gamma with the highest :func:`expected_speedup` (gamma 0 is plain
+    decoding, speed-up 1: the answer when no draft pays)."""
+    return max(range(min_gamma, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, draft_cost, verify_token_cost))
+
+
+def acceptance_mle(accepted: float, failures: float) -> float:
+    """Per-draft acceptance rate under the geometric model: rounds that accepted a of g drafts give a successes and,
+    when a < g, one failure (a round accepting all is censored)."""
+    total = accepted + failures
+    return accepted / total if total > 0 else ACCEPT_PRIOR
+
+
 # --------------------------------------------------------------------------- registry
 #: name -> factory(session, **options) -> DraftSource
 _REGISTRY: dict[str, Callable[..., Any]] = {}
@@ -209,36 +249,86 @@ def make_draft(name, session, options: dict | None) -> DraftSource:
 
 
 # --------------------------------------------------------------------------- prompt lookup
-def lookup_continuation(seq: list[int], max_ngram: int, min_ngram: int, budget: int) -> list[int]:
+def lookup_match(seq: list[int], max_ngram: int, min_ngram: int, budget: int) -> tuple[list[int], int]:
     """Prompt lookup: for n from ``max_ngram`` down to ``min_ngram``, the last n tokens of ``seq`` are searched for
     earlier in ``seq``; at the latest earlier occurrence, the (at most ``budget``) tokens that followed it are the
-    proposal. Empty when nothing matches."""
+    proposal. Returns the proposal and the n that matched, ([], 0) when nothing matches."""
     L = len(seq)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         tail = seq[L - n:]
         for i in range(L - n - 1, -1, -1):  # latest first; i + n <= L - 1: the occurrence is not the tail itself
             if seq[i:i + n] == tail:
-                return seq[i + n:i + n + budget]
-    return []
+                return seq[i + n:i + n + budget], n
+    return [], 0
+
+
+def lookup_continuation(seq: list[int], max_ngram: int, min_ngram: int, budget: int) -> list[int]:
+    """:func:`lookup_match`'s proposal alone."""
+    return lookup_match(seq, max_ngram, min_ngram, budget)[0]
 
 
 class PromptLookupDraft(BaseDraft):
     """Prompt lookup decoding (Saxena 2023; HF's ``prompt_lookup_num_tokens``) on the engine's verifier: the draft
     is the continuation of the latest earlier occurrence of the last ``max_ngram``..``min_ngram`` tokens in the
     prompt and the output so far. Free to propose; pays where the output copies its context (code edits,
-    summaries, retrieval)."""
+    summaries, retrieval).
+
+    ``adapt`` (default): a proposal's length follows how often the verifier kept proposals of the same match
+    length n in this row so far. Per (row, n) the kept and rejected drafts give an acceptance rate
+    (:func:`acceptance_mle`, from the prior :data:`ACCEPT_PRIOR`), and the proposal is cut to the length that
+    maximises the expected speed-up of a free draft (:func:`best_gamma`; each drafted token costs the verifier
+    :data:`VERIFY_TOKEN_COST` of a step), possibly to nothing: a 1-token match in chat is rarely continued the same
+    way, a 3-token match in code often is. A match length whose proposals are withheld proposes one token every
+    :data:`PROBE_EVERY` matches, so that its estimate can recover. ``adapt=False``: every match proposes the
+    whole budget."""
 
     name = "prompt-lookup"
 
-    def __init__(self, session, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, session, max_ngram: int = 3, min_ngram: int = 1, adapt: bool = True):
         super().__init__(session)
         if not 1 <= int(min_ngram) <= int(max_ngram):
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = int(max_ngram), int(min_ngram)
+        if not isinstance(adapt, bool):
+            raise ValueError(f"prompt lookup's adapt is true or false, got {adapt!r}")
+        self.max_ngram, self.min_ngram, self.adapt = int(max_ngram), int(min_ngram), adapt
+        self.counts: dict[tuple[int, int], list[float]] = {}  # (row, n) -> [kept drafts, rejections]
+        self.withheld: dict[tuple[int, int], int] = {}        # (row, n) -> matches proposed nothing
+        self.pending: dict[int, tuple[int, int]] = {}         # row -> (n, length) of its proposal this round
+
+    def _length(self, key: tuple[int, int], found: int) -> int:
+        """How many of the ``found`` tokens a match of ``key`` = (row, n) proposes."""
+        kept, rejected = self.counts.get(key, (ACCEPT_PRIOR * ACCEPT_PRIOR_WEIGHT,
+                                               (1 - ACCEPT_PRIOR) * ACCEPT_PRIOR_WEIGHT))
+        g = best_gamma(acceptance_mle(kept, rejected), 0.0, found, min_gamma=0)
+        if g == 0:
+            self.withheld[key] = self.withheld.get(key, 0) + 1
+            if self.withheld[key] % PROBE_EVERY == 0:
+                g = 1
+        return g
 
     def propose(self, rows, budget):
-        return {r: Draft(lookup_continuation(self.context(r), self.max_ngram, self.min_ngram, budget[r]))
-                for r in rows if budget[r] > 0}
+        out = {}
+        for r in rows:
+            if budget[r] <= 0:
+                continue
+            tokens, n = lookup_match(self.context(r), self.max_ngram, self.min_ngram, budget[r])
+            if tokens and self.adapt:
+                tokens = tokens[:self._length((r, n), len(tokens))]
+                if tokens:
+                    self.pending[r] = (n, len(tokens))
+            out[r] = Draft(tokens)
+        return out
+
+    def commit(self, rows, positions, kept, verified) -> None:
+        for r, c in zip(rows, kept):
+            if r not in self.pending:
+                continue
+            n, g = self.pending.pop(r)
+            a = min(c - 1, g)  # the drafts kept (a round commits them and the target's next token)
+            counts = self.counts.setdefault((r, n), [ACCEPT_PRIOR * ACCEPT_PRIOR_WEIGHT,
+                                                     (1 - ACCEPT_PRIOR) * ACCEPT_PRIOR_WEIGHT])
+            counts[0] += a
+            counts[1] += 1.0 if a < g else 0.0
 
 
 # --------------------------------------------------------------------------- lookahead

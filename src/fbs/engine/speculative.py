@@ -28,9 +28,9 @@ rolling back. Verification runs the HF modules (fp32 source weights, the prefill
 draft uses: an int8 draft is verified in fp32, and the output equals the fp32 full-depth output.
 
 The draft length adapts per row (``adapt_draft``): with ``draft_stop`` the threshold follows Draft&Verify's
-schedule; otherwise gamma maximises the expected speed-up (:func:`expected_speedup`) at the recent acceptance rate,
-with the draft's cost from the byte cost model (:func:`fbs.engine.flops.step_bytes`). Gamma 0 (no draft pays: plain
-full-depth steps, with a one-token probe every ``PROBE_EVERY`` rounds) is allowed.
+schedule; otherwise gamma maximises the expected speed-up (:func:`fbs.engine.drafts.expected_speedup`) at the recent
+acceptance rate, with the draft's cost from the byte cost model (:func:`fbs.engine.flops.step_bytes`). Gamma 0 (no
+draft pays: plain full-depth steps, with a one-token probe every ``PROBE_EVERY`` rounds) is allowed.
 
 Results: the trace describes what the verifier computed (every layer for every kept token); its TFLOPs(rel) count
 everything that ran (drafts, rejected candidates, pads, verification) against plain decoding; ``result.speculative``
@@ -48,48 +48,19 @@ import torch
 from .. import native
 from .cache import CacheContext, KVCache
 from .decoder import TRACE_DTYPES, DecodeTrace, StepOutput, TraceRecorder
-from .drafts import BaseDraft, Draft, DraftSource, Verified, make_draft, register_draft
+from .drafts import (ACCEPT_DECAY, ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT, PROBE_EVERY, BaseDraft, Draft, DraftSource,
+                     Verified, acceptance_mle, best_gamma, make_draft, register_draft)
 from .flops import LayerCost, step_bytes
 from .fused import full_depth
 from .greedy import greedy_ids
 from ..model.chunk import ChunkOut, ChunkState
 
-#: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
-#: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
-VERIFY_TOKEN_COST = 0.15
 #: Draft&Verify's threshold schedule (their defaults): EMA weight of the match rate, target match rate, step,
 #: EMA weight of the threshold.
 DV_MATCH_EMA, DV_TARGET, DV_STEP, DV_THRESHOLD_EMA = 0.5, 0.9, 0.01, 0.9
-#: Decay per round of the acceptance counts behind the adaptive gamma (the last ~10 rounds weigh), and the prior.
-ACCEPT_DECAY, ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT = 0.9, 0.8, 2.0
-#: A row whose drafts do not pay (gamma 0: plain full-depth steps) drafts one token every this many rounds, so
-#: that its acceptance estimate can recover.
-PROBE_EVERY = 8
 
 
-# --------------------------------------------------------------------------- the cost model of a round
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens a round commits when each of ``gamma`` drafts is accepted with probability ``alpha`` independently
-    (Leviathan et al. 2023, Eq. 1): (1 - alpha^(gamma+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return gamma + 1.0
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha: float, gamma: int, draft_cost: float,
-                     verify_token_cost: float = VERIFY_TOKEN_COST) -> float:
-    """Tokens per unit of cost against plain decoding (one token per decode step): a draft step costs
-    ``draft_cost`` decode steps, a verification pass of gamma+1 tokens 1 + ``verify_token_cost`` * gamma."""
-    return expected_tokens(alpha, gamma) / (gamma * draft_cost + 1.0 + verify_token_cost * gamma)
-
-
-def best_gamma(alpha: float, draft_cost: float, max_gamma: int, verify_token_cost: float = VERIFY_TOKEN_COST,
-               min_gamma: int = 1) -> int:
-    """The draft length in min_gamma..max_gamma with the highest :func:`expected_speedup` (gamma 0 is plain
-    decoding, speed-up 1: the answer when no draft pays)."""
-    return max(range(min_gamma, max_gamma + 1), key=lambda g: expected_speedup(alpha, g, draft_cost, verify_token_cost))
-
-
+# --------------------------------------------------------------------------- the cost of a draft step
 def draft_step_cost(cost: LayerCost, context: float, executed_layers: float, kv_policy: str = "hole",
                     weights: str = "fp32") -> float:
     """A draft step's bytes (in the draft's ``weights``) over a full-depth fp32 step's: the verifier and the
@@ -98,13 +69,6 @@ def draft_step_cost(cost: LayerCost, context: float, executed_layers: float, kv_
     weights = "fp32" if weights == "hf" else weights
     full = step_bytes(cost, context, None, kv_policy, 1, "fp32")
     return step_bytes(cost, context, executed_layers, kv_policy, 1, weights) / full
-
-
-def acceptance_mle(accepted: float, failures: float) -> float:
-    """Per-draft acceptance rate under the geometric model: rounds that accepted a of g drafts give a successes and,
-    when a < g, one failure (a round accepting all is censored)."""
-    total = accepted + failures
-    return accepted / total if total > 0 else ACCEPT_PRIOR
 
 
 # --------------------------------------------------------------------------- speculative sampling

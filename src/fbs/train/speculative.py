@@ -5,7 +5,7 @@
   Kangaroo's training script does); the base model and LM head stay frozen.
 * :func:`search_draft_layers` — Draft&Verify (Zhang et al. 2024): greedy forward selection of the static set of
   skipped layers that maximises the expected speed-up of self-speculative decoding, acceptance measured by
-  lossless decoding of held-out prompts and speed from the byte cost model (:func:`fbs.engine.speculative.expected_speedup`;
+  lossless decoding of held-out prompts and speed from the byte cost model (:func:`fbs.engine.drafts.expected_speedup`;
   no timings, so the result does not depend on the machine's load).
 
 ``fbs train kangaroo`` and ``fbs train draft-search`` (:mod:`fbs.train.cli`) run them.
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from ..engine.flops import LayerCost
 from ..baselines.kangaroo import KangarooAdapter
-from ..engine.speculative import acceptance_mle, best_gamma, draft_step_cost, expected_speedup
+from ..engine.drafts import acceptance_mle, best_gamma, expected_speedup
+from ..engine.speculative import draft_step_cost
 
 logger = logging.getLogger(__name__)
 
