@@ -352,16 +352,22 @@ def test_lora_apart_without_native_kernels_is_the_merged_weight():
         Weight(merged, "q4", lowrank=(a, b[:, :3]))
 
 
-@pytest.mark.parametrize("n", [40, 4099])
-def test_a_packed_weights_delta_apart_adds_x_a_b_and_does_not_depend_on_threads_or_rows(n):
+@pytest.mark.parametrize("n,stacked", [(40, False), (4099, False), (4099, True)])
+def test_a_packed_weights_delta_apart_adds_x_a_b_and_does_not_depend_on_threads_or_rows(n, stacked):
     """The native product of a block weight with its LoRA delta apart (what a native layer computes): minus the same
     blocks without the delta it is x A^T B^T (float64 oracle); a row's result is the same bits alone or among other
-    rows, and with one thread or two (a wide delta, 4 x 4,099, is split by columns over the threads)."""
+    rows, and with one thread or two (a wide delta, 4 x 4,099, is split by columns over the threads). ``stacked``:
+    two adapters stacked as one block-diagonal delta (rows 0-1 of A feed columns 0-2,047, rows 2-3 the others, whose
+    zero blocks the kernel skips), with a zero stretch of columns that no adapter moves."""
     require_native("avx2")
     g = torch.Generator().manual_seed(6)
     k, r = 96, 4
     base = dequantize_blocks(*quantize_blocks(torch.randn(n, k, generator=g) * 0.1, "q4_1"))
     a, b = torch.randn(r, k, generator=g) * 0.3, torch.randn(n, r, generator=g) * 0.05
+    if stacked:
+        b[:2048, 2:] = 0.0
+        b[2048:, :2] = 0.0
+        b[1000:1040] = 0.0
     w = Weight(base + b @ a, "q4", packed=True, lowrank=(a, b))
     plain = native.packed_weight(native_quant.KINDS[w.kind], w.w, None, n, k)
     assert w.lowrank is not None

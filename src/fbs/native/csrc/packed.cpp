@@ -13,14 +13,16 @@ constexpr int64_t kCols = 16;                // output columns a low-rank pass k
 constexpr int64_t kParallelLowrank = 16384;  // r x n from which a delta's columns are split over the threads
 
 // y (n) += sum_i t[i] B[i] (B: r rows of n values, row stride ld), per column the sum over i in order, then added
-// once: B's r rows are read once, y once
-__attribute__((target_clones("avx512f", "avx2", "default"))) void add_lowrank(const float* t, const float* B, int64_t r,
-                                                                              int64_t ld, int64_t n, float* y) {
+// once: B's r rows are read once, y once. rows: per kCols columns the range [lo, hi) of the rows that are not all
+// zero there (a delta stacked from several adapters is block-diagonal); the rows outside add exact zeros, skipped.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void add_lowrank(const float* t, const float* B,
+                                                                              int64_t ld, int64_t n,
+                                                                              const int32_t* rows, float* y) {
   typedef float v16 __attribute__((vector_size(4 * kCols)));  // kCols floats (GCC's generic vectors)
   int64_t j = 0;
-  for (; j + kCols <= n; j += kCols) {
+  for (; j + kCols <= n; j += kCols, rows += 2) {
     v16 acc = {}, b, yv;
-    for (int64_t i = 0; i < r; ++i) {
+    for (int64_t i = rows[0]; i < rows[1]; ++i) {
       std::memcpy(&b, B + i * ld + j, sizeof b);
       acc += t[i] * b;
     }
@@ -30,31 +32,39 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void add_lowrank(co
   }
   for (; j < n; ++j) {
     float acc = 0.f;
-    for (int64_t i = 0; i < r; ++i) acc += t[i] * B[i * ld + j];
+    for (int64_t i = rows[0]; i < rows[1]; ++i) acc += t[i] * B[i * ld + j];
     y[j] += acc;
   }
 }
 
-// Y (M, n) += (X (M, k) A^T) Bt: the low-rank delta of a weight; a row's sums in the same order whatever M is
+// Y (M, n) += (X (M, k) A^T) Bt: the low-rank delta of a weight; a row's sums in the same order whatever M is. A
+// wide factor is split over the threads: A's rows (q + k + v: 24 x 576) or Bt's columns (gate + up: 16 x 3,072); each
+// sum is the same whichever part it falls in.
 void lowrank(const Packed& w, const float* X, int64_t M, float* Y) {
   const int64_t r = w.la.size(0);
   const float* A = w.la.data_ptr<float>();
   const float* Bt = w.lbt.data_ptr<float>();
+  const int32_t* rows = w.lrows.data();
+  const bool threads = at::get_num_threads() > 1 && !at::in_parallel_region();
   thread_local std::vector<float> t;
   t.resize(M * r);
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t m = 0; m < M; ++m) t[m * r + i] = fbs_norm::dot(X + m * w.k, A + i * w.k, w.k);
-  const float* T = t.data();
-  // a wide delta (gate + up: 8 x 6,144 fp32, 196 KB) in column ranges over the threads; a column's sum is the same
-  // whichever range it falls in
-  if (w.n * r >= kParallelLowrank && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+  float* T = t.data();
+  const auto dots = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t m = 0; m < M; ++m) T[m * r + i] = fbs_norm::dot(X + m * w.k, A + i * w.k, w.k);
+  };
+  if (threads && r * w.k >= kParallelLowrank)
+    at::parallel_for(0, r, 4, dots);
+  else
+    dots(0, r);
+  if (threads && w.n * r >= kParallelLowrank) {
     at::parallel_for(0, (w.n + kCols - 1) / kCols, 32, [&](int64_t c0, int64_t c1) {
       const int64_t j0 = c0 * kCols, j1 = std::min(w.n, c1 * kCols);
-      for (int64_t m = 0; m < M; ++m) add_lowrank(T + m * r, Bt + j0, r, w.n, j1 - j0, Y + m * w.n + j0);
+      for (int64_t m = 0; m < M; ++m) add_lowrank(T + m * r, Bt + j0, w.n, j1 - j0, rows + 2 * c0, Y + m * w.n + j0);
     });
     return;
   }
-  for (int64_t m = 0; m < M; ++m) add_lowrank(T + m * r, Bt, r, w.n, w.n, Y + m * w.n);
+  for (int64_t m = 0; m < M; ++m) add_lowrank(T + m * r, Bt, w.n, w.n, rows, Y + m * w.n);
 }
 }  // namespace
 
@@ -66,6 +76,21 @@ void Packed::set_lowrank(at::Tensor a, at::Tensor bt) {
               "), got ", a.sizes(), " and ", bt.sizes());
   la = a;
   lbt = bt;
+  // per kCols columns, the rows of Bt that are not all zero there (first to last)
+  const int64_t r = bt.size(0), chunks = (n + kCols - 1) / kCols;
+  const float* B = bt.data_ptr<float>();
+  lrows.assign(2 * chunks, 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    int32_t lo = int32_t(r), hi = 0;
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t j = c * kCols; j < std::min(n, (c + 1) * kCols); ++j)
+        if (B[i * n + j] != 0.f) {
+          lo = std::min(lo, int32_t(i));
+          hi = std::max(hi, int32_t(i + 1));
+        }
+    lrows[2 * c] = lo < hi ? lo : 0;
+    lrows[2 * c + 1] = lo < hi ? hi : 0;
+  }
 }
 
 Packed make(int64_t kind, at::Tensor p, std::optional<at::Tensor> s, int64_t n, int64_t k) {
