@@ -295,11 +295,14 @@ class PromptLookupDraft(BaseDraft):
         self.withheld: dict[tuple[int, int], int] = {}        # (row, n) -> matches proposed nothing
         self.pending: dict[int, tuple[int, int]] = {}         # row -> (n, length) of its proposal this round
 
+    def _counts(self, key: tuple[int, int]) -> list[float]:
+        """[kept drafts, rejections] of matches of ``key`` = (row, n), starting from the prior."""
+        prior = [ACCEPT_PRIOR * ACCEPT_PRIOR_WEIGHT, (1 - ACCEPT_PRIOR) * ACCEPT_PRIOR_WEIGHT]
+        return self.counts.setdefault(key, prior)
+
     def _length(self, key: tuple[int, int], found: int) -> int:
         """How many of the ``found`` tokens a match of ``key`` = (row, n) proposes."""
-        kept, rejected = self.counts.get(key, (ACCEPT_PRIOR * ACCEPT_PRIOR_WEIGHT,
-                                               (1 - ACCEPT_PRIOR) * ACCEPT_PRIOR_WEIGHT))
-        g = best_gamma(acceptance_mle(kept, rejected), 0.0, found, min_gamma=0)
+        g = best_gamma(acceptance_mle(*self._counts(key)), 0.0, found, min_gamma=0)
         if g == 0:
             self.withheld[key] = self.withheld.get(key, 0) + 1
             if self.withheld[key] % PROBE_EVERY == 0:
@@ -325,8 +328,7 @@ class PromptLookupDraft(BaseDraft):
                 continue
             n, g = self.pending.pop(r)
             a = min(c - 1, g)  # the drafts kept (a round commits them and the target's next token)
-            counts = self.counts.setdefault((r, n), [ACCEPT_PRIOR * ACCEPT_PRIOR_WEIGHT,
-                                                     (1 - ACCEPT_PRIOR) * ACCEPT_PRIOR_WEIGHT])
+            counts = self._counts((r, n))
             counts[0] += a
             counts[1] += 1.0 if a < g else 0.0
 
