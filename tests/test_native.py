@@ -208,6 +208,45 @@ def test_row_independent_products(kernel, n, k, bias):
         native.linear_rows(x, w[:, :-1])
 
 
+@pytest.mark.parametrize("n_vocab, k_max, fixed_k", [(48, 6, None), (64, 15, None), (1030, 15, None), (64, 6, 3)])
+def test_paw_step_equals_the_module_in_float64(kernel, n_vocab, k_max, fixed_k):
+    """paw_step against ParafoveaWindow.forward in float64 (every horizon, the hard window): z and zlow to fp32
+    rounding, k and the window exactly; a row's bits alone equal its bits among 7 and on one thread or two; a row whose
+    window is empty previews nothing. Preview vocabularies with and without a tail of 32 keys."""
+    from fbs.model.config import FBSConfig
+    from fbs.model.preview import ParafoveaWindow
+
+    d, top_k = 40, 8
+    g = torch.Generator().manual_seed(n_vocab + k_max)
+    paw = ParafoveaWindow(FBSConfig(k_max=k_max, preview_vocab_size=n_vocab, preview_top_k=top_k, preview_rank=16,
+                                    fixed_k=fixed_k), d)
+    with torch.no_grad():
+        for p in paw.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        paw.window.bias.fill_(1.0)
+    emb = torch.randn(n_vocab, d, generator=g)
+    keys = paw.vocab_proj(emb).detach()
+    x = torch.randn(1, 7, d, generator=g)
+    x[0, 3] = -4 * paw.window.weight.detach()[0] / paw.window.weight.detach().norm()  # an empty window (k = 0)
+    got = native.paw_step(native.paw_weights(paw, keys, emb), x)
+    with torch.no_grad():
+        ref = paw.double()(x.double(), emb.double(), keys.double(), soft=False)
+    assert got.k_hard.tolist() == ref.k_hard.tolist() and torch.equal(got.weights, ref.weights.float())
+    assert fixed_k is not None or (got.k_hard[0, 3] == 0 and 0 < got.k_hard.max() < k_max)
+    assert torch.allclose(got.zlow.double(), ref.zlow, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(got.z.double(), ref.z, rtol=1e-4, atol=1e-5)
+    assert got.z.abs().max() > 0.1 and (fixed_k is not None or not got.z[0, 3].any())
+    w = native.paw_weights(paw.float(), keys, emb)
+    for j in range(7):
+        assert torch.equal(native.paw_step(w, x[:, j:j + 1]).z[0, 0], got.z[0, j])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.paw_step(w, x).zlow, got.zlow)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_status_records_what_the_engine_runs_with(kernel, monkeypatch):
     st = native.status()
     assert st["enabled"] and st["loaded"] and st["build_error"] is None

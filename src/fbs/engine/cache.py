@@ -202,6 +202,9 @@ class CacheContext:
     #: the row-independent product PAW computes with (:func:`fbs.native.linear_rows`; the decoder sets it for its
     #: steps and a verifier's passes, so that a position gets the same bits alone or among T). None: torch's
     linear = None
+    #: per PAW layer the arguments of :func:`fbs.native.paw_step` (the decoder sets them with :attr:`linear`, where
+    #: the kernel takes its module); None: the module's own forward with :attr:`linear`
+    native_paw: dict | None = None
 
     def __init__(self, cache: KVCache, chunks: dict[int, ChunkState], rows: list[int], positions: list[list[int]],
                  cos: torch.Tensor, sin: torch.Tensor, policy: str, preview_emb=None, preview_keys=None,
@@ -222,9 +225,11 @@ class CacheContext:
     def select(self, idx: list[int]) -> "CacheContext":
         """The context of a subset of these rows (``idx`` indexes ``self.rows``)."""
         ti = torch.tensor(idx, device=self.cos.device)
-        return CacheContext(self.cache, self.chunks, [self.rows[i] for i in idx], [self.positions[i] for i in idx],
-                            self.cos.index_select(0, ti), self.sin.index_select(0, ti), self.policy,
-                            self.preview_emb, self.preview_keys, self.scaling)
+        sub = CacheContext(self.cache, self.chunks, [self.rows[i] for i in idx], [self.positions[i] for i in idx],
+                           self.cos.index_select(0, ti), self.sin.index_select(0, ti), self.policy,
+                           self.preview_emb, self.preview_keys, self.scaling)
+        sub.native_chunk, sub.linear, sub.native_paw = self.native_chunk, self.linear, self.native_paw  # same kernels
+        return sub
 
     # ---- attention --------------------------------------------------------
     def attend(self, l: int, q, k, v, hole=None) -> torch.Tensor:
@@ -310,6 +315,16 @@ class CacheContext:
                 rows = [self.rows[i] for i in idx]
                 self.cache.advance(l, rows, [self.positions[i] for i in idx])
                 self.cache.settle(l, rows)
+
+    # ---- PAW --------------------------------------------------------------
+    def preview(self, l: int, paw, xn: torch.Tensor) -> PreviewOut:
+        """PAW layer l's preview of the new tokens' normalized states ``xn`` (b, T, d), hard window: the native step
+        where the decoder set it for this layer, else the module with :attr:`linear`."""
+        weights = None if self.native_paw is None else self.native_paw.get(l)
+        if weights is not None:
+            return native.paw_step(weights, xn)
+        return paw(xn, self.preview_emb, self.preview_keys[str(l)], soft=self.soft_window, truncate=self.truncate,
+                   linear=self.linear)
 
     # ---- chunk head -------------------------------------------------------
     def chunk(self, l: int, head, xn: torch.Tensor, hole=None) -> ChunkOut:

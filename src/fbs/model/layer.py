@@ -131,8 +131,7 @@ def layer_step(model, ops, l: int, x: torch.Tensor, ctx, mix: Mix = COMPUTE, *, 
     h = ops.attention(l, x, xn, ctx, hole, kv)
     paw = ch = None
     if key in model.paw:
-        paw = model.paw[key](xn, ctx.preview_emb, ctx.preview_keys[key], soft=ctx.soft_window, truncate=ctx.truncate,
-                             linear=ctx.linear)
+        paw = ctx.preview(l, model.paw[key], xn)
         h = h + paw.z
         hard = mix.skip if mix.granularity == "layer" else None
         zlow = paw.zlow if hard is None or zlow is None else torch.where(hard.unsqueeze(-1), zlow, paw.zlow)
@@ -218,6 +217,11 @@ class SequenceContext:
                 mask = mask & (~hole[:, None, :] | self.eye)
             mask = (mask | self.eye).unsqueeze(1)
         return self.base.attend(q, k, v, mask, causal=True)
+
+    def preview(self, l: int, paw, xn: torch.Tensor) -> PreviewOut:
+        """What PAW layer l's module ``paw`` adds for the normalized states ``xn`` (B, T, d)."""
+        return paw(xn, self.preview_emb, self.preview_keys[str(l)], soft=self.soft_window, truncate=self.truncate,
+                   linear=self.linear)
 
     def chunk(self, l: int, head, xn: torch.Tensor, hole: torch.Tensor | None) -> ChunkOut:
         write = None if hole is None else ~hole

@@ -25,6 +25,8 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
   activations (``int8.cpp``) or the block-quantized kinds with int8 activations (``quant.cpp``,
   :mod:`fbs.native.quant`); every product of a layer goes through it.
 * ``chunk.cpp``: **the chunk head's online step** (:func:`chunk_step`), in place on the engine's chunk state.
+* ``paw.cpp``: **PAW's decode step** (:func:`paw_step`): window, horizon heads, top-K expectation, conv and pool,
+  down and up of each row in one call.
 * ``evict.cpp``: **H2O's one-token eviction** (:func:`h2o_evict`), in place on the cache, its scores and positions.
 * ``rowquant.cpp``: **a prompt's int8 products around the int8 GEMM** (:func:`quantize_rows`, :func:`scale_rows`):
   activations quantized per row, the int32 sums scaled back (:mod:`fbs.engine.prefill`).
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 
 from ..model.bases import cache_root
 from ..model.chunk import LABEL_I
+from ..model.preview import PreviewOut
 from ..model.skip import policy_header
 
 logger = logging.getLogger(__name__)
@@ -353,6 +356,36 @@ def chunk_step(head, xn: torch.Tensor, rows: torch.Tensor, state, attend: bool =
                                           state.open_count, head.bios.weight, head.bios.bias, head.key.weight,
                                           head.query.weight, head.out.weight, head.scale, LABEL_I, attend)
     return (c if attend else None), logits, torch.tensor(start, dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------- PAW's decode step
+def paw_weights(paw, keys: torch.Tensor, emb: torch.Tensor) -> tuple | None:
+    """The arguments :func:`paw_step` passes for the :class:`fbs.model.preview.ParafoveaWindow` ``paw`` with its
+    head keys ``keys`` (N, R) and the preview embeddings ``emb`` (N, d) (``FBSForCausalLM.preview_vocab``), made once
+    per decoder; None where the kernel does not compute that module (a compression other than the depthwise conv,
+    not fp32 on the CPU)."""
+    d = emb.shape[1]
+    conv = getattr(paw, "conv", None)
+    if (paw.compression != "conv" or conv is None or conv.groups != d or conv.bias is None
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (emb, keys, conv.weight))):
+        return None
+    mix = paw.horizon_mix.detach()
+    k_max, r = mix.shape[0], mix.shape[1]
+    flat = lambda t: t.detach().contiguous()  # noqa: E731
+    return (flat(paw.window.weight.view(-1)), flat(paw.window.bias.view(1)),
+            -1 if paw.fixed_k is None else int(paw.fixed_k), k_max, flat(paw.query.weight),
+            mix.transpose(1, 2).reshape(k_max * r, r).contiguous(), flat(paw.horizon_bias), flat(keys.t()),
+            flat(paw.other_logit), float(paw.head_scale), int(paw.top_k), flat(emb), flat(conv.weight.view(d, 3).t()),
+            flat(conv.bias), flat(paw.down.weight), flat(paw.up.weight))
+
+
+def paw_step(weights: tuple, xn: torch.Tensor) -> PreviewOut:
+    """:meth:`fbs.model.preview.ParafoveaWindow.forward` with the hard window (decoding) of the rows ``xn`` (..., d)
+    in one call, ``weights`` from :func:`paw_weights`: each row computes its own window only, so a row's preview does
+    not depend on the other rows of the call. ``logits`` is None (the engine reads ``z``, ``zlow`` and ``k_hard``)."""
+    x = xn.contiguous()
+    z, zlow, k_soft, k_hard, window = _module.paw_step(x, weights[0], weights[1], weights[2], weights[3], *weights[4:])
+    return PreviewOut(z, zlow, None, k_soft, k_hard, window)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -10,6 +10,7 @@
 #include "layer.h"
 #include "norm.h"
 #include "packed.h"
+#include "paw.h"
 #include "quant.h"
 #include "rowquant.h"
 
@@ -27,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_activations", &quant_activations);
   m.def("quant_linear", &quant_linear);
   m.def("chunk_step", &chunk_step);
+  m.def("paw_step", &paw_step);
   m.def("h2o_evict", &h2o_evict);
   m.def("quantize_rows", &quantize_rows);
   m.def("scale_rows", &scale_rows);
