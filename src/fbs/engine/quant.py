@@ -70,8 +70,8 @@ class Weight:
     kernels exist here (:func:`fbs.native.int8_isa`, :func:`fbs.native.quant.isa`). ``kind`` overrides a block
     format's GGUF kind (the LM head of q4 is q8_0). ``lowrank`` (a (r, K), b (N, r)): w includes the delta b @ a
     (a merged LoRA adapter); where the rows of w - b @ a that the delta moves are exactly blocks of the format (the
-    base weights of a GGUF checkpoint), a block format stores the blocks of w - b @ a and applies the delta apart;
-    otherwise, and in the other formats, w itself."""
+    base weights of a GGUF checkpoint), a block format stores the blocks of w - b @ a and applies the delta apart,
+    its factors rounded to fp16 (the kernel's storage); otherwise, and in the other formats, w itself."""
 
     def __init__(self, w: torch.Tensor, fmt: str, packed: bool = False, kind: str | None = None,
                  lowrank: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -96,8 +96,11 @@ class Weight:
                 # the rows the delta moves must be such blocks (rows without a delta are quantized as they are)
                 moved = b.abs().amax(1) > 0
                 off = (dequantize_blocks(*blocks) - base)[moved].abs()
-                if moved.any() and float(off.max()) <= 4 * torch.finfo(torch.float32).eps * float(w.abs().max()):
-                    self.lowrank, self.blocks = (a, b), blocks
+                half = (a.half().float(), b.half().float())  # the delta's factors are stored in fp16 (half the
+                #                                               bytes a step reads; their rounding is ~5e-4 of each)
+                if moved.any() and float(off.max()) <= 4 * torch.finfo(torch.float32).eps * float(w.abs().max()) \
+                        and all(bool(torch.isfinite(t).all()) for t in half):
+                    self.lowrank, self.blocks = half, blocks
             if self.blocks is None:
                 self.blocks = quantize_blocks(w, self.kind)
             if self.packed:

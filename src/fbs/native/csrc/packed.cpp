@@ -4,67 +4,32 @@
 #include <ATen/Parallel.h>
 
 #include "int8.h"
+#include "lowrank.h"
 #include "norm.h"
 #include "quant.h"
 
 namespace fbs_packed {
 namespace {
-constexpr int64_t kCols = 16;                // output columns a low-rank pass keeps in registers
-constexpr int64_t kParallelLowrank = 16384;  // r x n from which a delta's columns are split over the threads
+constexpr int64_t kParallelLowrank = 16384;  // r x k from which A's dot products are split over the threads
 
-// y (n) += sum_i t[i] B[i] (B: r rows of n values, row stride ld), per column the sum over i in order, then added
-// once: B's r rows are read once, y once. rows: per kCols columns the range [lo, hi) of the rows that are not all
-// zero there (a delta stacked from several adapters is block-diagonal); the rows outside add exact zeros, skipped.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void add_lowrank(const float* t, const float* B,
-                                                                              int64_t ld, int64_t n,
-                                                                              const int32_t* rows, float* y) {
-  typedef float v16 __attribute__((vector_size(4 * kCols)));  // kCols floats (GCC's generic vectors)
-  int64_t j = 0;
-  for (; j + kCols <= n; j += kCols, rows += 2) {
-    v16 acc = {}, b, yv;
-    for (int64_t i = rows[0]; i < rows[1]; ++i) {
-      std::memcpy(&b, B + i * ld + j, sizeof b);
-      acc += t[i] * b;
-    }
-    std::memcpy(&yv, y + j, sizeof yv);
-    yv += acc;
-    std::memcpy(y + j, &yv, sizeof yv);
-  }
-  for (; j < n; ++j) {
-    float acc = 0.f;
-    for (int64_t i = rows[0]; i < rows[1]; ++i) acc += t[i] * B[i * ld + j];
-    y[j] += acc;
-  }
-}
-
-// Y (M, n) += (X (M, k) A^T) Bt: the low-rank delta of a weight; a row's sums in the same order whatever M is. A
-// wide factor is split over the threads: A's rows (q + k + v: 24 x 576) or Bt's columns (gate + up: 16 x 3,072); each
-// sum is the same whichever part it falls in.
-void lowrank(const Packed& w, const float* X, int64_t M, float* Y) {
+// T (M, r) = X (M, k) A^T: the first half of w's low-rank delta, each row's sums in the same order whatever M is
+void lowrank_t(const Packed& w, const float* X, int64_t M, float* T, int64_t isa) {
   const int64_t r = w.la.size(0);
-  const float* A = w.la.data_ptr<float>();
-  const float* Bt = w.lbt.data_ptr<float>();
-  const int32_t* rows = w.lrows.data();
-  const bool threads = at::get_num_threads() > 1 && !at::in_parallel_region();
-  thread_local std::vector<float> t;
-  t.resize(M * r);
-  float* T = t.data();
+  const auto* A = w.la.data_ptr<at::Half>();
   const auto dots = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      for (int64_t m = 0; m < M; ++m) T[m * r + i] = fbs_norm::dot(X + m * w.k, A + i * w.k, w.k);
+    for (int64_t m = 0; m < M; ++m) fbs_lowrank::dots(A + i0 * w.k, X + m * w.k, i1 - i0, w.k, T + m * r + i0, isa);
   };
-  if (threads && r * w.k >= kParallelLowrank)
+  if (at::get_num_threads() > 1 && !at::in_parallel_region() && r * w.k >= kParallelLowrank)
     at::parallel_for(0, r, 4, dots);
   else
     dots(0, r);
-  if (threads && w.n * r >= kParallelLowrank) {
-    at::parallel_for(0, (w.n + kCols - 1) / kCols, 32, [&](int64_t c0, int64_t c1) {
-      const int64_t j0 = c0 * kCols, j1 = std::min(w.n, c1 * kCols);
-      for (int64_t m = 0; m < M; ++m) add_lowrank(T + m * r, Bt + j0, w.n, j1 - j0, rows + 2 * c0, Y + m * w.n + j0);
-    });
-    return;
-  }
-  for (int64_t m = 0; m < M; ++m) add_lowrank(T + m * r, Bt, w.n, w.n, rows, Y + m * w.n);
+}
+
+// Y[:, j0:j1] += T Bt[:, j0:j1]: the second half, for the columns a thread of the product computed
+void lowrank_add(const Packed& w, const float* T, int64_t M, float* Y, int64_t j0, int64_t j1, int64_t isa) {
+  const int64_t r = w.la.size(0);
+  for (int64_t m = 0; m < M; ++m)
+    fbs_lowrank::add(T + m * r, w.lbt.data_ptr<at::Half>(), w.n, j0, j1, w.lrows.data(), Y + m * w.n, isa);
 }
 }  // namespace
 
@@ -74,16 +39,18 @@ void Packed::set_lowrank(at::Tensor a, at::Tensor bt) {
                   a.size(0) == bt.size(0) && a.size(1) == k && bt.size(1) == n,
               "fbs packed weight: a low-rank delta needs contiguous fp32 CPU A (r, ", k, ") and scale * B^T (r, ", n,
               "), got ", a.sizes(), " and ", bt.sizes());
-  la = a;
-  lbt = bt;
+  la = a.to(at::kHalf).contiguous();
+  lbt = bt.to(at::kHalf).contiguous();
+  TORCH_CHECK(la.to(at::kFloat).equal(a) && lbt.to(at::kFloat).equal(bt),
+              "fbs packed weight: the low-rank factors must be fp16 values (fbs.engine.quant.Weight rounds them)");
   // per kCols columns, the rows of Bt that are not all zero there (first to last)
-  const int64_t r = bt.size(0), chunks = (n + kCols - 1) / kCols;
+  const int64_t r = bt.size(0), chunks = (n + fbs_lowrank::kCols - 1) / fbs_lowrank::kCols;
   const float* B = bt.data_ptr<float>();
   lrows.assign(2 * chunks, 0);
   for (int64_t c = 0; c < chunks; ++c) {
     int32_t lo = int32_t(r), hi = 0;
     for (int64_t i = 0; i < r; ++i)
-      for (int64_t j = c * kCols; j < std::min(n, (c + 1) * kCols); ++j)
+      for (int64_t j = c * fbs_lowrank::kCols; j < std::min(n, (c + 1) * fbs_lowrank::kCols); ++j)
         if (B[i * n + j] != 0.f) {
           lo = std::min(lo, int32_t(i));
           hi = std::max(hi, int32_t(i + 1));
@@ -121,10 +88,19 @@ Packed make(int64_t kind, at::Tensor p, std::optional<at::Tensor> s, int64_t n, 
 }
 
 void Packed::mm(const float* X, int64_t M, float* Y, int64_t isa) const {
+  // the delta's first half before the product (T, M x r), its second half by the product's threads, each on the
+  // columns it computed (no second pass over Y, no second split over the threads)
+  thread_local std::vector<float> t;
+  const float* T = nullptr;
+  if (la.defined()) {
+    t.resize(M * la.size(0));
+    lowrank_t(*this, X, M, t.data(), isa);
+    T = t.data();
+  }
   if (kind == kInt8F32) {
     fbs_int8::mm(X, M, k, p.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>()), n, Y,
                  isa);
-    if (la.defined()) lowrank(*this, X, M, Y);
+    if (T) lowrank_add(*this, T, M, Y, 0, n, isa);
     return;
   }
   using namespace fbs_quant;
@@ -141,8 +117,11 @@ void Packed::mm(const float* X, int64_t M, float* Y, int64_t isa) const {
   c.resize(M);
   quantize(X, M, k, k, q.data(), d.data(), ds.data(), c.data());
   const Act a{q.data(), d.data(), ds.data(), c.data(), M, Kp};
-  fbs_quant::mm(a, p.data_ptr<uint8_t>(), s.defined() ? s.data_ptr<float>() : nullptr, kind, n, Y, n, qisa);
-  if (la.defined()) lowrank(*this, X, M, Y);
+  const std::function<void(int64_t, int64_t)> delta = [&](int64_t j0, int64_t j1) {
+    lowrank_add(*this, T, M, Y, j0, j1, qisa);
+  };
+  fbs_quant::mm(a, p.data_ptr<uint8_t>(), s.defined() ? s.data_ptr<float>() : nullptr, kind, n, Y, n, qisa,
+                T ? &delta : nullptr);
 }
 
 at::Tensor Packed::linear(const at::Tensor& x, int64_t isa) const {

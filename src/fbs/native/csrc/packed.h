@@ -3,8 +3,9 @@
 //   the block-quantized kinds of quant.h (kI8Channel, kQ8Block, kQ4Block): activations quantized to int8 per
 //   32-value block inside each product, integer dot products (VNNI on AVX-512, maddubs on AVX2)
 // Layer::mm calls Packed::mm: the one place a layer's product picks its kernel.
-// A weight may carry a low-rank fp32 delta applied apart from its packed part, Y += (X A^T) Bt (set_lowrank): a
-// LoRA adapter kept off the quantized base weight, so that the base keeps its own blocks (a GGUF's exact ones).
+// A weight may carry a low-rank delta applied apart from its packed part, Y += (X A^T) Bt (set_lowrank): a LoRA
+// adapter kept off the quantized base weight, so that the base keeps its own blocks (a GGUF's exact ones). Its
+// factors are stored in fp16 (lowrank.h), the sums in fp32.
 #pragma once
 
 #include "common.h"
@@ -15,12 +16,13 @@ constexpr int64_t kInt8F32 = -1;  // the block kinds are fbs_quant::kI8Channel .
 struct Packed {
   int64_t kind = kInt8F32, n = 0, k = 0;
   at::Tensor p, s;     // packed bytes; scales (kInt8F32: (n,) bf16; kI8Channel: fp32 padded to whole tiles; else none)
-  at::Tensor la, lbt;  // the low-rank delta (undefined when none): A (r, k) and Bt (r, n), fp32, the scale in Bt
+  at::Tensor la, lbt;  // the low-rank delta (undefined when none): A (r, k) and Bt (r, n), fp16, the scale in Bt
   std::vector<int32_t> lrows;  // per 16 columns of Bt, the range [lo, hi) of its rows that are not all zero there
   // Y (M, n) = X (M, k) @ W^T, X with row stride k, Y with row stride n; isa: the step's instruction-set code
   // (kIsaAvx512 or kIsaAvx2; the block kinds take VNNI where the CPU has it unless the step asks for AVX2)
   void mm(const float* X, int64_t M, float* Y, int64_t isa) const;
-  // Add the delta scale * B A (B (n, r), A (r, k)) apart: a (r, k) and bt = scale * B^T (r, n), fp32 contiguous.
+  // Add the delta scale * B A (B (n, r), A (r, k)) apart: a (r, k) and bt = scale * B^T (r, n), fp32 contiguous
+  // tensors whose values are fp16 values (checked; stored as fp16).
   void set_lowrank(at::Tensor a, at::Tensor bt);
   // mm of x (M, k) fp32 contiguous (checked) into a new (M, n) tensor: the product a native layer computes
   at::Tensor linear(const at::Tensor& x, int64_t isa) const;

@@ -44,7 +44,8 @@ void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, floa
   }
 }
 
-void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa) {
+void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa,
+        const std::function<void(int64_t, int64_t)>* after) {
 #ifdef FBS_X86
   const int64_t T = (N + kTile - 1) / kTile, tile = (a.Kp / kBlock) * block_bytes(kind);
   // VNNI, several rows: the rows interleaved per 8 (Rows8, one pointer per group); a prompt's rows (>= kManyMin) take
@@ -71,6 +72,7 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
         for (int64_t i = p0; i < p1; ++i)
           tile_rows8_vnni512(rows, P + 2 * i * tile, kind, std::min<int64_t>(2, T - 2 * i), tile, Y, ldy, N,
                              2 * i * kTile);
+        if (after) (*after)(2 * p0 * kTile, std::min(N, 2 * p1 * kTile));
       });
       return;
     }
@@ -80,12 +82,14 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
         for (int64_t i = p0; i < p1; ++i)
           tile_many_vnni512(rows, P + 2 * i * tile, kind, std::min<int64_t>(2, T - 2 * i), tile, Y, ldy, N,
                             2 * i * kTile, m0, std::min(a.M, m0 + kManyChunk));
+      if (after) (*after)(2 * p0 * kTile, std::min(N, 2 * p1 * kTile));
     });
     return;
   }
   const auto run = isa == fbs::kIsaAvx512Vnni ? tile_vnni512 : tile_avx2;
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) run(a, P + t * tile, S, kind, Y, ldy, N, t * kTile);
+    if (after) (*after)(t0 * kTile, std::min(N, t1 * kTile));
   });
 #endif
 }

@@ -12,6 +12,8 @@
 // c = 128 * sum_b ds_b (the correction of the u8 offset the VNNI path gives signed weights).
 #pragma once
 
+#include <functional>
+
 #include "common.h"
 
 #ifdef FBS_X86
@@ -38,8 +40,10 @@ struct Act {
 void quantize(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q, float* d, float* ds, float* c);
 
 // Y (M, N) (row stride ldy) = dequantized activations @ W^T, W packed as kind (S: per-channel scales of kI8Channel,
-// padded to whole tiles), tiles split across threads.
-void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa);
+// padded to whole tiles), tiles split across threads. after (optional): called by each thread with the columns
+// [j0, j1) it computed (j0 a multiple of kTile), once they are in Y.
+void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N, float* Y, int64_t ldy, int64_t isa,
+        const std::function<void(int64_t, int64_t)>* after = nullptr);
 
 #ifdef FBS_X86
 // How far ahead (in tile-blocks) a tile's loop asks for its weight stream in L2. One core's hardware prefetchers keep

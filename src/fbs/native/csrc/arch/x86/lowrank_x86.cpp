@@ -1,0 +1,71 @@
+// The low-rank delta's halves (lowrank.h) with AVX-512 and with AVX2 + F16C: fp16 factors widened by the one
+// conversion instruction, fp32 FMAs.
+#include "../../lowrank.h"
+
+#ifdef FBS_X86
+#include "avx2.h"
+#include "avx512.h"
+
+namespace fbs_lowrank {
+void add_any(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1, const int32_t* rows, float* y);
+
+__attribute__((target("avx512f,fma"))) void dots_avx512(const c10::Half* A, const float* x, int64_t r, int64_t k,
+                                                        float* t) {
+  for (int64_t i = 0; i < r; ++i) {
+    const c10::Half* a = A + i * k;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) acc = _mm512_fmadd_ps(fbs_x86::load16(a + j), _mm512_loadu_ps(x + j), acc);
+    float s = _mm512_reduce_add_ps(acc);
+    for (; j < k; ++j) s += float(a[j]) * x[j];
+    t[i] = s;
+  }
+}
+
+__attribute__((target("avx512f,fma"))) void add_avx512(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0,
+                                                       int64_t j1, const int32_t* rows, float* y) {
+  int64_t j = j0;
+  for (; j + kCols <= j1; j += kCols) {
+    const int32_t* rr = rows + 2 * (j / kCols);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = rr[0]; i < rr[1]; ++i)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(t[i]), fbs_x86::load16(Bt + i * ld + j), acc);
+    _mm512_storeu_ps(y + j, _mm512_add_ps(_mm512_loadu_ps(y + j), acc));
+  }
+  add_any(t, Bt, ld, j, j1, rows, y);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void dots_avx2(const c10::Half* A, const float* x, int64_t r, int64_t k,
+                                                        float* t) {
+  for (int64_t i = 0; i < r; ++i) {
+    const c10::Half* a = A + i * k;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+      acc0 = _mm256_fmadd_ps(fbs_x86::load8(a + j), _mm256_loadu_ps(x + j), acc0);
+      acc1 = _mm256_fmadd_ps(fbs_x86::load8(a + j + 8), _mm256_loadu_ps(x + j + 8), acc1);
+    }
+    float s = fbs_x86::hsum256(_mm256_add_ps(acc0, acc1));
+    for (; j < k; ++j) s += float(a[j]) * x[j];
+    t[i] = s;
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void add_avx2(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0,
+                                                       int64_t j1, const int32_t* rows, float* y) {
+  int64_t j = j0;
+  for (; j + kCols <= j1; j += kCols) {
+    const int32_t* rr = rows + 2 * (j / kCols);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t i = rr[0]; i < rr[1]; ++i) {
+      const __m256 ti = _mm256_set1_ps(t[i]);
+      acc0 = _mm256_fmadd_ps(ti, fbs_x86::load8(Bt + i * ld + j), acc0);
+      acc1 = _mm256_fmadd_ps(ti, fbs_x86::load8(Bt + i * ld + j + 8), acc1);
+    }
+    _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), acc0));
+    _mm256_storeu_ps(y + j + 8, _mm256_add_ps(_mm256_loadu_ps(y + j + 8), acc1));
+  }
+  add_any(t, Bt, ld, j, j1, rows, y);
+}
+}  // namespace fbs_lowrank
+#endif
