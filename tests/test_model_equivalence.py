@@ -1,5 +1,6 @@
 """With gates forced to compute and fresh (zero-contribution) modules, FBS computes the base model."""
 
+import pytest
 import torch
 
 from conftest import fbs_tiny, randomize, tiny_hf, tiny_config
@@ -51,3 +52,18 @@ def test_randomized_modules_change_outputs_but_gate_off_keeps_attention_path():
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (model(ids, gate_mode="off").logits - hf(ids).logits).abs().max() > 1e-3
+
+
+def test_rope_rows_of_the_table_equal_the_rotary_modules_own_call(family):
+    """BaseDecoder.rope reads rows of one table of the HF rotary module's values: for scattered positions (B, T), one
+    position alone, and positions past the table's first size (it grows), the bits of the module's call on exactly
+    those positions."""
+    base = FBSForCausalLM.from_base(tiny_hf(family, 4, 0), config=tiny_config()).base
+    x = torch.randn(3, 4, base.spec.hidden_size)
+    g = torch.Generator().manual_seed(3)
+    for positions in (torch.randint(0, 900, (3, 4), generator=g), torch.tensor([[17]]),
+                      torch.randint(1000, 5000, (3, 4), generator=g), torch.arange(4).view(1, 4)):
+        cos, sin = base.rope(x[:positions.shape[0], :positions.shape[1]], positions)
+        ref_cos, ref_sin = base.rotary(x[:positions.shape[0], :positions.shape[1]], positions)
+        assert cos.shape == ref_cos.shape and torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    assert base._rope_table[0].shape[0] > 1024  # it grew past its first size

@@ -258,7 +258,7 @@ def test_status_records_what_the_engine_runs_with(kernel, monkeypatch):
 # --------------------------------------------------------------------------- the whole layer in one call
 def _per_op(ops) -> None:
     """The per-op int8 step: no native whole layers, no native layer halves (PAW / CH layers)."""
-    ops.native_layers = ops._native_all = None
+    ops.native_layers = ops._native_all = ops.native_decode = None
 
 
 def _plain_layers(model) -> list[int]:
@@ -278,8 +278,9 @@ def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, poli
     prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist(), PROMPT[0, :3].tolist()]
     cfg = dict(layers=8, ch_layers=(6,), gate_prev_skip=True)  # native runs: layer 0, layers 2-5 (gated), layer 7
     fast = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
-    layers = fbs.engine.fused.decode_ops(fast, "int8").native_layers
-    assert [l for l, n in enumerate(layers) if n is not None] == _plain_layers(fast) == [0, 2, 3, 4, 5, 7]
+    ops = fbs.engine.fused.decode_ops(fast, "int8")
+    assert [l for l, n in enumerate(ops.native_layers) if n is not None] == _plain_layers(fast) == [0, 2, 3, 4, 5, 7]
+    assert all(n is not None for n in ops.native_decode)  # a decode step runs PAW (1) and CH (6) natively too
     out = fast.generate(prompts, **kw)
     slow = randomize(fbs_tiny(family, seed=1, **cfg), seed=2)
     _per_op(fbs.engine.fused.decode_ops(slow, "int8"))
@@ -290,6 +291,34 @@ def test_native_layers_decide_and_compute_like_the_per_op_step(isa, family, poli
     ok = ~torch.isnan(ref.trace.gate_p)
     assert torch.equal(ok, ~torch.isnan(out.trace.gate_p))
     assert (out.trace.gate_p[ok] - ref.trace.gate_p[ok]).abs().max() < 1e-5
+    for a, b in zip(out.scores, ref.scores):
+        assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
+
+
+@pytest.mark.parametrize("policy", ["project", "hole"])
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_paw_and_ch_layers_in_the_native_run_equal_their_native_halves(isa, policy, weights):
+    """A decode step's PAW and CH layers inside the native run (PAW's and CH's kernels between the layer's attention
+    and FFN, the gates after PAW reading its new zlow, a skipped CH row joining the chunk cache under ``project``)
+    against the same layers composed in Python from their native halves and the same kernels: same tokens and trace
+    (window k, boundaries, decisions), logits to float rounding (the gates' preview terms: one
+    product in the call against torch's). Batch of three rows, gates skipping part of the time."""
+    if weights == "q4":
+        require_native("avx2")
+    kw = dict(max_new_tokens=12, ignore_eos=True, output_scores=True, kv_policy=policy, weights=weights,
+              batch_policy="gather")
+    prompts = [PROMPT[0].tolist(), PROMPT[0, :7].tolist(), PROMPT[0, :3].tolist()]
+    cfg = dict(layers=8, paw_layers=(2,), ch_layers=(5,), gate_prev_skip=True)
+    fast = randomize(fbs_tiny("llama", seed=3, **cfg), seed=6, gate_bias=-1.0)  # CH runs 2/3 of the time
+    assert fbs.engine.fused.decode_ops(fast, weights).native_decode is not None
+    out = fast.generate(prompts, **kw)
+    slow = randomize(fbs_tiny("llama", seed=3, **cfg), seed=6, gate_bias=-1.0)
+    fbs.engine.fused.decode_ops(slow, weights).native_decode = None
+    ref = slow.generate(prompts, **kw)
+    assert 0 < ref.trace.skip_ratio < 1 and out.new_tokens == ref.new_tokens
+    assert (ref.trace.window_k > 0).any() and ref.trace.chunk_boundary.any() and not ref.trace.chunk_boundary.all()
+    for name in ("executed", "intended_skip", "kv_written", "chunk_boundary", "window_k"):
+        assert torch.equal(getattr(out.trace, name), getattr(ref.trace, name)), name
     for a, b in zip(out.scores, ref.scores):
         assert (a - b).abs().max() < 1e-5 * (b.max() - b.min())
 
@@ -361,7 +390,7 @@ def test_native_layer_skipped_rows_keep_x_and_write_only_their_kv(isa, write_ski
     before_k = cache.k[l].clone()
     one = range(l, l + 1)
     same, last_in, logits, skip, run = ops.native_run(one, x, ctx, None, None, None, [False], [False, False], None, 0,
-                                                      write_skipped)
+                                                      write_skipped)[:5]
     assert same is x and last_in is x and skip == [True, True] and run == [False, False]
     assert all(v != v for v in logits)  # NaN: no gate ran
     written = not torch.equal(cache.k[l], before_k)

@@ -392,16 +392,39 @@ class DecodeStep:
         return self.dec._forced_runs(layers, gated, self.step, self.rows)
 
     def ran(self, layers: range, gated: list[bool], x: torch.Tensor, x_in: torch.Tensor, logits: list[float],
-            skip: list[bool], run: list[bool]) -> None:
+            skip: list[bool], run: list[bool], preview: tuple | None = None) -> None:
         """Record ``layers`` run in one call: ``x`` the output, ``x_in`` the last layer's input; ``logits``, ``skip``
-        and ``run`` flat lists, b per layer (``logits`` read where ``gated``). The PAW and CH layers are not among
-        them (their trace fields stay as they are)."""
+        and ``run`` flat lists, b per layer (``logits`` read where ``gated``). ``preview``: where the call ran PAW /
+        CH layers too (:attr:`fbs.engine.fused.FusedOps.native_decode`), (the gate terms after its last PAW layer or
+        None, PAW's k and CH's boundary flag per layer and row, -1 where none); ``zlow`` it wrote in place."""
         dec, rows, b = self.dec, self.rows, len(self.rows)
         dec._record(self.steps, layers, rows, skip, run, logits if any(gated) else None, None, None, None)
+        if preview is not None:
+            self._ran_extras(layers, *preview)
         if dec.m.gates.use_prev_skip:
             last = run[-b:]
             self.prev_skip = None if all(last) else dec._skip_indicator(last)
         self.x, self.x_prev = x, x_in
+
+
+    def _ran_extras(self, layers: range, terms, ks: list[int], bounds: list[int]) -> None:
+        """The trace's window k (first PAW layer) and chunk boundary (first CH layer) of the rows that ran them, and
+        the preview state after a PAW layer, as :meth:`Decoder._layer` leaves them."""
+        dec, rows, b = self.dec, self.rows, len(self.rows)
+        cfg, rec = dec.m.layers_cfg, dec.rec
+        for first, field, vals in ((cfg.paw[0] if cfg.paw else -1, rec.k, ks), (cfg.ch[0] if cfg.ch else -1, rec.bound,
+                                                                               bounds)):
+            if first in layers:
+                at = (first - layers.start) * b
+                for i, r in enumerate(rows):
+                    v = vals[at + i]
+                    if v >= 0:
+                        field[r][self.steps[i]] = v if field is rec.k else bool(v)
+        paw_ran = any(k >= 0 for l in layers if str(l) in dec.m.paw
+                      for k in ks[(l - layers.start) * b:(l - layers.start + 1) * b])
+        if paw_ran:  # zlow is new: the gates' terms follow it (made here by the call, else on first use)
+            self.zero_z = False
+            self.zterms = None if terms is None else dec.ops.terms_of(terms)
 
 
 class Decoder:

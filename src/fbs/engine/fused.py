@@ -41,6 +41,7 @@ from .. import native
 from .cache import CacheContext
 from .kvpolicy import attend_scored
 from ..model.layer import HFOps, layer_step
+from ..model.chunk import LABEL_I
 from ..model.gate import relative_update
 from ..model.lora import merged_lowrank
 from ..native import quant as native_quant
@@ -367,7 +368,12 @@ def _compiler(backend: bool | str, device: torch.device):
 class FusedOps(LayerByLayer):
     """Fused (and optionally compiled) copies of a model's decoder weights in one format; see the module doc."""
 
-    _runs_memo: tuple = (None, None, ())  # (native_layers, layers, _native_runs(layers))
+    #: (id of the table, layers) -> (the table, _native_runs(layers, table))
+    _runs_memo: dict = {}
+    #: per layer the native layer a one-token decode step runs it with, PAW and CH layers included where the
+    #: kernels take their modules (:meth:`NativeLayer.set_paw` / ``set_chunk``); None where the per-op step must
+    #: run it, or altogether (see :meth:`run_layers`)
+    native_decode: list | None = None
 
     def __init__(self, model, fmt: str = "fp32", compile: bool = False):
         base, spec = model.base, model.base.spec
@@ -423,6 +429,9 @@ class FusedOps(LayerByLayer):
         self._native_all = self._native_layers() if ns["native_step"] else None  # every layer it can run
         self.native_layers = None if self._native_all is None else [
             None if str(l) in model.paw or str(l) in model.ch else n for l, n in enumerate(self._native_all)]
+        self._runs_memo = {}
+        if self._native_all is not None and (len(model.paw) or len(model.ch)):
+            self.native_decode = self._decode_layers(model)
 
     def _layer(self, l: int, fg) -> _Layer:
         layer = self.base.layers[l]
@@ -474,6 +483,32 @@ class FusedOps(LayerByLayer):
             out.append(layer)
         return out
 
+    def _decode_layers(self, model) -> list | None:
+        """:attr:`native_decode`: the native layers, PAW / CH layers given their modules (PAW where
+        :func:`fbs.native.paw_weights` takes it); None when a PAW layer's module is one the kernel does not take."""
+        self._ch_native: set[int] = set()  # the CH layers among them
+        with torch.no_grad():
+            emb, keys = model.preview_vocab() if len(model.paw) else (None, {})
+        terms = () if self._term_w is None else (self._term_w.contiguous(), self._term_b.contiguous())
+        out = list(self.native_layers)
+        for l, layer in enumerate(self._native_all):
+            key = str(l)
+            if layer is None or (key not in model.paw and key not in model.ch):
+                continue
+            if key in model.paw:
+                args = native.paw_weights(model.paw[key], keys[key], emb.detach())
+                if args is None:
+                    return None
+                layer.set_paw(*args, *(terms or (None, None)))
+            if key in model.ch:
+                head = model.ch[key]
+                layer.set_chunk(*(t.detach().contiguous() for t in (head.bios.weight, head.bios.bias, head.key.weight,
+                                                                     head.query.weight, head.out.weight)),
+                                float(head.scale), LABEL_I)
+                self._ch_native.add(l)
+            out[l] = layer
+        return out
+
     @property
     def native_chunk(self) -> bool:
         return self.native_layers is not None
@@ -481,10 +516,14 @@ class FusedOps(LayerByLayer):
     def run_layers(self, layers: range, step) -> None:
         """:meth:`LayerByLayer.run_layers`, with each run of consecutive layers in :attr:`native_layers` as one
         native call (:meth:`native_run`) when the step's decisions are ones the kernel makes
-        (``step.hard_decisions``); the other layers one by one."""
+        (``step.hard_decisions``); the other layers one by one. A decode step's context (row-wise products, no chunk
+        log: ``ctx.linear`` set, ``ctx.trail`` None) runs PAW and CH layers natively too (:attr:`native_decode`)."""
         if self.native_layers is None or not step.hard_decisions:
             return super().run_layers(layers, step)
-        for seg, whole in self._native_runs(layers):
+        ctx = step.ctx
+        table = self.native_decode if self.native_decode is not None and ctx.linear is not None \
+            and ctx.trail is None else self.native_layers
+        for seg, whole in self._native_runs(layers, table):
             if not whole:
                 super().run_layers(seg, step)
                 continue
@@ -492,46 +531,55 @@ class FusedOps(LayerByLayer):
             any_gated = any(gated)
             if any_gated:
                 step.gate_inputs()
-            out = self.native_run(seg, step.x, step.ctx, step.x_prev, step.prev_skip,
+            out = self.native_run(seg, step.x, ctx, step.x_prev, step.prev_skip,
                                   step.zterms if any_gated else None, gated, step.forced_runs(seg, gated),
-                                  step.thresholds, step.policy, step.write_skipped)
-            step.ran(seg, gated, *out)
+                                  step.thresholds, step.policy, step.write_skipped, table, step.zlow)
+            step.ran(seg, gated, *out[:5], preview=None if table is self.native_layers else out[5:])
 
-    def _native_runs(self, layers: range) -> tuple[tuple[range, bool], ...]:
-        """``layers`` cut into maximal runs of layers with (True) and without a native whole-layer step, made once
-        per range and :attr:`native_layers`."""
-        memo = self._runs_memo
-        if memo[0] is not self.native_layers or memo[1] != layers:
+    def _native_runs(self, layers: range, table: list | None = None) -> tuple[tuple[range, bool], ...]:
+        """``layers`` cut into maximal runs of layers with (True) and without a native whole-layer step in ``table``
+        (default :attr:`native_layers`), made once per range and table."""
+        table = self.native_layers if table is None else table
+        key = (id(table), layers.start, layers.stop)
+        memo = self._runs_memo.get(key)
+        if memo is None or memo[0] is not table:
             runs, l = [], layers.start
             while l < layers.stop:
-                whole = self.native_layers[l] is not None
+                whole = table[l] is not None
                 end = l + 1
-                while end < layers.stop and (self.native_layers[end] is not None) == whole:
+                while end < layers.stop and (table[end] is not None) == whole:
                     end += 1
                 runs.append((range(l, end), whole))
                 l = end
-            memo = self._runs_memo = (self.native_layers, layers, tuple(runs))
-        return memo[2]
+            memo = self._runs_memo[key] = (table, tuple(runs))
+        return memo[1]
 
     def native_run(self, layers: range, x, ctx, x_prev, prev_skip, zterms, gated: list[bool], runs: list[bool],
-                   thresholds, policy: int, write_skipped: bool):
+                   thresholds, policy: int, write_skipped: bool, table: list | None = None,
+                   zlow: torch.Tensor | None = None):
         """Consecutive layers ``layers`` of a one-token step (each in :attr:`native_layers`) in one native call:
         per layer norm, K/V (+ gate), the decision, the cache writes, attention and FFN of the rows that run.
         A layer with ``gated[k]`` decides by the rows' logit ``thresholds`` under the batch ``policy`` (0 gather,
         1 all, 2 majority) with the step's preview terms ``zterms`` (:meth:`preview_terms`); the others run the rows
         flagged in ``runs`` (layer-major, b per layer; empty: every row). ``x_prev`` / ``prev_skip``: the previous
         layer's input (None: none) and (b, 1) skip indicator (None: no row skipped it). ``write_skipped``: rows that
-        skip still write K/V (``project``). Books the cache entries written. Returns (x', input of the last layer,
-        logits, skip, run), the last three flat lists (b per layer; logits NaN where no gate ran); x' is that input
-        itself when no row ran the last layer."""
+        skip still write K/V (``project``). Books the cache entries written. ``table``: the native layers to run
+        (default :attr:`native_layers`; :attr:`native_decode` with PAW / CH layers, which write the step's ``zlow``
+        (b, 1, R) in place and advance ``ctx``'s chunk states). Returns (x', input of the last layer, logits, skip,
+        run, the gate terms after a PAW layer or None, PAW's k and CH's boundary per layer and row), logits, skip and
+        run flat lists (b per layer; logits NaN where no gate ran); x' is that input itself when no row ran the last
+        layer."""
+        table = self.native_layers if table is None else table
         lens = ctx.cache.lengths
         slots = [lens[l][r] for l in layers for r in ctx.rows]
         ps = [] if prev_skip is None else prev_skip.view(-1).tolist()
-        out = native.run_layers([self.native_layers[l] for l in layers], x, x_prev, ps,
+        chunks = [ctx.chunks[l] for l in layers if l in self._ch_native] if table is not self.native_layers else None
+        out = native.run_layers([table[l] for l in layers], x, x_prev, ps,
                                 None if zterms is None else zterms.flat, *self._rope_of(ctx),
                                 ctx.cache.k[layers.start:layers.stop], ctx.cache.v[layers.start:layers.stop],
                                 ctx.rows_t, slots, gated, runs, thresholds or [], policy, write_skipped,
-                                self._scores_of(layers, ctx), ctx.cache.key_factor[layers.start:layers.stop])
+                                self._scores_of(layers, ctx), ctx.cache.key_factor[layers.start:layers.stop],
+                                zlow=None if zlow is None else zlow.view(zlow.shape[0], -1), chunks=chunks)
         ctx.book(layers, None if write_skipped else out[4])
         return out
 
@@ -613,6 +661,10 @@ class FusedOps(LayerByLayer):
                 terms = self._zero_terms[rows] = _Terms(self._term_b.expand(rows, 1, -1).contiguous(), self._gate_width)
             return terms
         return _Terms(F.linear(zlow, self._term_w, self._term_b), self._gate_width)
+
+    def terms_of(self, flat: torch.Tensor):
+        """The per-gate view of terms (b, 1, n * G) made elsewhere (a native run after a PAW layer)."""
+        return _Terms(flat, self._gate_width)
 
     # ---- one layer ------------------------------------------------------------
     def _one_token(self, x: torch.Tensor, ctx) -> bool:

@@ -101,6 +101,7 @@ class BaseDecoder(nn.Module):
         self.rotary = inner.rotary_emb
         self.lm_head = hf_model.lm_head
         self.scaling = self.spec.head_dim ** -0.5
+        self._rope_table: tuple | None = None  # (cos, sin) (n, hd) of positions 0..n-1, or None (see rope)
 
     # ---- whole-model pieces -------------------------------------------------
     @property
@@ -112,8 +113,23 @@ class BaseDecoder(nn.Module):
         return self.embed_tokens(input_ids)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (B, T, hd) for integer positions (B, T)."""
-        return self.rotary(x, positions)
+        """cos, sin of shape (B, T, hd) for integer positions (B, T).
+
+        With HF's default rotary type (cos / sin of position x frequency, nothing that depends on the sequence length)
+        they are rows of one table of positions 0..n-1, made by the rotary module itself (grown by doubling): each
+        entry is one product and its cos / sin, so a row has the bits of the module's own call for that position
+        (tests/test_model_equivalence.py checks it), and a decode step reads two rows instead of dispatching the
+        module's dozen ops."""
+        if getattr(self.rotary, "rope_type", None) != "default" or positions.numel() == 0:
+            return self.rotary(x, positions)
+        table = self._rope_table
+        n = int(positions.max()) + 1
+        if table is None or table[0].shape[0] < n or table[0].dtype != x.dtype or table[0].device != x.device:
+            size = max(n, 1024, 2 * (0 if table is None else table[0].shape[0]))
+            with torch.no_grad():
+                cos, sin = self.rotary(x, torch.arange(size, device=x.device).view(1, size))
+            table = self._rope_table = (cos[0], sin[0])
+        return table[0][positions], table[1][positions]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))

@@ -19,11 +19,14 @@ The sources, one file per concern (``csrc/``; per-ISA code under ``csrc/arch/x86
 * ``norm.cpp``: **RMSNorm** (:func:`rms_norm`) in one call, and **row-independent fp32 products**
   (:func:`linear_rows`) for the small modules (PAW) the engine runs outside a native layer.
 * ``layer.cpp``: **a whole decoder layer** (:class:`NativeLayer`, built by :class:`fbs.engine.fused.FusedOps` per
-  layer without PAW / CH): RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision
-  (``skip.h``, the rule of :mod:`fbs.model.skip`), the cache writes, and attention and FFN of the rows that run.
+  layer): RMSNorm, the fused K/V(+gate) product, the gate's logit and the skip decision (``skip.h``, the rule of
+  :mod:`fbs.model.skip`), the cache writes, and attention and FFN of the rows that run; on a one-token decode step
+  also PAW's and CH's steps between them (``set_paw`` / ``set_chunk``), the gates after PAW reading its new summary.
 * ``packed.cpp``: **the weight formats a native layer streams** (:func:`packed_weight`): int8 with fp32
   activations (``int8.cpp``) or the block-quantized kinds with int8 activations (``quant.cpp``,
   :mod:`fbs.native.quant`); every product of a layer goes through it.
+* ``lowrank.cpp`` + ``arch/x86/lowrank_x86.cpp``: **a LoRA delta kept apart from a weight's blocks**, its factors in
+  fp16: the dot products before a product, the sums added by the product's own threads on their columns.
 * ``chunk.cpp``: **the chunk head's online step** (:func:`chunk_step`), in place on the engine's chunk state.
 * ``paw.cpp``: **PAW's decode step** (:func:`paw_step`): window, horizon heads, top-K expectation, conv and pool,
   down and up of each row in one call.
@@ -422,15 +425,22 @@ def h2o_evict(kc: torch.Tensor, vc: torch.Tensor, acc: torch.Tensor, pos: torch.
 def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_skip: list[float],
                zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
                idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
-               policy: int, write_skipped: bool, accs: list | None = None, kfs: list | None = None):
+               policy: int, write_skipped: bool, accs: list | None = None, kfs: list | None = None,
+               zlow: torch.Tensor | None = None, chunks: list | None = None):
     """Consecutive :class:`NativeLayer` s of a one-token step in one call (see
     :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes). ``accs``: per layer its
     accumulated attention (B, Hkv, C) fp32, to which the rows that run the layer add their attention weights (H2O),
     from the attention's own pass. ``kfs``: per layer the factors its keys are stored divided by (as
-    :func:`attend_one`'s ``kf``), or None."""
+    :func:`attend_one`'s ``kf``), or None. Layers with PAW / CH (:meth:`NativeLayer.set_paw` / ``set_chunk``):
+    ``zlow`` (b, R) the step's preview summary, written in place; ``chunks`` each CH layer's
+    :class:`fbs.model.chunk.ChunkState`, in order. Returns (x', the last layer's input, logits, skip, run, the gate
+    terms after the last PAW layer that ran (b, 1, T) or None, per layer and row PAW's k and CH's boundary (-1:
+    none))."""
     kfs = [] if kfs is None or all(f is None for f in kfs) else list(kfs)
-    return _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
-                              thresholds, policy, write_skipped, accs or [], kfs, _isa_code())
+    flat = [t for st in chunks or () for t in (st.closed, st.n_closed, st.open_sum, st.open_count)]
+    out = _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
+                             thresholds, policy, write_skipped, accs or [], kfs, _isa_code(), zlow, flat)
+    return out
 
 
 def attend_layer(layer, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,

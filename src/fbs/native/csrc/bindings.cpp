@@ -44,7 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const fbs_packed::Packed&, std::optional<at::Tensor>, const fbs_packed::Packed&,
                           std::optional<at::Tensor>, const fbs_packed::Packed&, at::Tensor, const fbs_packed::Packed&,
                           const fbs_packed::Packed&>())
-      .def("set_gate", &fbs_layer::Layer::set_gate);
+      .def("set_gate", &fbs_layer::Layer::set_gate)
+      .def("set_paw", &fbs_layer::Layer::set_paw)
+      .def("set_chunk", &fbs_layer::Layer::set_chunk);
   m.def("run_layers", &fbs_layer::run_layers);
   m.def("attend_layer", &fbs_layer::attend_layer, py::arg("layer"), py::arg("x"), py::arg("xn"), py::arg("cos"),
         py::arg("sin"), py::arg("kc"), py::arg("vc"), py::arg("idx"), py::arg("slots"), py::arg("k"), py::arg("v"),

@@ -87,7 +87,67 @@ void Layer::set_gate(int64_t index, int64_t off, int64_t width, std::optional<at
   }
 }
 
+void Layer::set_paw(const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
+                    const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
+                    const at::Tensor& other, double head_scale, int64_t top_k, const at::Tensor& emb,
+                    const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& w_down,
+                    const at::Tensor& w_up, std::optional<at::Tensor> term_w_, std::optional<at::Tensor> term_b_) {
+  auto w = std::make_shared<fbs_paw::Weights>(fbs_paw::make(w_window, b_window, fixed_k, k_max, w_query, mix, bias,
+                                                            keys_t, other, head_scale, top_k, emb, conv_w, conv_b,
+                                                            w_down, w_up));
+  TORCH_CHECK(w->d == d, "fbs native layer: PAW's width ", w->d, " is not the layer's ", d);
+  TORCH_CHECK(term_w_.has_value() == term_b_.has_value(), "fbs native layer: term_w and term_b together");
+  if (term_w_) {
+    TORCH_CHECK(term_w_->dim() == 2 && term_w_->size(1) == w->R, "fbs native layer: the gates' term_w (T, R)");
+    term_w = *term_w_;
+    fp32(term_w, term_w.numel(), "term_w");
+    term_b = *term_b_;
+    fp32(term_b, term_w.size(0), "term_b");
+  }
+  paw = w;
+}
+
+void Layer::set_chunk(const at::Tensor& w_bios, const at::Tensor& b_bios, const at::Tensor& w_key,
+                      const at::Tensor& w_query, const at::Tensor& w_out, double scale, int64_t label_i) {
+  auto w = std::make_shared<fbs_chunk::Weights>(fbs_chunk::make(w_bios, b_bios, w_key, w_query, w_out, scale,
+                                                                label_i));
+  TORCH_CHECK(w->d == d, "fbs native layer: CH's width ", w->d, " is not the layer's ", d);
+  ch = w;
+}
+
 void Layer::mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const { w.mm(X, M, Y, isa); }
+
+// H (m, d) += z (PAW), then += c (CH), of the running rows sel, as layer_step adds them (h + z, then + c)
+void Layer::extras(const Step& st, const float* XN, const std::vector<int64_t>& sel, float* H,
+                   const Extras& ex) const {
+  const int64_t m = sel.size();
+  std::vector<float> xs(m * d), add(m * d);
+  for (int64_t j = 0; j < m; ++j) std::copy_n(XN + sel[j] * d, d, xs.data() + j * d);
+  if (paw) {
+    TORCH_CHECK(ex.zlow != nullptr, "fbs native layer: a PAW layer needs the step's zlow");
+    const int64_t R = paw->R;
+    std::vector<float> zl(m * R), ks(m);
+    std::vector<int64_t> kh(m);
+    fbs_paw::rows(*paw, xs.data(), m, add.data(), zl.data(), ks.data(), kh.data(), nullptr);
+    for (int64_t j = 0; j < m; ++j) {
+      for (int64_t c = 0; c < d; ++c) H[j * d + c] += add[j * d + c];
+      std::copy_n(zl.data() + j * R, R, ex.zlow + sel[j] * R);
+      if (ex.k) ex.k[sel[j]] = kh[j];
+    }
+  }
+  if (ch) {
+    TORCH_CHECK(ex.chunk != nullptr, "fbs native layer: a CH layer needs its chunk state");
+    std::vector<int64_t> rw(m);
+    for (int64_t j = 0; j < m; ++j) rw[j] = st.idx[sel[j]];
+    std::vector<float> lg(m * ch->nl);
+    std::unique_ptr<bool[]> start(new bool[m]);
+    fbs_chunk::rows(*ch, *ex.chunk, xs.data(), rw.data(), m, true, add.data(), lg.data(), start.get());
+    for (int64_t j = 0; j < m; ++j) {
+      for (int64_t c = 0; c < d; ++c) H[j * d + c] += add[j * d + c];
+      if (ex.bound) ex.bound[sel[j]] = start[j];
+    }
+  }
+}
 
 // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n). The
 // rotation is computed in fp32; a half-precision cache stores its result rounded, an int8 one quantized
@@ -193,8 +253,9 @@ std::vector<int64_t> Layer::slots(const Step& st, const int64_t* SL, const bool*
 // and policy; else run_in. Fills logits (gated), skip and run (b each).
 int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                     const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-                    double* logits, bool* skip, bool* run, float* acc, const float* KF) const {
+                    double* logits, bool* skip, bool* run, float* acc, const float* KF, const Extras* ex) const {
   const int64_t b = st.b, nk = kvg.n;
+  TORCH_CHECK((!paw && !ch) || ex != nullptr, "fbs native layer: a PAW / CH layer needs the step's extras");
   std::vector<float> xn(b * d), y(b * nk);
   fbs_norm::rows(X, ln1.data_ptr<float>(), eps, xn.data(), b, d);
   mm(xn.data(), b, kvg, y.data(), st.isa);
@@ -228,13 +289,24 @@ int64_t Layer::step(const Step& st, const float* X, float* OUT, at::Tensor& kc, 
   for (int64_t i = 0; i < b; ++i) write[i] = run[i] || st.write_skipped;
   const std::vector<int64_t> slot = slots(st, SL, write.get(), kc);
   write_kv(st, y.data(), write.get(), kc, vc, slot.data(), KF);
-  std::vector<int64_t> sel;
-  for (int64_t i = 0; i < b; ++i)
-    if (run[i]) sel.push_back(i);
+  std::vector<int64_t> sel, skipped;
+  for (int64_t i = 0; i < b; ++i) (run[i] ? sel : skipped).push_back(i);
   const int64_t m = sel.size();
+  if (ch && st.write_skipped && !skipped.empty()) {  // project: a skipped token joins the chunk cache, adds nothing
+    const int64_t n = skipped.size();
+    std::vector<float> xs(n * d), lg(n * ch->nl);
+    std::vector<int64_t> rw(n);
+    for (int64_t j = 0; j < n; ++j) {
+      std::copy_n(xn.data() + skipped[j] * d, d, xs.data() + j * d);
+      rw[j] = st.idx[skipped[j]];
+    }
+    std::unique_ptr<bool[]> start(new bool[n]);
+    fbs_chunk::rows(*ch, *ex->chunk, xs.data(), rw.data(), n, false, nullptr, lg.data(), start.get());
+  }
   if (m == 0) return 0;
   std::vector<float> h(m * d);  // the running rows, compacted
   attention_rows(st, X, xn.data(), sel, kc, vc, slot.data(), h.data(), acc, nullptr, KF);
+  if (paw || ch) extras(st, xn.data(), sel, h.data(), *ex);
   ffn_rows(h.data(), m, st.isa);
   for (int64_t i = 0; i < b; ++i)
     if (!run[i]) std::copy_n(X + i * d, d, OUT + i * d);
@@ -275,13 +347,15 @@ void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
 // skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
 // (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
 // ran). x out is the input of the last layer itself when no row ran it. accs: see layer.h.
-std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
-    const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
-    const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
-    const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
-    const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
-    const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
-    const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa) {
+std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>, at::Tensor,
+           std::vector<int64_t>, std::vector<int64_t>>
+run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
+           const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
+           const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
+           const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
+           const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
+           const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa,
+           const std::optional<at::Tensor>& zlow, const std::vector<at::Tensor>& chunks) {
   const int64_t n = layers.size();
   TORCH_CHECK(accs.empty() || (int64_t)accs.size() == n, "fbs native layers: accumulated attention per layer");
   TORCH_CHECK(kfs.empty() || (int64_t)kfs.size() == n, "fbs native layers: key factors per layer");
@@ -307,9 +381,35 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
   std::vector<bool> skip_out(n * b), run_out(n * b);
   std::unique_ptr<bool[]> sk(new bool[b]), rn(new bool[b]), all_run(new bool[b]);
   for (int64_t i = 0; i < b; ++i) all_run[i] = true;
+  // PAW / CH: the step's zlow, each CH layer's chunk state, the gate terms a PAW layer renews
+  std::vector<int64_t> ks(n * b, -1), bounds(n * b, -1);
+  std::vector<fbs_chunk::State> states;
+  at::Tensor renewed;
+  size_t next_chunk = 0;
+  float* ZLOW = nullptr;
+  for (int64_t k = 0; k < n; ++k) {
+    const Layer& L = *layers[k];
+    if (L.paw && !ZLOW) {
+      TORCH_CHECK(zlow.has_value(), "fbs native layers: a PAW layer needs the step's zlow");
+      ZLOW = const_cast<float*>(fp32(*zlow, b * L.paw->R, "zlow"));
+    }
+    if (L.ch) {
+      TORCH_CHECK(chunks.size() >= 4 * (states.size() + 1), "fbs native layers: four chunk-state tensors per CH layer");
+      auto* c = const_cast<at::Tensor*>(chunks.data()) + 4 * states.size();
+      states.push_back(fbs_chunk::state(c[0], c[1], c[2], c[3], L.ch->R));
+    }
+  }
+  TORCH_CHECK(chunks.size() == 4 * states.size(), "fbs native layers: four chunk-state tensors per CH layer");
   at::Tensor cur = x, prev = x_prev ? *x_prev : at::Tensor();
   for (int64_t k = 0; k < n; ++k) {
     const Layer& L = *layers[k];
+    Extras ex;
+    if (L.paw || L.ch) {
+      ex.zlow = ZLOW;
+      ex.k = ks.data() + k * b;
+      ex.bound = bounds.data() + k * b;
+      ex.chunk = L.ch ? &states[next_chunk++] : nullptr;
+    }
     TORCH_CHECK(L.d == d, "fbs native layers: layer widths differ");
     at::Tensor kc = kcs[k], vc = vcs[k];
     check_cache(L, kc, vc);
@@ -332,7 +432,18 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     const int64_t m = L.step(st, cur.data_ptr<float>(), out.data_ptr<float>(), kc, vc, slots.data() + k * b, terms,
                              z_stride, prev.defined() ? prev.data_ptr<float>() : nullptr,
                              ps.empty() ? nullptr : psf.data(), given.get(), logits.data() + k * b, sk.get(), rn.get(),
-                             acc, KF);
+                             acc, KF, (L.paw || L.ch) ? &ex : nullptr);
+    if (L.paw && m > 0 && L.term_w.defined()) {  // the gates after it read the new zlow
+      const int64_t T = L.term_w.size(0), R = L.paw->R;
+      TORCH_CHECK(Z == nullptr || z_stride == T, "fbs native layers: gate terms of ", z_stride, " values, PAW's ", T);
+      renewed = at::empty({b, 1, T}, x.options());
+      float* RT = renewed.data_ptr<float>();
+      const float *TW = L.term_w.data_ptr<float>(), *TB = L.term_b.data_ptr<float>();
+      for (int64_t i = 0; i < b; ++i)
+        for (int64_t t = 0; t < T; ++t) RT[i * T + t] = fbs_norm::dot(TW + t * R, ZLOW + i * R, R) + TB[t];
+      Z = RT;
+      z_stride = T;
+    }
     bool every = true;
     for (int64_t i = 0; i < b; ++i) {
       skip_out[k * b + i] = sk[i];
@@ -348,7 +459,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::
     prev = cur;
     if (m > 0) cur = out;  // else the layer's output is its input, the same tensor
   }
-  return {cur, prev, logits, skip_out, run_out};
+  return {cur, prev, logits, skip_out, run_out, renewed, ks, bounds};
 }
 const std::vector<double> kNoThresholds;
 

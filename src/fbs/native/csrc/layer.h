@@ -15,7 +15,9 @@
 
 #include "common.h"
 #include "attention.h"
+#include "chunk.h"
 #include "packed.h"
+#include "paw.h"
 
 namespace fbs_layer {
 using fbs_packed::Packed;
@@ -30,6 +32,16 @@ struct Step {
   const double* thresholds;  // per row (gated layers)
 };
 
+// What a decode step's PAW / CH layers read and write (run_layers): the rows' preview summary zlow (b, R), per row
+// k of a PAW layer and the boundary flag of a CH layer (left as they are where the row does not run it), the CH
+// layer's chunk state.
+struct Extras {
+  float* zlow = nullptr;
+  int64_t* k = nullptr;
+  int64_t* bound = nullptr;
+  const fbs_chunk::State* chunk = nullptr;
+};
+
 struct Layer {
   int64_t d, heads, nkv, hd, inter;
   float eps, scale;
@@ -41,6 +53,13 @@ struct Layer {
   int64_t g_off = 0, g_w = 0, G = 0, g_index = 0;
   at::Tensor w_rel, w_prev, rel_first, out_w;
   float out_b = 0.f, g_eps = 1e-3f;
+  // PAW / CH on this layer (set_paw / set_chunk; one-token decode steps, run_layers): what they add to the state of
+  // the rows that run between attention and the FFN, as fbs.model.layer.layer_step adds it. term_w / term_b: the
+  // gates' preview terms of zlow (all gated layers' hidden pre-activations, T of them) that a PAW layer renews for
+  // the layers after it (undefined when the gates do not read zlow).
+  std::shared_ptr<const fbs_paw::Weights> paw;
+  at::Tensor term_w, term_b;
+  std::shared_ptr<const fbs_chunk::Weights> ch;
 
   Layer(int64_t d_, int64_t heads_, int64_t nkv_, int64_t hd_, int64_t inter_, double eps_, double scale_,
         at::Tensor ln1_, const Packed& kvg_, std::optional<at::Tensor> kvg_b_, const Packed& q_,
@@ -48,7 +67,17 @@ struct Layer {
   void set_gate(int64_t index, int64_t off, int64_t width, std::optional<at::Tensor> w_rel_,
                 std::optional<at::Tensor> w_prev_, std::optional<at::Tensor> rel_first_, at::Tensor out_w_,
                 double out_b_, double g_eps_);
+  void set_paw(const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
+               const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
+               const at::Tensor& other, double head_scale, int64_t top_k, const at::Tensor& emb,
+               const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& w_down, const at::Tensor& w_up,
+               std::optional<at::Tensor> term_w_, std::optional<at::Tensor> term_b_);
+  void set_chunk(const at::Tensor& w_bios, const at::Tensor& b_bios, const at::Tensor& w_key,
+                 const at::Tensor& w_query, const at::Tensor& w_out, double scale, int64_t label_i);
   void mm(const float* X, int64_t M, const Packed& w, float* Y, int64_t isa) const;
+  // H (m, d) += PAW's z and CH's c of the running rows sel (XN their normalized inputs, all b rows), writing zlow,
+  // k and the boundary flags of those rows to ex; CH's chunk states advance for them
+  void extras(const Step& st, const float* XN, const std::vector<int64_t>& sel, float* H, const Extras& ex) const;
   // K (rotated) and V of the rows flagged in write, at their slots; Y: the K/V(+gate) product (b, kvg.n)
   // (KF: the cache's key factors (Hkv, hd) or null, fbs_attn::key_factors: keys stored divided by them)
   void write_kv(const Step& st, const float* Y, const bool* write, at::Tensor& kc, at::Tensor& vc,
@@ -70,9 +99,12 @@ struct Layer {
   // rel_first), ps (per row 1.0 where the previous layer was skipped; null: none was) and the step's thresholds
   // and policy; else run_in. Fills logits (gated), skip and run (b each). acc: as attention_rows' (the rows that
   // run add their attention weights), or null.
+  // ex: the step's PAW / CH state (layers with PAW or CH need it; under write_skipped a CH layer's skipped rows
+  // still join its chunk cache, as fbs.engine.cache.CacheContext.chunk_write does).
   int64_t step(const Step& st, const float* X, float* OUT, at::Tensor& kc, at::Tensor& vc, const int64_t* SL,
                const float* terms, int64_t t_stride, const float* x_prev, const float* ps, const bool* run_in,
-               double* logits, bool* skip, bool* run, float* acc = nullptr, const float* KF = nullptr) const;
+               double* logits, bool* skip, bool* run, float* acc = nullptr, const float* KF = nullptr,
+               const Extras* ex = nullptr) const;
 };
 
 // Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
@@ -82,13 +114,20 @@ struct Layer {
 // (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
 // ran). x out is the input of the last layer itself when no row ran it. accs: empty, or per layer its accumulated
 // attention (B, Hkv, C) fp32, to which the rows that run the layer add their attention weights (H2O).
-std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>> run_layers(
-    const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
-    const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
-    const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
-    const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
-    const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
-    const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa);
+// Layers with PAW / CH (one token per row): zlow (b, R) the step's preview summary, written in place by the PAW
+// layers' running rows; chunks: the four ChunkState tensors (closed, n_closed, open_sum, open_count) of each CH
+// layer, in order. After a PAW layer that a row ran (and has term_w) the gate terms of the layers after it are
+// zlow's, returned as the sixth element (b, 1, T) (else undefined); the last two: per layer and row the PAW layer's
+// k and the CH layer's boundary flag (-1 where none).
+std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>, at::Tensor,
+           std::vector<int64_t>, std::vector<int64_t>>
+run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
+           const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
+           const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
+           const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
+           const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
+           const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa,
+           const std::optional<at::Tensor>& zlow, const std::vector<at::Tensor>& chunks);
 
 // The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
 // step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);

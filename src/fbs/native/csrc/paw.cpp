@@ -92,58 +92,68 @@ void expectation(const float* lg, int64_t N, int64_t top_k, const float* emb, in
 }
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> paw_step(
-    const at::Tensor& xn, const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
-    const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
-    const at::Tensor& other, double head_scale, int64_t top_k, const at::Tensor& emb, const at::Tensor& conv_w,
-    const at::Tensor& conv_b, const at::Tensor& w_down, const at::Tensor& w_up) {
-  for (const at::Tensor* t : {&xn, &w_window, &b_window, &w_query, &mix, &bias, &keys_t, &other, &emb, &conv_w, &conv_b,
-                              &w_down, &w_up})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+namespace fbs_paw {
+Weights make(const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
+             const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
+             const at::Tensor& other, double head_scale, int64_t top_k, const at::Tensor& emb,
+             const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& w_down, const at::Tensor& w_up) {
+  Weights w;
+  w.keep = {w_window, b_window, w_query, mix, bias, keys_t, other, emb, conv_w, conv_b, w_down, w_up};
+  for (const at::Tensor& t : w.keep)
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
                 "fbs paw kernel: contiguous fp32 CPU tensors");
-  const int64_t d = xn.size(-1), M = xn.numel() / std::max<int64_t>(d, 1), R = w_query.size(0), N = keys_t.size(1);
+  const int64_t d = emb.size(1), R = w_query.size(0), N = keys_t.size(1);
   TORCH_CHECK(k_max >= 1 && w_window.numel() == d && b_window.numel() == 1 && w_query.size(1) == d &&
                   mix.size(0) == k_max * R && mix.size(1) == R && bias.size(0) == k_max && bias.size(1) == R &&
-                  keys_t.size(0) == R && other.numel() == k_max && emb.size(0) == N && emb.size(1) == d &&
-                  conv_w.numel() == 3 * d && conv_b.numel() == d && w_down.size(0) == R && w_down.size(1) == d &&
-                  w_up.size(0) == d && w_up.size(1) == R && top_k >= 1 && top_k <= N + 1 && fixed_k <= k_max,
+                  keys_t.size(0) == R && other.numel() == k_max && emb.size(0) == N && conv_w.numel() == 3 * d &&
+                  conv_b.numel() == d && w_down.size(0) == R && w_down.size(1) == d && w_up.size(0) == d &&
+                  w_up.size(1) == R && top_k >= 1 && top_k <= N + 1 && fixed_k <= k_max,
               "fbs paw kernel: shapes");
-  std::vector<int64_t> shape(xn.sizes().begin(), xn.sizes().end());
-  auto z = at::empty(shape, xn.options());
-  shape.back() = R;
-  auto zlow = at::empty(shape, xn.options());
-  shape.pop_back();
-  auto k_soft = at::empty(shape, xn.options());
-  auto k_hard = at::empty(shape, xn.options().dtype(at::kLong));
-  shape.push_back(k_max);
-  auto window = at::empty(shape, xn.options());
-  const float *X = xn.data_ptr<float>(), *WQ = w_query.data_ptr<float>(), *MX = mix.data_ptr<float>(),
-              *BI = bias.data_ptr<float>(), *KT = keys_t.data_ptr<float>(), *OT = other.data_ptr<float>(),
-              *E = emb.data_ptr<float>(), *CW = conv_w.data_ptr<float>(), *CB = conv_b.data_ptr<float>(),
-              *WD = w_down.data_ptr<float>(), *WU = w_up.data_ptr<float>();
-  float *Z = z.data_ptr<float>(), *ZL = zlow.data_ptr<float>(), *KS = k_soft.data_ptr<float>(),
-        *WW = window.data_ptr<float>();
-  int64_t* KH = k_hard.data_ptr<int64_t>();
+  w.w_window = w_window.data_ptr<float>();
+  w.b_window = b_window.data_ptr<float>();
+  w.w_query = w_query.data_ptr<float>();
+  w.mix = mix.data_ptr<float>();
+  w.bias = bias.data_ptr<float>();
+  w.keys_t = keys_t.data_ptr<float>();
+  w.other = other.data_ptr<float>();
+  w.emb = emb.data_ptr<float>();
+  w.conv_w = conv_w.data_ptr<float>();
+  w.conv_b = conv_b.data_ptr<float>();
+  w.w_down = w_down.data_ptr<float>();
+  w.w_up = w_up.data_ptr<float>();
+  w.fixed_k = fixed_k;
+  w.k_max = k_max;
+  w.top_k = top_k;
+  w.d = d;
+  w.R = R;
+  w.N = N;
+  w.head_scale = float(head_scale);
+  return w;
+}
+
+void rows(const Weights& w, const float* X, int64_t M, float* Z, float* ZL, float* KS, int64_t* KH, float* WW) {
+  const int64_t d = w.d, R = w.R, N = w.N, k_max = w.k_max, top_k = w.top_k;
   // the window and the query of every row
   const int64_t qmax = (k_max + kGroup - 1) / kGroup * kGroup;  // queries padded to whole groups (zeros)
   std::vector<float> c(M * R), q(M * qmax * R, 0.f), u(M * k_max * d);
   for (int64_t m = 0; m < M; ++m) {
     const float* x = X + m * d;
-    if (fixed_k >= 0) {
-      KS[m] = float(fixed_k);
+    if (w.fixed_k >= 0) {
+      KS[m] = float(w.fixed_k);
     } else {
-      const float s = fbs_norm::dot(w_window.data_ptr<float>(), x, d) + b_window.data_ptr<float>()[0];
+      const float s = fbs_norm::dot(w.w_window, x, d) + w.b_window[0];
       KS[m] = float(k_max) * (1.f / (1.f + std::exp(-s)));
     }
     KH[m] = std::min<int64_t>(k_max, int64_t(std::floor(KS[m])));
-    for (int64_t r = 0; r < k_max; ++r) WW[m * k_max + r] = r < KH[m] ? 1.f : 0.f;
+    if (WW)
+      for (int64_t r = 0; r < k_max; ++r) WW[m * k_max + r] = r < KH[m] ? 1.f : 0.f;
     if (KH[m] == 0) continue;
     float* cm = c.data() + m * R;
-    for (int64_t j = 0; j < R; ++j) cm[j] = fbs_norm::dot(WQ + j * d, x, d);
+    for (int64_t j = 0; j < R; ++j) cm[j] = fbs_norm::dot(w.w_query + j * d, x, d);
     for (int64_t r = 0; r < KH[m]; ++r)
       for (int64_t j = 0; j < R; ++j) {
         const int64_t row = r * R + j;
-        q[(m * qmax + r) * R + j] = cm[j] + fbs_norm::dot(MX + row * R, cm, R) + BI[row];
+        q[(m * qmax + r) * R + j] = cm[j] + fbs_norm::dot(w.mix + row * R, cm, R) + w.bias[row];
       }
   }
   // every (row, group of kGroup horizons) of the windows: logits, then each horizon's expectation, over the threads
@@ -156,13 +166,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> paw_step(
       const int64_t m = i / groups, r0 = i % groups * kGroup;
       if (r0 >= KH[m]) continue;
       const int64_t h = std::min(kGroup, KH[m] - r0);
-      group_logits(q.data() + (m * qmax + r0) * R, KT, N, R, float(head_scale), lg.data());
+      group_logits(q.data() + (m * qmax + r0) * R, w.keys_t, N, R, w.head_scale, lg.data());
       for (int64_t g = h - 1; g >= 0; --g) {  // each horizon's N logits, then its 'other' logit
         std::memmove(lg.data() + g * (N + 1), lg.data() + g * N, N * sizeof(float));
-        lg[g * (N + 1) + N] = OT[r0 + g];
+        lg[g * (N + 1) + N] = w.other[r0 + g];
       }
       for (int64_t g = 0; g < h; ++g)
-        expectation(lg.data() + g * (N + 1), N, top_k, E, d, sel.data(), idx, u.data() + (m * k_max + r0 + g) * d);
+        expectation(lg.data() + g * (N + 1), N, top_k, w.emb, d, sel.data(), idx, u.data() + (m * k_max + r0 + g) * d);
     }
   });
   // per row: the conv over its window, the pool, down and up
@@ -176,9 +186,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> paw_step(
       std::fill_n(zm, d, 0.f);
       continue;
     }
-    pool_window(u.data() + m * k_max * d, k, d, CW, CB, pooled.data());
-    for (int64_t j = 0; j < R; ++j) zl[j] = fbs_norm::dot(WD + j * d, pooled.data(), d);
-    for (int64_t j = 0; j < d; ++j) zm[j] = fbs_norm::dot(WU + j * R, zl, R);
+    pool_window(u.data() + m * k_max * d, k, d, w.conv_w, w.conv_b, pooled.data());
+    for (int64_t j = 0; j < R; ++j) zl[j] = fbs_norm::dot(w.w_down + j * d, pooled.data(), d);
+    for (int64_t j = 0; j < d; ++j) zm[j] = fbs_norm::dot(w.w_up + j * R, zl, R);
   }
+}
+}  // namespace fbs_paw
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> paw_step(
+    const at::Tensor& xn, const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
+    const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
+    const at::Tensor& other, double head_scale, int64_t top_k, const at::Tensor& emb, const at::Tensor& conv_w,
+    const at::Tensor& conv_b, const at::Tensor& w_down, const at::Tensor& w_up) {
+  const fbs_paw::Weights w = fbs_paw::make(w_window, b_window, fixed_k, k_max, w_query, mix, bias, keys_t, other,
+                                           head_scale, top_k, emb, conv_w, conv_b, w_down, w_up);
+  TORCH_CHECK(xn.scalar_type() == at::kFloat && xn.is_contiguous() && xn.device().is_cpu() && xn.size(-1) == w.d,
+              "fbs paw kernel: contiguous fp32 CPU rows (..., ", w.d, ")");
+  const int64_t M = xn.numel() / w.d;
+  std::vector<int64_t> shape(xn.sizes().begin(), xn.sizes().end());
+  auto z = at::empty(shape, xn.options());
+  shape.back() = w.R;
+  auto zlow = at::empty(shape, xn.options());
+  shape.pop_back();
+  auto k_soft = at::empty(shape, xn.options());
+  auto k_hard = at::empty(shape, xn.options().dtype(at::kLong));
+  shape.push_back(k_max);
+  auto window = at::empty(shape, xn.options());
+  fbs_paw::rows(w, xn.data_ptr<float>(), M, z.data_ptr<float>(), zlow.data_ptr<float>(), k_soft.data_ptr<float>(),
+                k_hard.data_ptr<int64_t>(), window.data_ptr<float>());
   return {z, zlow, k_soft, k_hard, window};
 }

@@ -15,6 +15,25 @@
 
 #include "common.h"
 
+namespace fbs_paw {
+// A PAW module's weights as the step reads them (pointers into the tensors it keeps)
+struct Weights {
+  std::vector<at::Tensor> keep;
+  const float *w_window = nullptr, *b_window = nullptr, *w_query = nullptr, *mix = nullptr, *bias = nullptr,
+              *keys_t = nullptr, *other = nullptr, *emb = nullptr, *conv_w = nullptr, *conv_b = nullptr,
+              *w_down = nullptr, *w_up = nullptr;
+  int64_t fixed_k = -1, k_max = 0, top_k = 0, d = 0, R = 0, N = 0;
+  float head_scale = 1.f;
+};
+// The weights from paw_step's arguments, shapes checked.
+Weights make(const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
+             const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
+             const at::Tensor& other, double head_scale, int64_t top_k, const at::Tensor& emb,
+             const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& w_down, const at::Tensor& w_up);
+// The step of M rows X (M, d): Z (M, d), ZL (M, R), KS and KH (M), WW (M, k_max) or null.
+void rows(const Weights& w, const float* X, int64_t M, float* Z, float* ZL, float* KS, int64_t* KH, float* WW);
+}  // namespace fbs_paw
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> paw_step(
     const at::Tensor& xn, const at::Tensor& w_window, const at::Tensor& b_window, int64_t fixed_k, int64_t k_max,
     const at::Tensor& w_query, const at::Tensor& mix, const at::Tensor& bias, const at::Tensor& keys_t,
