@@ -424,8 +424,9 @@ class FusedOps(LayerByLayer):
         self.native_gates = (not compile and bool(self.gated) and self.dtype == torch.float32
                              and self.emb.device.type == "cpu" and native.module() is not None)
         #: per layer, the whole one-token layer in one native call (fbs.native.NativeLayer), or None where the
-        #: layer runs as PyTorch ops (PAW / CH layers, Qwen3's per-head norms, widths not a multiple of 16);
-        #: None altogether unless the step is the native int8 one. See :meth:`native_layer`.
+        #: layer runs as PyTorch ops around native halves (PAW / CH layers: :attr:`native_decode` has them for a
+        #: decode step), or as PyTorch ops (Qwen3's per-head norms, widths not a multiple of 16); None altogether
+        #: unless the step is the native int8 one.
         self._native_all = self._native_layers() if ns["native_step"] else None  # every layer it can run
         self.native_layers = None if self._native_all is None else [
             None if str(l) in model.paw or str(l) in model.ch else n for l, n in enumerate(self._native_all)]
