@@ -40,8 +40,9 @@ import torch.nn.functional as F
 from .. import native
 from .cache import CacheContext
 from .kvpolicy import attend_scored
-from ..model.layer import HFOps, layer_step
-from ..model.chunk import LABEL_I
+from ..model.layer import HFOps, LayerOut, layer_step
+from ..model.preview import PreviewOut
+from ..model.chunk import LABEL_I, ChunkOut, ChunkState
 from ..model.gate import relative_update
 from ..model.lora import merged_lowrank
 from ..native import quant as native_quant
@@ -95,9 +96,10 @@ def full_depth(model, ops, x: torch.Tensor, ctx, layers: range, on_layer=None) -
     # a token tree's pass runs layer by layer (its attention masks reach the native layers' attention halves)
     native_runs = getattr(ops, "native_layers", None) is not None and ctx.native_many \
         and getattr(ctx, "tree_bits", None) is None
-    for seg, whole in ops._native_runs(layers) if native_runs else ((layers, False),):
+    table = ops.span_table(ctx) if native_runs else None
+    for seg, whole in ops._native_runs(layers, table) if native_runs else ((layers, False),):
         if whole:
-            x = ops.native_span(seg, x, ctx)
+            x = ops.native_span(seg, x, ctx, table, on_layer)
             continue
         for l in seg:
             out = layer_step(model, ops, l, x, ctx)
@@ -488,6 +490,8 @@ class FusedOps(LayerByLayer):
         """:attr:`native_decode`: the native layers, PAW / CH layers given their modules (PAW where
         :func:`fbs.native.paw_weights` takes it); None when a PAW layer's module is one the kernel does not take."""
         self._ch_native: set[int] = set()  # the CH layers among them
+        self._paw_native: set[int] = set()  # the PAW layers among them
+        self._preview_rank = model.config.preview_rank
         with torch.no_grad():
             emb, keys = model.preview_vocab() if len(model.paw) else (None, {})
         terms = () if self._term_w is None else (self._term_w.contiguous(), self._term_b.contiguous())
@@ -501,6 +505,7 @@ class FusedOps(LayerByLayer):
                 if args is None:
                     return None
                 layer.set_paw(*args, *(terms or (None, None)))
+                self._paw_native.add(l)
             if key in model.ch:
                 head = model.ch[key]
                 layer.set_chunk(*(t.detach().contiguous() for t in (head.bios.weight, head.bios.bias, head.key.weight,
@@ -535,7 +540,7 @@ class FusedOps(LayerByLayer):
             out = self.native_run(seg, step.x, ctx, step.x_prev, step.prev_skip,
                                   step.zterms if any_gated else None, gated, step.forced_runs(seg, gated),
                                   step.thresholds, step.policy, step.write_skipped, table, step.zlow)
-            step.ran(seg, gated, *out[:5], preview=None if table is self.native_layers else out[5:])
+            step.ran(seg, gated, *out[:5], preview=None if table is self.native_layers else out[5:8])
 
     def _native_runs(self, layers: range, table: list | None = None) -> tuple[tuple[range, bool], ...]:
         """``layers`` cut into maximal runs of layers with (True) and without a native whole-layer step in ``table``
@@ -591,22 +596,55 @@ class FusedOps(LayerByLayer):
             return None
         return [ctx.attention_scores(l) for l in layers]
 
-    def native_span(self, layers: range, x: torch.Tensor, ctx) -> torch.Tensor:
-        """Consecutive layers ``layers`` (each in :attr:`native_layers`) at full depth over T new tokens per row,
-        x (b, T, d), in one native call: the b * T positions are the call's rows, each sequence's positions
-        consecutive and sharing its cache row, so each position attends over its row's cache and the positions
-        before it (the kernel gives them consecutive slots). Writes and books every position's K/V; returns
-        x' (b, T, d). What a speculative verifier and a prefill run between PAW / CH layers."""
+    def span_table(self, ctx) -> list:
+        """The native layers a multi-token pass in ``ctx`` runs: :attr:`native_decode` (PAW / CH layers too) for a
+        verifier's pass (row-wise context), else :attr:`native_layers` (a prefill keeps PAW / CH outside)."""
+        return self.native_decode if self.native_decode is not None and ctx.linear is not None else self.native_layers
+
+    def native_span(self, layers: range, x: torch.Tensor, ctx, table: list | None = None,
+                    on_layer=None) -> torch.Tensor:
+        """Consecutive layers ``layers`` (each in ``table``, default :attr:`native_layers`) at full depth over T new
+        tokens per row, x (b, T, d), in one native call: the b * T positions are the call's rows, each sequence's
+        positions consecutive and sharing its cache row, so each position attends over its row's cache and the
+        positions before it (the kernel gives them consecutive slots). Writes and books every position's K/V;
+        returns x' (b, T, d). What a speculative verifier and a prefill run. With :attr:`native_decode` (a verifier's
+        pass) PAW and CH layers run inside the call: CH steps each sequence's positions in order, its state after
+        each one appended to ``ctx.trail`` when the pass logs; ``on_layer`` sees the first PAW / CH layer's k and
+        boundaries, (b, T) each, as :func:`full_depth` shows them for the per-op layers."""
+        table = self.native_layers if table is None else table
         b, t, d = x.shape
         lens = ctx.cache.lengths
         slots = [lens[l][r] for l in layers for r in ctx.rows for _ in range(t)]
         idx = ctx.rows_t.repeat_interleave(t) if t > 1 else ctx.rows_t
         cos, sin = self._rope_of(ctx)
-        out = native.run_layers([self.native_layers[l] for l in layers], x.reshape(b * t, 1, d).contiguous(), None,
+        extras = table is not self.native_layers
+        ch = [l for l in layers if l in self._ch_native] if extras else []
+        paw = [l for l in layers if l in self._paw_native] if extras else []
+        trail = bool(ch) and ctx.trail is not None
+        out = native.run_layers([table[l] for l in layers], x.reshape(b * t, 1, d).contiguous(), None,
                                 [], None, cos.contiguous(), sin.contiguous(), ctx.cache.k[layers.start:layers.stop],
                                 ctx.cache.v[layers.start:layers.stop], idx, slots, [False] * len(layers), [], [], 0,
-                                False, kfs=ctx.cache.key_factor[layers.start:layers.stop])
+                                False, kfs=ctx.cache.key_factor[layers.start:layers.stop],
+                                zlow=x.new_zeros(b * t, self._preview_rank) if paw else None,
+                                chunks=[ctx.chunks[l] for l in ch], trail=trail)
         ctx.book(layers, None)
+        if trail:
+            for k, l in enumerate(ch):
+                closed, n_closed, open_sum, open_count = out[8][4 * k:4 * k + 4]
+                for j in range(t):
+                    at = torch.arange(j, b * t, t)
+                    st = ChunkState.__new__(ChunkState)
+                    st.closed, st.n_closed, st.open_sum, st.open_count = (closed[at], n_closed[at], open_sum[at],
+                                                                          open_count[at])
+                    ctx.trail.setdefault(l, []).append(st)
+        if on_layer is not None and (paw or ch):
+            for l in layers:
+                if l in paw or l in ch:
+                    k = (l - layers.start) * b * t
+                    ks = torch.tensor(out[6][k:k + b * t]).view(b, t)
+                    bounds = torch.tensor(out[7][k:k + b * t]).view(b, t) > 0
+                    on_layer(l, LayerOut(None, None, PreviewOut(None, None, None, None, ks, None) if l in paw else None,
+                                         ChunkOut(None, None, bounds, None, None) if l in ch else None))
         return out[0].view(b, t, d)
 
     def _weight(self, w: torch.Tensor, head: bool = False, lowrank=None) -> Weight:

@@ -426,7 +426,7 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
                zterms: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kcs: list, vcs: list,
                idx: torch.Tensor, slots: list[int], gated: list[bool], runs: list[bool], thresholds: list[float],
                policy: int, write_skipped: bool, accs: list | None = None, kfs: list | None = None,
-               zlow: torch.Tensor | None = None, chunks: list | None = None):
+               zlow: torch.Tensor | None = None, chunks: list | None = None, trail: bool = False):
     """Consecutive :class:`NativeLayer` s of a one-token step in one call (see
     :meth:`fbs.engine.fused.FusedOps.native_run`, which books the cache entries it writes). ``accs``: per layer its
     accumulated attention (B, Hkv, C) fp32, to which the rows that run the layer add their attention weights (H2O),
@@ -435,11 +435,12 @@ def run_layers(layers: list, x: torch.Tensor, x_prev: torch.Tensor | None, prev_
     ``zlow`` (b, R) the step's preview summary, written in place; ``chunks`` each CH layer's
     :class:`fbs.model.chunk.ChunkState`, in order. Returns (x', the last layer's input, logits, skip, run, the gate
     terms after the last PAW layer that ran (b, 1, T) or None, per layer and row PAW's k and CH's boundary (-1:
-    none))."""
+    none), with ``trail`` per CH layer its state after each row's token (closed, n_closed, open_sum, open_count: b rows
+    each; else empty))."""
     kfs = [] if kfs is None or all(f is None for f in kfs) else list(kfs)
     flat = [t for st in chunks or () for t in (st.closed, st.n_closed, st.open_sum, st.open_count)]
     out = _module.run_layers(layers, x, x_prev, prev_skip, zterms, cos, sin, kcs, vcs, idx, slots, gated, runs,
-                             thresholds, policy, write_skipped, accs or [], kfs, _isa_code(), zlow, flat)
+                             thresholds, policy, write_skipped, accs or [], kfs, _isa_code(), zlow, flat, trail)
     return out
 
 

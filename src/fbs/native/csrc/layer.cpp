@@ -141,7 +141,22 @@ void Layer::extras(const Step& st, const float* XN, const std::vector<int64_t>& 
     for (int64_t j = 0; j < m; ++j) rw[j] = st.idx[sel[j]];
     std::vector<float> lg(m * ch->nl);
     std::unique_ptr<bool[]> start(new bool[m]);
-    fbs_chunk::rows(*ch, *ex.chunk, xs.data(), rw.data(), m, true, add.data(), lg.data(), start.get());
+    if (ex.trail) {  // token by token, the state after each one copied out (a verifier rolls back to one of them)
+      const fbs_chunk::State& s = *ex.chunk;
+      const fbs_chunk::State& t = *ex.trail;
+      const int64_t R = ch->R, C = s.C;
+      for (int64_t j = 0; j < m; ++j) {
+        fbs_chunk::rows(*ch, s, xs.data() + j * d, rw.data() + j, 1, true, add.data() + j * d, lg.data() + j * ch->nl,
+                        start.get() + j);
+        const int64_t r = rw[j], i = sel[j];
+        std::copy_n(s.closed + r * C * R, C * R, t.closed + i * C * R);
+        t.n_closed[i] = s.n_closed[r];
+        std::copy_n(s.open_sum + r * R, R, t.open_sum + i * R);
+        t.open_count[i] = s.open_count[r];
+      }
+    } else {
+      fbs_chunk::rows(*ch, *ex.chunk, xs.data(), rw.data(), m, true, add.data(), lg.data(), start.get());
+    }
     for (int64_t j = 0; j < m; ++j) {
       for (int64_t c = 0; c < d; ++c) H[j * d + c] += add[j * d + c];
       if (ex.bound) ex.bound[sel[j]] = start[j];
@@ -348,14 +363,14 @@ void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
 // (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
 // ran). x out is the input of the last layer itself when no row ran it. accs: see layer.h.
 std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>, at::Tensor,
-           std::vector<int64_t>, std::vector<int64_t>>
+           std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>
 run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
            const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
            const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
            const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
            const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
            const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa,
-           const std::optional<at::Tensor>& zlow, const std::vector<at::Tensor>& chunks) {
+           const std::optional<at::Tensor>& zlow, const std::vector<at::Tensor>& chunks, bool trail) {
   const int64_t n = layers.size();
   TORCH_CHECK(accs.empty() || (int64_t)accs.size() == n, "fbs native layers: accumulated attention per layer");
   TORCH_CHECK(kfs.empty() || (int64_t)kfs.size() == n, "fbs native layers: key factors per layer");
@@ -383,7 +398,8 @@ run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::op
   for (int64_t i = 0; i < b; ++i) all_run[i] = true;
   // PAW / CH: the step's zlow, each CH layer's chunk state, the gate terms a PAW layer renews
   std::vector<int64_t> ks(n * b, -1), bounds(n * b, -1);
-  std::vector<fbs_chunk::State> states;
+  std::vector<fbs_chunk::State> states, trails;
+  std::vector<at::Tensor> trail_out;
   at::Tensor renewed;
   size_t next_chunk = 0;
   float* ZLOW = nullptr;
@@ -397,6 +413,13 @@ run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::op
       TORCH_CHECK(chunks.size() >= 4 * (states.size() + 1), "fbs native layers: four chunk-state tensors per CH layer");
       auto* c = const_cast<at::Tensor*>(chunks.data()) + 4 * states.size();
       states.push_back(fbs_chunk::state(c[0], c[1], c[2], c[3], L.ch->R));
+      if (trail) {
+        const int64_t C = c[0].size(1), R = L.ch->R;
+        at::Tensor t[4] = {at::empty({b, C, R}, c[0].options()), at::empty({b}, c[1].options()),
+                           at::empty({b, R}, c[2].options()), at::empty({b}, c[3].options())};
+        trails.push_back(fbs_chunk::state(t[0], t[1], t[2], t[3], R));
+        trail_out.insert(trail_out.end(), t, t + 4);
+      }
     }
   }
   TORCH_CHECK(chunks.size() == 4 * states.size(), "fbs native layers: four chunk-state tensors per CH layer");
@@ -408,7 +431,9 @@ run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::op
       ex.zlow = ZLOW;
       ex.k = ks.data() + k * b;
       ex.bound = bounds.data() + k * b;
-      ex.chunk = L.ch ? &states[next_chunk++] : nullptr;
+      ex.chunk = L.ch ? &states[next_chunk] : nullptr;
+      ex.trail = L.ch && trail ? &trails[next_chunk] : nullptr;
+      next_chunk += L.ch ? 1 : 0;
     }
     TORCH_CHECK(L.d == d, "fbs native layers: layer widths differ");
     at::Tensor kc = kcs[k], vc = vcs[k];
@@ -459,7 +484,7 @@ run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::op
     prev = cur;
     if (m > 0) cur = out;  // else the layer's output is its input, the same tensor
   }
-  return {cur, prev, logits, skip_out, run_out, renewed, ks, bounds};
+  return {cur, prev, logits, skip_out, run_out, renewed, ks, bounds, trail_out};
 }
 const std::vector<double> kNoThresholds;
 

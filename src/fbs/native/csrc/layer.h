@@ -40,6 +40,9 @@ struct Extras {
   int64_t* k = nullptr;
   int64_t* bound = nullptr;
   const fbs_chunk::State* chunk = nullptr;
+  // a verifier's pass: per step row, the chunk state of its cache row right after its token (closed (b, C, R),
+  // n_closed (b), open_sum (b, R), open_count (b)), or null
+  const fbs_chunk::State* trail = nullptr;
 };
 
 struct Layer {
@@ -118,16 +121,17 @@ struct Layer {
 // layers' running rows; chunks: the four ChunkState tensors (closed, n_closed, open_sum, open_count) of each CH
 // layer, in order. After a PAW layer that a row ran (and has term_w) the gate terms of the layers after it are
 // zlow's, returned as the sixth element (b, 1, T) (else undefined); the last two: per layer and row the PAW layer's
-// k and the CH layer's boundary flag (-1 where none).
+// k and the CH layer's boundary flag (-1 where none). trail: also return, per CH layer, its chunk state after each
+// row's token (four tensors: closed (b, C, R), n_closed (b), open_sum (b, R), open_count (b)), as a verifier logs it.
 std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>, at::Tensor,
-           std::vector<int64_t>, std::vector<int64_t>>
+           std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>
 run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
            const std::vector<double>& prev_skip, const std::optional<at::Tensor>& zterms, const at::Tensor& cos,
            const at::Tensor& sin, const std::vector<at::Tensor>& kcs, const std::vector<at::Tensor>& vcs,
            const at::Tensor& idx, const std::vector<int64_t>& slots, const std::vector<bool>& gated,
            const std::vector<bool>& runs, const std::vector<double>& thresholds, int64_t policy, bool write_skipped,
            const std::vector<at::Tensor>& accs, const std::vector<at::Tensor>& kfs, int64_t isa,
-           const std::optional<at::Tensor>& zlow, const std::vector<at::Tensor>& chunks);
+           const std::optional<at::Tensor>& zlow, const std::vector<at::Tensor>& chunks, bool trail);
 
 // The two halves of a layer for every row, around what PAW / CH add in between (their layers of the native int8
 // step): attend_layer writes the K/V of xn = RMSNorm_1(x) at the rows' slots and returns h = x + O(attention);
