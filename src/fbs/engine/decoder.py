@@ -406,7 +406,6 @@ class DecodeStep:
             self.prev_skip = None if all(last) else dec._skip_indicator(last)
         self.x, self.x_prev = x, x_in
 
-
     def _ran_extras(self, layers: range, terms, ks: list[int], bounds: list[int]) -> None:
         """The trace's window k (first PAW layer) and chunk boundary (first CH layer) of the rows that ran them, and
         the preview state after a PAW layer, as :meth:`Decoder._layer` leaves them."""
@@ -494,9 +493,6 @@ class Decoder:
         self.ops = decode_ops(model, opts.weights, opts.compile)
         #: what a prompt runs with: the decode ops, or other products (prefill="bf16" / "int8" / "blocks")
         self.prefill_ops = prefill_ops(self.ops, opts.prefill)
-        #: per PAW layer the native step's arguments where the ops run native layers (:meth:`context`)
-        self.native_paw = {int(k): native.paw_weights(paw, self.keys_v[k], self.emb_v) for k, paw in model.paw.items()
-                           } if self.ops.native_chunk and len(model.paw) else None
         self.granularity = cfg.skip_granularity
         eos = opts.eos_token_id
         if eos is None and not opts.ignore_eos:
@@ -559,7 +555,7 @@ class Decoder:
                            self.m.base.scaling)
         ctx.native_chunk = self.ops.native_chunk
         if ctx.native_chunk and not prefill:
-            ctx.linear, ctx.native_paw = native.linear_rows, self.native_paw
+            ctx.linear, ctx.native_paw = native.linear_rows, getattr(self.ops, "paw_args", None)
         ctx.native_causal = prefill and getattr(self.ops, "native_layers", None) is not None
         return ctx
 

@@ -376,6 +376,11 @@ class FusedOps(LayerByLayer):
     #: kernels take their modules (:meth:`NativeLayer.set_paw` / ``set_chunk``); None where the per-op step must
     #: run it, or altogether (see :meth:`run_layers`)
     native_decode: list | None = None
+    #: per PAW layer the arguments of :func:`fbs.native.paw_step` (its native step; made once here, shared by
+    #: :attr:`native_decode` and the decoder's contexts), None without the native step
+    paw_args: dict[int, tuple] | None = None
+    _ch_native: frozenset = frozenset()   # the CH / PAW layers :attr:`native_decode` runs with their modules
+    _paw_native: frozenset = frozenset()
 
     def __init__(self, model, fmt: str = "fp32", compile: bool = False):
         base, spec = model.base, model.base.spec
@@ -433,6 +438,10 @@ class FusedOps(LayerByLayer):
         self.native_layers = None if self._native_all is None else [
             None if str(l) in model.paw or str(l) in model.ch else n for l, n in enumerate(self._native_all)]
         self._runs_memo = {}
+        if self._native_all is not None and len(model.paw):
+            with torch.no_grad():
+                emb, keys = model.preview_vocab()
+            self.paw_args = {int(k): native.paw_weights(paw, keys[k], emb.detach()) for k, paw in model.paw.items()}
         if self._native_all is not None and (len(model.paw) or len(model.ch)):
             self.native_decode = self._decode_layers(model)
 
@@ -489,11 +498,8 @@ class FusedOps(LayerByLayer):
     def _decode_layers(self, model) -> list | None:
         """:attr:`native_decode`: the native layers, PAW / CH layers given their modules (PAW where
         :func:`fbs.native.paw_weights` takes it); None when a PAW layer's module is one the kernel does not take."""
-        self._ch_native: set[int] = set()  # the CH layers among them
-        self._paw_native: set[int] = set()  # the PAW layers among them
+        ch_native, paw_native = set(), set()
         self._preview_rank = model.config.preview_rank
-        with torch.no_grad():
-            emb, keys = model.preview_vocab() if len(model.paw) else (None, {})
         terms = () if self._term_w is None else (self._term_w.contiguous(), self._term_b.contiguous())
         out = list(self.native_layers)
         for l, layer in enumerate(self._native_all):
@@ -501,18 +507,19 @@ class FusedOps(LayerByLayer):
             if layer is None or (key not in model.paw and key not in model.ch):
                 continue
             if key in model.paw:
-                args = native.paw_weights(model.paw[key], keys[key], emb.detach())
+                args = self.paw_args[l]
                 if args is None:
                     return None
                 layer.set_paw(*args, *(terms or (None, None)))
-                self._paw_native.add(l)
+                paw_native.add(l)
             if key in model.ch:
                 head = model.ch[key]
                 layer.set_chunk(*(t.detach().contiguous() for t in (head.bios.weight, head.bios.bias, head.key.weight,
                                                                      head.query.weight, head.out.weight)),
                                 float(head.scale), LABEL_I)
-                self._ch_native.add(l)
+                ch_native.add(l)
             out[l] = layer
+        self._ch_native, self._paw_native = frozenset(ch_native), frozenset(paw_native)
         return out
 
     @property
@@ -527,8 +534,7 @@ class FusedOps(LayerByLayer):
         if self.native_layers is None or not step.hard_decisions:
             return super().run_layers(layers, step)
         ctx = step.ctx
-        table = self.native_decode if self.native_decode is not None and ctx.linear is not None \
-            and ctx.trail is None else self.native_layers
+        table = self.span_table(ctx) if ctx.trail is None else self.native_layers  # one-token runs log no chunks
         for seg, whole in self._native_runs(layers, table):
             if not whole:
                 super().run_layers(seg, step)
@@ -630,13 +636,9 @@ class FusedOps(LayerByLayer):
         ctx.book(layers, None)
         if trail:
             for k, l in enumerate(ch):
-                closed, n_closed, open_sum, open_count = out[8][4 * k:4 * k + 4]
-                for j in range(t):
-                    at = torch.arange(j, b * t, t)
-                    st = ChunkState.__new__(ChunkState)
-                    st.closed, st.n_closed, st.open_sum, st.open_count = (closed[at], n_closed[at], open_sum[at],
-                                                                          open_count[at])
-                    ctx.trail.setdefault(l, []).append(st)
+                after = ChunkState.__new__(ChunkState)  # the state after each of the b * t positions
+                after.closed, after.n_closed, after.open_sum, after.open_count = out[8][4 * k:4 * k + 4]
+                ctx.trail.setdefault(l, []).extend(after.select(torch.arange(j, b * t, t)) for j in range(t))
         if on_layer is not None and (paw or ch):
             for l in layers:
                 if l in paw or l in ch:
