@@ -1,8 +1,9 @@
-"""The top-level documents: every record they link is in the repository, BENCHMARKS.md stays a short reference,
-and README's first screen holds the set-up commands and the results table."""
+"""The top-level documents: every record they link is in the repository and names the commit of its code,
+BENCHMARKS.md stays a short reference, and README's first screen holds the set-up commands and the results table."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -86,3 +87,50 @@ def test_readme_first_screen_has_setup_and_results_table():
     rows = table[2:]                                     # after the header and its separator
     assert any("HF" in r for r in rows) and any("llama.cpp" in r for r in rows), "the first table is not the results table"
     assert all("](results/" in r for r in rows), "every row of the results table links its record"
+
+
+COMMIT = re.compile(r'"(?:git_)?commit"\s*:\s*"[0-9a-f]{7,40}"')
+LEGACY = ROOT / "results" / "legacy_provenance.json"
+
+
+def _cited_records() -> set[str]:
+    """Every existing path under results/ that README, BENCHMARKS.md or RESULTS.md cites (links and inline paths,
+    globs expanded)."""
+    cited = set()
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for p in RESULT_PATH.findall(text) + [t for t in _local_links(doc) if t.startswith("results/")]:
+            p = p.rstrip(".,")
+            for q in (ROOT.glob(p) if "*" in p else [ROOT / p]):
+                if q.exists():
+                    cited.add(q.relative_to(ROOT).as_posix().rstrip("/"))
+    return cited
+
+
+def _carries_commit(rel: str) -> bool:
+    """A record carries the commit of the code that produced it: a JSON at the path, below it (a folder), next to it
+    with its stem, or in its own folder under results/ (a run's bench.md beside its bench.json) names a commit."""
+    path = ROOT / rel
+    if path.is_dir():
+        candidates = list(path.rglob("*.json"))
+    else:
+        candidates = [path] if path.suffix == ".json" else [path.with_suffix(".json")]
+        if path.parent != ROOT / "results":
+            candidates += list(path.parent.glob("*.json"))
+    return any(c.is_file() and COMMIT.search(c.read_text(errors="ignore")) for c in candidates)
+
+
+def test_every_cited_record_names_the_commit_of_its_code():
+    """No number in the documents lacks a record with a commit: each cited record carries its commit, or (records
+    written before records carried one) results/legacy_provenance.json names the commit that committed it."""
+    legacy = json.loads(LEGACY.read_text())["records"]
+    missing = sorted(r for r in _cited_records() if not _carries_commit(r) and r not in legacy)
+    assert not missing, f"cited records without a commit (add provenance, or list them in {LEGACY.name}): {missing}"
+    for rel, entry in legacy.items():
+        assert (ROOT / rel).exists(), f"{LEGACY.name} lists {rel}, which does not exist"
+        assert re.fullmatch(r"[0-9a-f]{7,40}", entry["commit"]), f"{LEGACY.name}: {rel} has no commit"
+        assert not _carries_commit(rel), f"{rel} carries its own commit now: drop it from {LEGACY.name}"
+    if shutil.which("git") is not None and (ROOT / ".git").exists():
+        for rel, entry in legacy.items():
+            ok = subprocess.run(["git", "cat-file", "-e", entry["commit"] + "^{commit}"], cwd=ROOT, capture_output=True)
+            assert ok.returncode == 0, f"{LEGACY.name}: {rel} names {entry['commit']}, not a commit of this repository"
