@@ -356,12 +356,7 @@ void check_cache(const Layer& L, const at::Tensor& kc, const at::Tensor& vc) {
               "fbs native layer: KV caches (B, Hkv, C, W) contiguous CPU tensors of one dtype (W = hd; int8: hd + 4)");
 }
 
-// Consecutive layers of one step in one call. Per layer: its caches, its rows' slots (slots[k * b + i]), gated or
-// not (gated: terms row i of the gate is zterms[i, 0, index * G : (index + 1) * G]); not gated: run flags
-// runs[k * b + i], or every row runs when runs is empty. x_prev / prev_skip: the previous layer's input and
-// skip flags per row (x_prev None: no previous layer; prev_skip empty: no row skipped it). Returns
-// (x out, input of the last layer, logits, skip, run), the last three flat (layers * b; logits NaN where no gate
-// ran). x out is the input of the last layer itself when no row ran it. accs: see layer.h.
+// run_layers: its arguments and results are documented at its declaration (layer.h).
 std::tuple<at::Tensor, at::Tensor, std::vector<double>, std::vector<bool>, std::vector<bool>, at::Tensor,
            std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>
 run_layers(const std::vector<Layer*>& layers, const at::Tensor& x, const std::optional<at::Tensor>& x_prev,
