@@ -219,3 +219,16 @@ def test_llama_cpp_rows_say_why_they_do_not_run_a_prompt_set():
     assert for_prompt_set([llama], "text") == [llama]
     row = for_prompt_set([llama], "code")[0]
     assert row.name == llama.name and row.unavailable(1) == LLAMA_CPP_PROMPT_SET
+
+
+def test_a_prompt_set_must_time_every_prompt_equally_often(tmp_path, capsys):
+    """A run times one prompt (runs cycle), and a draft's speed differs several-fold between a set's prompts: runs
+    that are not a multiple of the prompts (4 runs over 8 timed prompts 0-3 only) are refused with the fix."""
+    from fbs.cli import main
+
+    code = main(["bench", "--prompt-set", "code", "--num-prompts", "8", "--runs", "4", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--runs 4 over --num-prompts 8" in err and "and some never" in err and "--runs 8" in err
+    code = main(["bench", "--prompt-set", "code", "--num-prompts", "4", "--runs", "6", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "some never" not in err and "multiple of --num-prompts" in err

@@ -36,8 +36,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fbs.bench.runner import RunSpec, check_prompt_set, run, write_outputs
 
     warmup, runs = (args.warmup, args.runs)
-    if args.quick:
-        warmup, runs = 1, 3
+    if args.quick:  # a prompt set: each prompt once (its runs must time every prompt equally often)
+        warmup, runs = 1, (3 if args.prompt_set == "text" else args.num_prompts)
     try:
         bench = BenchConfig(prompt_len=args.prompt_len, new_tokens=args.new_tokens, warmup=warmup, runs=runs,
                             num_prompts=args.num_prompts, threads=args.threads, interleave=args.interleave,
@@ -100,11 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=s.batch_sizes, help="comma list, e.g. 1,4,8")
     p.add_argument("--warmup", type=int, default=d.warmup, help="discarded runs per system (paper: 20)")
     p.add_argument("--runs", type=int, default=d.runs, help="measured runs per system (paper: 50)")
-    p.add_argument("--quick", action="store_true", help="1 warm-up and 3 measured runs (development only)")
+    p.add_argument("--quick", action="store_true", help="1 warm-up and 3 measured runs, or one per prompt of a --prompt-set (development "
+                        "only)")
     p.add_argument("--interleave", action="store_true",
                    help="run the systems round by round (each warm-up/measured round runs every system once) so "
                         "machine drift hits all alike; default: one system after another, as in the paper")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="distinct prompts (runs cycle)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="distinct prompts (runs cycle; with --prompt-set, "
+                                                                        "--runs must be a multiple of it)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default=s.device, help="cpu or cuda (timing syncs the device around each run)")
     p.add_argument("--taus", type=_floats, default=s.taus, help="FBS tau sweep, comma list")

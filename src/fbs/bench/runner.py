@@ -554,11 +554,21 @@ def for_prompt_set(systems: list, prompt_set: str) -> list:
 
 
 def check_prompt_set(bench: BenchConfig, spec: RunSpec) -> None:
-    """A prompt set other than ``text`` has prompts of different lengths: batch size 1 only."""
-    if bench.prompt_set != "text" and tuple(spec.batch_sizes) != (1,):
+    """A prompt set other than ``text`` has prompts of different lengths: batch size 1 only, and a number of runs
+    that times every prompt equally often. A measured run times one prompt (runs cycle through the set), and the
+    set's prompts decode at very different speeds under a draft (a code edit copies its input, a question does
+    not): ``--runs 4`` over 8 prompts would time 4 of them and report the set's name over it."""
+    if bench.prompt_set == "text":
+        return
+    if tuple(spec.batch_sizes) != (1,):
         raise ValueError(f"--prompt-set {bench.prompt_set} has prompts of different lengths and runs at batch size 1 "
                          f"only, got --batch-sizes {','.join(map(str, spec.batch_sizes))}; pass --batch-sizes 1 (or "
                          "--prompt-set text for fixed-length prompts at any batch size)")
+    if bench.runs % bench.num_prompts:
+        raise ValueError(f"--prompt-set {bench.prompt_set} times one prompt per run, cycling through the set: --runs "
+                         f"{bench.runs} over --num-prompts {bench.num_prompts} would time some prompts more often than "
+                         f"others{' and some never' if bench.runs < bench.num_prompts else ''}; pass --runs a multiple "
+                         f"of --num-prompts (e.g. --runs {bench.num_prompts * max(1, round(bench.runs / bench.num_prompts))})")
 
 
 def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,
