@@ -74,3 +74,41 @@ def test_a_trained_module_is_run(part):
     seen = _calls(model)
     model.generate(PROMPT, max_new_tokens=4, ignore_eos=True)
     assert seen["paw"] > 0 and seen["ch"] > 0
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_a_gate_whose_constant_logit_never_reaches_tau_is_not_evaluated(weights, one_thread):
+    """A fresh gate's logit is its bias (-4, p = 0.018) whatever its inputs: at tau 0.3 it never skips, so the decode
+    does not evaluate it (no gate probability in the trace) and gives the tokens and logits of the decode that does
+    (where every gated layer's p is sigmoid(-4)). At tau 0.01 the same constant skips: the gates are evaluated and
+    skip every layer they may. Under gate sampling (Bernoulli draws) they always are."""
+    import math
+
+    model = fbs_tiny()
+    bias = model.config.gate_init_bias
+    assert set(model.gates.constant_logits().values()) == {bias}
+    kw = dict(max_new_tokens=10, ignore_eos=True, output_scores=True, weights=weights)
+    fast = model.generate(PROMPT, tau=0.3, **kw)
+    slow = model.generate(PROMPT, tau=0.3, elide_inert=False, **kw)
+    assert torch.isnan(fast.trace.gate_p).all()
+    gated = sorted(model.gates.layer_ids)
+    p = slow.trace.gate_p[0, :-1, gated]  # trace step s consumed token s: the last one never is
+    assert torch.allclose(p, torch.full_like(p, 1 / (1 + math.exp(-bias))))
+    assert fast.new_tokens == slow.new_tokens and fast.trace.skip_ratio == slow.trace.skip_ratio == 0.0
+    assert (fast.scores[0] - slow.scores[0]).abs().max() <= 1e-5 * slow.scores[0].abs().max()
+    low = model.generate(PROMPT, tau=0.01, **kw)
+    assert not torch.isnan(low.trace.gate_p[0, :-1, gated]).any() and low.trace.skip_ratio > 0.0
+    sampled = model.generate(PROMPT, tau=0.3, gate_sampling=True, seed=0, **kw)
+    assert not torch.isnan(sampled.trace.gate_p[0, :-1, gated]).any()
+
+
+def test_a_trained_gate_is_evaluated():
+    """One non-zero weight in a gate's output layer makes its logit depend on its inputs: it is evaluated."""
+    model = fbs_tiny()
+    layer = model.gates.layer_ids[0]
+    with torch.no_grad():
+        model.gates.out[str(layer)].weight[0, 0] = 1e-3
+    assert layer not in model.gates.constant_logits()
+    res = model.generate(PROMPT, max_new_tokens=4, ignore_eos=True, tau=0.3)
+    assert not torch.isnan(res.trace.gate_p[0, :-1, layer]).any()
+    assert torch.isnan(res.trace.gate_p[0, :, [l for l in model.gates.layer_ids if l != layer]]).all()

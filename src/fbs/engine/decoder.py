@@ -93,7 +93,8 @@ class DecodeOptions:
                                              # default
                                              # (fbs.engine.defaults.default_prefill)
     elide_inert: bool = True                 # PAW / CH that add exactly nothing (a fresh FBS) are not run
-                                             # (FBSForCausalLM.decode_view); False runs them (to time them)
+                                             # (FBSForCausalLM.decode_view), nor gates whose constant logit never
+                                             # reaches tau; False runs them (to time them)
     gate_sampling: bool = False              # Bernoulli gates instead of the threshold (appendix E.6)
     force_compute: bool = False              # every layer runs (equivalence / baselines)
     skip_plan: torch.Tensor | None = None    # bool (L,) or (N, L): forced skips, overrides the gates
@@ -466,6 +467,12 @@ class Decoder:
         self.tau = cfg.tau if opts.tau is None else opts.tau
         self.policy = opts.kv_policy or cfg.kv_policy
         self.gated = gated_layers(self.L, model.layers_cfg.gated, (*model.layers_cfg.never_skip, *opts.never_skip))
+        if opts.elide_inert and not opts.gate_sampling:
+            # a gate whose logit is a constant at or below tau's threshold never skips (every row's tau is >= tau):
+            # it is not evaluated (a fresh FBS's gates: 3 % of a SmolLM2 q4 decode step); the trace has no logit
+            fixed = model.gates.constant_logits() if hasattr(model, "gates") else {}
+            never = logit_threshold(self.tau)
+            self.gated = [g and not (l in fixed and fixed[l] <= never) for l, g in enumerate(self.gated)]
         self.plan = None
         if opts.skip_plan is not None:
             plan = torch.as_tensor(opts.skip_plan, dtype=torch.bool)

@@ -48,6 +48,12 @@ class SkipGates(nn.Module):
     def __contains__(self, layer: int) -> bool:
         return str(layer) in self.hidden
 
+    def constant_logits(self) -> dict[int, float]:
+        """The gates whose logit is a constant, whatever their inputs (a zero output layer: a fresh gate), with
+        that constant, their bias."""
+        return {l: float(self.out[str(l)].bias.detach()) for l in self.layer_ids
+                if not bool(self.out[str(l)].weight.detach().any())}
+
     def logits(self, layer: int, xn: torch.Tensor, rel_update: torch.Tensor, zlow: torch.Tensor,
                prev_skip: torch.Tensor | None = None) -> torch.Tensor:
         """xn: (B, T, d) normalized layer input; rel_update: (B, T); zlow: (B, T, R); prev_skip: (B, T) 1.0 where
