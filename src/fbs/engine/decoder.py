@@ -469,7 +469,7 @@ class Decoder:
         self.gated = gated_layers(self.L, model.layers_cfg.gated, (*model.layers_cfg.never_skip, *opts.never_skip))
         if opts.elide_inert and not opts.gate_sampling:
             # a gate whose logit is a constant at or below tau's threshold never skips (every row's tau is >= tau):
-            # it is not evaluated (a fresh FBS's gates: 3 % of a SmolLM2 q4 decode step); the trace has no logit
+            # it is not evaluated (a fresh FBS's gates: ~2 % of a SmolLM2 q4 decode step); the trace has no logit
             fixed = model.gates.constant_logits() if hasattr(model, "gates") else {}
             never = logit_threshold(self.tau)
             self.gated = [g and not (l in fixed and fixed[l] <= never) for l, g in enumerate(self.gated)]
