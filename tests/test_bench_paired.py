@@ -63,6 +63,36 @@ def test_bootstrap_is_seeded_and_uses_the_eval_indices():
     assert (pr.ci_low, pr.ci_high) == pytest.approx(tuple(np.percentile(means, [2.5, 97.5])))
 
 
+def test_clusters_resample_prompts_not_rounds():
+    """Two prompts, each timed in 8 rounds: one always 1.0x, the other always 2.0x. Rounds resampled, the mean of 16
+    draws rarely strays far from 1.5; prompts resampled (2 clusters), a resample's mean is 1.0, 1.5 or 2.0 with
+    probabilities 1/4, 1/2, 1/4, so the 95 % interval is [1.0, 2.0]. The sign test counts prompts: 0 of 2 faster."""
+    b = [1.0] * 16
+    a = [1.0 if r % 2 == 0 else 2.0 for r in range(16)]
+    clusters = [r % 2 for r in range(16)]
+    rounds, prompts = paired_ratio(a, b), paired_ratio(a, b, clusters=clusters)
+    assert rounds.ratio_mean == prompts.ratio_mean == pytest.approx(1.5)
+    assert 1.2 < rounds.ci_low and rounds.ci_high < 1.8 and rounds.n_clusters is None
+    assert (prompts.ci_low, prompts.ci_high) == (1.0, 2.0) and prompts.n_clusters == 2 and prompts.n == 16
+    assert prompts.p_below_one == 1.0  # no prompt faster: P(X >= 0) over the one prompt that is not a tie
+    one_each = paired_ratio([0.9, 0.8, 1.1], [1.0] * 3, clusters=[5, 6, 7])  # one round per cluster: the rounds' CI
+    assert one_each == dataclasses.replace(paired_ratio([0.9, 0.8, 1.1], [1.0] * 3), n_clusters=3)
+    with pytest.raises(ValueError, match="equal numbers of rounds"):
+        paired_ratio(a[:3], b[:3], clusters=[0, 0, 1])
+    with pytest.raises(ValueError, match="one cluster per round"):
+        paired_ratio(a[:3], b[:3], clusters=[0, 1])
+
+
+def test_paired_decode_resamples_the_prompts_both_results_share():
+    b = result("full", [1.0] * 16)
+    a = result("draft", [1.0 if r % 2 == 0 else 2.0 for r in range(16)])
+    assert paired_decode(a, b).n_clusters is None  # no clusters: rounds
+    a.clusters = b.clusters = [r % 2 for r in range(16)]
+    assert (paired_decode(a, b).ci_low, paired_decode(a, b).ci_high) == (1.0, 2.0)
+    b.clusters = None  # only one side knows its prompts: rounds
+    assert paired_decode(a, b).n_clusters is None
+
+
 def test_sign_test_tail():
     assert sign_test_p(10, 10) == pytest.approx(2**-10)
     assert sign_test_p(0, 10) == 1.0

@@ -216,6 +216,9 @@ class SystemResult:
     interleaved: bool = False  # measured by measure_interleaved: runs[r] of the timings is round r
     draft_s: Summary | None = None  # time in the draft source per measured run (GenOutput.draft_s); None: no draft
     run_batches: list[int] = dataclasses.field(default_factory=list)  # prompt batch of each measured run, in order
+    #: per measured run, the prompt it timed, when paired CIs resample prompts instead of rounds (a prompt set: its
+    #: prompts differ more than rounds do, and each is timed in several rounds); None: rounds are resampled
+    clusters: list[int] | None = None
 
 
 # ----------------------------------------------------------------------------------------------- memory
@@ -474,13 +477,17 @@ class PairedRatio:
     ratio_median: float
     ratio_mean: float
     ci_low: float
-    """95 % percentile-bootstrap CI of ``ratio_mean``: rounds resampled with replacement, statistic = mean."""
+    """95 % percentile-bootstrap CI of ``ratio_mean``: rounds resampled with replacement, statistic = mean; with
+    clusters (prompts), the clusters resampled, statistic = mean of the resampled clusters' mean ratios."""
     ci_high: float
     p_below_one: float
     """One-sided exact sign test of "a is faster than b": P(X >= #rounds with q < 1), X ~ Bin(#rounds with
-    q != 1, 1/2). At least 2^-n, so n rounds bound how small it can get; 1.0 when every round ties."""
+    q != 1, 1/2) (with clusters: over the clusters' mean ratios). At least 2^-n, so n rounds (clusters) bound how
+    small it can get; 1.0 when every round ties."""
     n: int
     n_resamples: int
+    n_clusters: int | None = None
+    """Clusters resampled (the prompts of a prompt set), or None: rounds were."""
 
 
 def sign_test_p(wins: int, n: int) -> float:
@@ -493,10 +500,15 @@ def sign_test_p(wins: int, n: int) -> float:
 
 
 def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float], seed: int = 0,
-                 n_resamples: int = PAIRED_RESAMPLES) -> PairedRatio:
+                 n_resamples: int = PAIRED_RESAMPLES, clusters: Sequence[int] | None = None) -> PairedRatio:
     """Paired ratio a / b over rounds (see ``PairedRatio``). ``a_runs[r]`` and ``b_runs[r]`` must come from the
     same interleaved round. The resampled indices are those of ``fbs.eval.stats.bootstrap_indices`` with the same
-    seed (drawn here: the benchmark does not depend on the evaluation package)."""
+    seed (drawn here: the benchmark does not depend on the evaluation package).
+
+    ``clusters[r]``: the cluster of round r (the prompt it timed), each cluster with the same number of rounds: the
+    ratio is then the mean of the clusters' mean ratios (the mean over rounds, as every cluster weighs alike), and
+    the CI and sign test resample and count clusters, so that they describe the population of prompts the set
+    samples rather than the rounds' noise on these prompts (two rounds of one prompt are not independent draws)."""
     a = np.asarray(a_runs, dtype=np.float64)
     b = np.asarray(b_runs, dtype=np.float64)
     if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
@@ -506,24 +518,35 @@ def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float], seed: int = 0
     if n_resamples < 1:
         raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
     q = a / b
-    idx = np.random.default_rng(seed).integers(0, len(q), size=(n_resamples, len(q)))
-    lo, hi = np.percentile(q[idx].mean(axis=1), [2.5, 97.5])
-    return PairedRatio(ratio_median=float(np.median(q)), ratio_mean=float(q.mean()), ci_low=float(lo),
-                       ci_high=float(hi), p_below_one=sign_test_p(int(np.sum(q < 1)), int(np.sum(q != 1))),
-                       n=len(q), n_resamples=n_resamples)
+    units, n_clusters = q, None
+    if clusters is not None:
+        if len(clusters) != len(q):
+            raise ValueError(f"paired ratio needs one cluster per round, got {len(clusters)} for {len(q)} rounds")
+        ids = sorted(set(clusters))
+        sizes = {c: sum(1 for x in clusters if x == c) for c in ids}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"paired ratio's clusters must have equal numbers of rounds, got {sizes}")
+        units = np.array([q[[i for i, x in enumerate(clusters) if x == c]].mean() for c in ids])
+        n_clusters = len(ids)
+    idx = np.random.default_rng(seed).integers(0, len(units), size=(n_resamples, len(units)))
+    lo, hi = np.percentile(units[idx].mean(axis=1), [2.5, 97.5])
+    return PairedRatio(ratio_median=float(np.median(q)), ratio_mean=float(units.mean()), ci_low=float(lo),
+                       ci_high=float(hi), p_below_one=sign_test_p(int(np.sum(units < 1)), int(np.sum(units != 1))),
+                       n=len(q), n_resamples=n_resamples, n_clusters=n_clusters)
 
 
 def paired_decode(a: SystemResult, b: SystemResult, seed: int = 0) -> PairedRatio | None:
     """``paired_ratio`` of a's decode times over b's, or None when they do not pair: both must be ok, measured
     by the same ``measure_interleaved`` call (the caller's responsibility; results of one batch size of one run
     are) with the same number of runs (a reduced budget, ``--draft-runs``, is not paired), and b's decode
-    times positive."""
+    times positive. When both carry the same ``clusters`` (a prompt set's prompts), they are resampled."""
     if a.status != "ok" or b.status != "ok" or not (a.interleaved and b.interleaved):
         return None
     ra, rb = a.decode_s.runs, b.decode_s.runs
     if not ra or len(ra) != len(rb) or min(rb) <= 0:
         return None
-    return paired_ratio(ra, rb, seed)
+    clusters = a.clusters if a.clusters and a.clusters == b.clusters and len(a.clusters) == len(ra) else None
+    return paired_ratio(ra, rb, seed, clusters=clusters)
 
 
 # ----------------------------------------------------------------------------------------------- matching

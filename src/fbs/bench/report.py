@@ -243,19 +243,26 @@ def results_from_doc(doc: dict[str, Any]) -> list[SystemResult]:
     only those were measured together). ``interleaved`` is the document's ``protocol.interleave``. Documents from
     before per-run values were kept load with empty ``runs``, so nothing pairs."""
     interleaved = bool((doc.get("protocol") or {}).get("interleave"))
+    pset = (doc.get("protocol") or {}).get("prompt_set")
+    # a prompt set's measured run r timed prompt r mod n (runner.check_prompt_set): its paired CIs resample prompts
+    n_set = len(pset["ids"]) if isinstance(pset, dict) and pset.get("name", "text") != "text" else 0
     out = []
     for r in doc["results"]:
         lat = r.get("latency_ms") or {}
         kind = r.get("method_ratio_kind")
+        decode = summary_from_ms(lat.get("decode"))
+        runs = len(decode.runs) if decode is not None else 0
         out.append(SystemResult(
             name=r["system"], family=r["family"], batch_size=r["batch_size"], params=r.get("params") or {},
             ratio_kind=None if kind in (None, "none") else kind, status=r.get("status", "ok"),
             note=r.get("note", ""), prefill_s=summary_from_ms(lat.get("prefill")),
-            decode_s=summary_from_ms(lat.get("decode")), total_s=summary_from_ms(lat.get("total")),
+            decode_s=decode, total_s=summary_from_ms(lat.get("total")),
             draft_s=summary_from_ms(lat.get("draft")),
             peak_rss_mb=r.get("peak_rss_mb"), rss_before_mb=r.get("rss_before_mb"),
             peak_device_mb=r.get("peak_device_mb"), probe=r.get("probe") or {}, budget=r.get("budget") or {},
-            interleaved=interleaved))
+            interleaved=interleaved,
+            clusters=[i % n_set for i in range(runs)] if n_set and runs and (runs % n_set == 0 or runs <= n_set)
+            else None))  # before s31 runs could time some prompts more often: rounds resampled then
     return out
 
 
@@ -371,7 +378,8 @@ def _speculative_table(doc: dict[str, Any]) -> list[str]:
         return []
     out = ["", "Speculative decoding on the engine's verifier, against full depth in the same format (`full_depth`): "
                "exact match (greedy: 100 = lossless), decode speed-up (full-depth decode time / this one's, per "
-               "interleaved round, mean [95% bootstrap CI]), acceptance (drafted tokens kept / proposed), drafted "
+               "interleaved round, mean [95% bootstrap CI; a prompt set's resamples its prompts]), acceptance "
+               "(drafted tokens kept / proposed), drafted "
                "tokens kept and proposed per verify round, verify rounds per prompt, and the decode time spent in the "
                "draft source (median share over runs; ms per round) against the rest (the verifier's pass and "
                "bookkeeping, ms per round).", "",

@@ -369,7 +369,7 @@ def decode_vs_ref(res: SystemResult, ref: SystemResult | None) -> dict[str, Any]
 def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
     """A copy of a saved benchmark document whose comparisons between rows (``skip_saving``,
     ``decode_vs_ref_paired``, the speed-up in ``full_depth``, ``draft``) are computed again from the saved runs, by
-    this version's code: rows measured
+    this version's code (named in the document's ``recomputed``: commit and time): rows measured
     together (one batch size) are compared with each other, as :func:`run` does. Timings, probes and everything
     else stay as measured. Documents from before per-run times were kept get the median estimates only."""
     doc = json.loads(json.dumps(doc))
@@ -391,6 +391,11 @@ def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
                                          speedup_n=pr and pr.n)
             if "draft" in rec:
                 rec["draft"] = draft_time(r)
+    from fbs.provenance import provenance
+
+    prov = provenance()  # which code computed the comparisons (the timings keep the measuring code's environment)
+    doc["recomputed"] = {"created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                         "git_commit": prov.get("git_commit"), "git_dirty": prov.get("git_dirty")}
     return doc
 
 
@@ -610,6 +615,9 @@ def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=No
         sets[B] = pset.record(digests[B])
         prompts = prompts.to(device) if isinstance(prompts, torch.Tensor) else [p.to(device) for p in prompts]
         results = _measure_all(systems, prompts, cfg, progress)
+        if bench.prompt_set != "text":  # paired CIs resample the set's prompts (harness.paired_ratio)
+            for r in results:
+                r.clusters = list(r.run_batches) or None
         base = next((r for r in results if r.family == "baseline" and r.status == "ok"), None)
         ref = next((r for r in results if r.status == "ok"), None)  # the reference row of the paired ratios
         # a set's prompts differ in length: the roofline at their mean, prefill rates per run from each run's prompt
