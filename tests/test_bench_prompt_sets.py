@@ -232,3 +232,22 @@ def test_a_prompt_set_must_time_every_prompt_equally_often(tmp_path, capsys):
     code = main(["bench", "--prompt-set", "code", "--num-prompts", "4", "--runs", "6", "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "some never" not in err and "multiple of --num-prompts" in err
+
+
+@pytest.mark.parametrize("prompt_set, runs", [("code", 5), ("text", 3)])
+def test_quick_times_each_prompt_of_a_set_once(prompt_set, runs, tmp_path, monkeypatch):
+    """`--quick`: 1 warm-up and 3 measured runs on the text windows; on a prompt set, one measured run per prompt
+    (3 would not be a multiple of 5). The protocol is read where the run would start (nothing is measured)."""
+    import fbs.bench.runner
+    from fbs.cli import main
+
+    seen = {}
+
+    def stop(spec, bench, **kw):
+        seen["bench"] = bench
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fbs.bench.runner, "run", stop)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--prompt-set", prompt_set, "--num-prompts", "5", "--quick", "--out-dir", str(tmp_path)])
+    assert (seen["bench"].warmup, seen["bench"].runs, seen["bench"].num_prompts) == (1, runs, 5)
