@@ -75,8 +75,10 @@ def test_clusters_resample_prompts_not_rounds():
     assert 1.2 < rounds.ci_low and rounds.ci_high < 1.8 and rounds.n_clusters is None
     assert (prompts.ci_low, prompts.ci_high) == (1.0, 2.0) and prompts.n_clusters == 2 and prompts.n == 16
     assert prompts.p_below_one == 1.0  # no prompt faster: P(X >= 0) over the one prompt that is not a tie
+    assert prompts.by_cluster == (1.0, 2.0) and rounds.by_cluster is None  # each prompt's mean, in prompt order
     one_each = paired_ratio([0.9, 0.8, 1.1], [1.0] * 3, clusters=[5, 6, 7])  # one round per cluster: the rounds' CI
-    assert one_each == dataclasses.replace(paired_ratio([0.9, 0.8, 1.1], [1.0] * 3), n_clusters=3)
+    assert one_each == dataclasses.replace(paired_ratio([0.9, 0.8, 1.1], [1.0] * 3), n_clusters=3,
+                                           by_cluster=pytest.approx((0.9, 0.8, 1.1)))
     with pytest.raises(ValueError, match="equal numbers of rounds"):
         paired_ratio(a[:3], b[:3], clusters=[0, 0, 1])
     with pytest.raises(ValueError, match="one cluster per round"):

@@ -184,7 +184,11 @@ def test_the_table_shows_the_set_and_the_speculative_columns(code_run):
     assert md.startswith("prompt set code (2 prompts of ")
     assert "| Exact vs full (%) | Speed-up vs full [95% CI] | Acceptance (%) |" in md
     line = next(ln for ln in md.splitlines() if ln.startswith("| lookahead | 1 | 100.0 |"))
-    assert line.count("|") == 12
+    assert line.count("|") == 13
+    fd = next(r for r in doc["results"] if r["system"] == "lookahead")["full_depth"]
+    per = fd["speedup_by_prompt"]  # each prompt's mean over its rounds; every prompt weighs alike in the mean
+    assert len(per) == 2 and sum(per) / 2 == pytest.approx(fd["speedup_mean"])
+    assert line.endswith(f"| {min(per):.2f}-{max(per):.2f} |")
 
 
 def test_prompt_sets_refuse_larger_batches(tmp_path, capsys):

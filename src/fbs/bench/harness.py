@@ -488,6 +488,8 @@ class PairedRatio:
     n_resamples: int
     n_clusters: int | None = None
     """Clusters resampled (the prompts of a prompt set), or None: rounds were."""
+    by_cluster: tuple[float, ...] | None = None
+    """Each cluster's mean ratio, clusters in increasing id (a prompt set: prompt order), or None."""
 
 
 def sign_test_p(wins: int, n: int) -> float:
@@ -532,7 +534,8 @@ def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float], seed: int = 0
     lo, hi = np.percentile(units[idx].mean(axis=1), [2.5, 97.5])
     return PairedRatio(ratio_median=float(np.median(q)), ratio_mean=float(units.mean()), ci_low=float(lo),
                        ci_high=float(hi), p_below_one=sign_test_p(int(np.sum(units < 1)), int(np.sum(units != 1))),
-                       n=len(q), n_resamples=n_resamples, n_clusters=n_clusters)
+                       n=len(q), n_resamples=n_resamples, n_clusters=n_clusters,
+                       by_cluster=None if n_clusters is None else tuple(float(u) for u in units))
 
 
 def paired_decode(a: SystemResult, b: SystemResult, seed: int = 0) -> PairedRatio | None:

@@ -94,7 +94,9 @@ RESULT_KEYS: dict[str, str] = {
                   "format, compilation, batch policy and cache), token_match_pct, exact_match_pct (the greedy quality "
                   "column: 100 means lossless), exact_by_prompt, speedup_mean, speedup_median, speedup_ci_low, "
                   "speedup_ci_high, speedup_n (full-depth decode time / this system's per interleaved round, 95% "
-                  "bootstrap CI of the mean; null when not paired)}; null otherwise",
+                  "bootstrap CI of the mean, a prompt set's prompts resampled; null when not paired), "
+                  "speedup_by_prompt (a prompt set: each prompt's mean speed-up, in prompt order; else null)}; null "
+                  "otherwise",
     "draft": "speculative systems on the engine: {ms (median draft-source time per run), share_median (median over runs "
              "of draft / decode time), rounds (verify rounds per prompt), draft_ms_per_round, verify_ms_per_round, "
              "accepted_per_round, proposed_per_round}; null otherwise",
@@ -382,10 +384,10 @@ def _speculative_table(doc: dict[str, Any]) -> list[str]:
                "(drafted tokens kept / proposed), drafted "
                "tokens kept and proposed per verify round, verify rounds per prompt, and the decode time spent in the "
                "draft source (median share over runs; ms per round) against the rest (the verifier's pass and "
-               "bookkeeping, ms per round).", "",
+               "bookkeeping, ms per round); with a prompt set, the range of the prompts' own speed-ups.", "",
            "| System | B | Exact vs full (%) | Speed-up vs full [95% CI] | Acceptance (%) | Kept / round | "
-           "Proposed / round | Rounds | Draft share (%) | Draft ms / round | Verify ms / round |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "Proposed / round | Rounds | Draft share (%) | Draft ms / round | Verify ms / round | Per prompt (min-max) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fd, dr, pr = r.get("full_depth") or {}, r.get("draft") or {}, r.get("probe") or {}
         speed = "–" if fd.get("speedup_mean") is None else \
@@ -394,8 +396,13 @@ def _speculative_table(doc: dict[str, Any]) -> list[str]:
                    f"{_f(pr.get('acceptance_rate'), '.1f', 100)} | {_f(dr.get('accepted_per_round'), '.2f')} | "
                    f"{_f(dr.get('proposed_per_round'), '.2f')} | {_f(dr.get('rounds'), '.1f')} | "
                    f"{_f(dr.get('share_median'), '.1f', 100)} | {_f(dr.get('draft_ms_per_round'), '.2f')} | "
-                   f"{_f(dr.get('verify_ms_per_round'), '.2f')} |")
+                   f"{_f(dr.get('verify_ms_per_round'), '.2f')} | {_spread(fd.get('speedup_by_prompt'))} |")
     return out
+
+
+def _spread(values: list[float] | None) -> str:
+    """'min-max' of per-prompt values (two decimals), '–' without them."""
+    return "–" if not values else f"{min(values):.2f}-{max(values):.2f}"
 
 
 # ----------------------------------------------------------------------------------------------- plot

@@ -384,11 +384,7 @@ def recompute_comparisons(doc: dict[str, Any]) -> dict[str, Any]:
             rec["skip_saving"] = skip_saving(r, same)
             rec["decode_vs_ref_paired"] = decode_vs_ref(r, ref)
             if rec.get("full_depth"):  # the match stays as measured (outputs are not saved); the speed-up is redone
-                full = full_depth_row(r, same)
-                pr = paired_decode(full, r) if full is not None else None
-                rec["full_depth"].update(speedup_mean=pr and pr.ratio_mean, speedup_median=pr and pr.ratio_median,
-                                         speedup_ci_low=pr and pr.ci_low, speedup_ci_high=pr and pr.ci_high,
-                                         speedup_n=pr and pr.n)
+                rec["full_depth"].update(speedups(full_depth_row(r, same), r))
             if "draft" in rec:
                 rec["draft"] = draft_time(r)
     from fbs.provenance import provenance
@@ -416,7 +412,8 @@ def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> dict[
     quality column is the match against the ``fbs-full-compute`` row of the same engine variant. Returns the record's
     ``full_depth``: {reference, token_match_pct, exact_match_pct, exact_by_prompt, and the paired decode speed-up over
     that row (full-depth decode time / this system's, per interleaved round: speedup_mean, speedup_median,
-    speedup_ci_low, speedup_ci_high (95 % bootstrap CI of the mean), speedup_n; null when not paired)}; the probe
+    speedup_ci_low, speedup_ci_high (95 % bootstrap CI of the mean), speedup_n, and with a prompt set
+    speedup_by_prompt (each prompt's mean, in prompt order); null when not paired)}; the probe
     keeps ``full_compute_token_match_pct`` / ``full_compute_exact_match_pct`` as before. None for other systems or
     without a full-depth row."""
     if res.family != "speculative" or res.outputs is None or not res.name.startswith(("fbs-lossless", "draft-verify",
@@ -430,13 +427,25 @@ def _full_compute_match(res: SystemResult, results: list[SystemResult]) -> dict[
     res.probe.update(full_compute_token_match_pct=tok, full_compute_exact_match_pct=exact)
     out: dict[str, Any] = {"reference": full.name, "token_match_pct": tok, "exact_match_pct": exact,
                            "exact_by_prompt": (res.outputs == ref).all(dim=1).tolist(),
-                           **dict.fromkeys(("speedup_mean", "speedup_median", "speedup_ci_low", "speedup_ci_high",
-                                            "speedup_n"))}
-    pr = paired_decode(full, res)  # full / this: > 1 when this system decodes faster
-    if pr is not None:
-        out.update(speedup_mean=pr.ratio_mean, speedup_median=pr.ratio_median, speedup_ci_low=pr.ci_low,
-                   speedup_ci_high=pr.ci_high, speedup_n=pr.n)
+                           **dict.fromkeys(SPEEDUP_KEYS)}
+    out.update(speedups(full, res))
     return out
+
+
+#: The paired speed-up keys of a lossless system's ``full_depth`` record (:func:`speedups`).
+SPEEDUP_KEYS = ("speedup_mean", "speedup_median", "speedup_ci_low", "speedup_ci_high", "speedup_n",
+                "speedup_by_prompt")
+
+
+def speedups(full: SystemResult | None, res: SystemResult) -> dict[str, Any]:
+    """The paired decode speed-up of ``res`` over its full-depth row (full / this per interleaved round: > 1 when
+    ``res`` decodes faster), as :data:`SPEEDUP_KEYS`; every value None when the two do not pair."""
+    pr = paired_decode(full, res) if full is not None else None
+    if pr is None:
+        return dict.fromkeys(SPEEDUP_KEYS)
+    return {"speedup_mean": pr.ratio_mean, "speedup_median": pr.ratio_median, "speedup_ci_low": pr.ci_low,
+            "speedup_ci_high": pr.ci_high, "speedup_n": pr.n,
+            "speedup_by_prompt": list(pr.by_cluster) if pr.by_cluster is not None else None}
 
 
 def draft_time(res: SystemResult) -> dict[str, Any] | None:
