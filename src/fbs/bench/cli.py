@@ -100,13 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=s.batch_sizes, help="comma list, e.g. 1,4,8")
     p.add_argument("--warmup", type=int, default=d.warmup, help="discarded runs per system (paper: 20)")
     p.add_argument("--runs", type=int, default=d.runs, help="measured runs per system (paper: 50)")
-    p.add_argument("--quick", action="store_true", help="1 warm-up and 3 measured runs, or one per prompt of a --prompt-set (development "
-                        "only)")
+    p.add_argument("--quick", action="store_true",
+                   help="1 warm-up and 3 measured runs, or one per prompt of a --prompt-set (development only)")
     p.add_argument("--interleave", action="store_true",
                    help="run the systems round by round (each warm-up/measured round runs every system once) so "
                         "machine drift hits all alike; default: one system after another, as in the paper")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="distinct prompts (runs cycle; with --prompt-set, "
-                                                                        "--runs must be a multiple of it)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help="distinct prompts (runs cycle; with --prompt-set, --runs must be a multiple of it)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default=s.device, help="cpu or cuda (timing syncs the device around each run)")
     p.add_argument("--taus", type=_floats, default=s.taus, help="FBS tau sweep, comma list")

@@ -524,11 +524,11 @@ def paired_ratio(a_runs: Sequence[float], b_runs: Sequence[float], seed: int = 0
     if clusters is not None:
         if len(clusters) != len(q):
             raise ValueError(f"paired ratio needs one cluster per round, got {len(clusters)} for {len(q)} rounds")
-        ids = sorted(set(clusters))
-        sizes = {c: sum(1 for x in clusters if x == c) for c in ids}
-        if len(set(sizes.values())) != 1:
-            raise ValueError(f"paired ratio's clusters must have equal numbers of rounds, got {sizes}")
-        units = np.array([q[[i for i, x in enumerate(clusters) if x == c]].mean() for c in ids])
+        ids, which, sizes = np.unique(np.asarray(clusters), return_inverse=True, return_counts=True)
+        if len(set(sizes.tolist())) != 1:
+            raise ValueError(f"paired ratio's clusters must have equal numbers of rounds, got "
+                             f"{dict(zip(ids.tolist(), sizes.tolist()))}")
+        units = np.bincount(which, weights=q) / sizes  # each cluster's mean ratio, clusters in increasing id
         n_clusters = len(ids)
     idx = np.random.default_rng(seed).integers(0, len(units), size=(n_resamples, len(units)))
     lo, hi = np.percentile(units[idx].mean(axis=1), [2.5, 97.5])

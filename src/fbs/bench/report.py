@@ -386,7 +386,8 @@ def _speculative_table(doc: dict[str, Any]) -> list[str]:
                "draft source (median share over runs; ms per round) against the rest (the verifier's pass and "
                "bookkeeping, ms per round); with a prompt set, the range of the prompts' own speed-ups.", "",
            "| System | B | Exact vs full (%) | Speed-up vs full [95% CI] | Acceptance (%) | Kept / round | "
-           "Proposed / round | Rounds | Draft share (%) | Draft ms / round | Verify ms / round | Per prompt (min-max) |",
+           "Proposed / round | Rounds | Draft share (%) | Draft ms / round | Verify ms / round | "
+           "Per prompt (min-max) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fd, dr, pr = r.get("full_depth") or {}, r.get("draft") or {}, r.get("probe") or {}

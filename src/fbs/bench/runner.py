@@ -578,11 +578,12 @@ def check_prompt_set(bench: BenchConfig, spec: RunSpec) -> None:
         raise ValueError(f"--prompt-set {bench.prompt_set} has prompts of different lengths and runs at batch size 1 "
                          f"only, got --batch-sizes {','.join(map(str, spec.batch_sizes))}; pass --batch-sizes 1 (or "
                          "--prompt-set text for fixed-length prompts at any batch size)")
-    if bench.runs % bench.num_prompts:
+    n, runs = bench.num_prompts, bench.runs
+    if runs % n:
         raise ValueError(f"--prompt-set {bench.prompt_set} times one prompt per run, cycling through the set: --runs "
-                         f"{bench.runs} over --num-prompts {bench.num_prompts} would time some prompts more often than "
-                         f"others{' and some never' if bench.runs < bench.num_prompts else ''}; pass --runs a multiple "
-                         f"of --num-prompts (e.g. --runs {bench.num_prompts * max(1, round(bench.runs / bench.num_prompts))})")
+                         f"{runs} over --num-prompts {n} would time some prompts more often than others"
+                         f"{' and some never' if runs < n else ''}; pass --runs a multiple of --num-prompts (e.g. "
+                         f"--runs {n * max(1, round(runs / n))})")
 
 
 def run(spec: RunSpec, bench: BenchConfig, command: str = "", model=None, tok=None,
