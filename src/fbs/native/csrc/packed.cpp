@@ -15,7 +15,7 @@ constexpr int64_t kParallelLowrank = 16384;  // r x k from which A's dot product
 // T (M, r) = X (M, k) A^T: the first half of w's low-rank delta, each row's sums in the same order whatever M is
 void lowrank_t(const Packed& w, const float* X, int64_t M, float* T, int64_t isa) {
   const int64_t r = w.la.size(0);
-  const auto* A = w.la.data_ptr<at::Half>();
+  const c10::Half* A = w.la_h;
   const auto dots = [&](int64_t i0, int64_t i1) {
     for (int64_t m = 0; m < M; ++m) fbs_lowrank::dots(A + i0 * w.k, X + m * w.k, i1 - i0, w.k, T + m * r + i0, isa);
   };
@@ -29,7 +29,7 @@ void lowrank_t(const Packed& w, const float* X, int64_t M, float* T, int64_t isa
 void lowrank_add(const Packed& w, const float* T, int64_t M, float* Y, int64_t j0, int64_t j1, int64_t isa) {
   const int64_t r = w.la.size(0);
   for (int64_t m = 0; m < M; ++m)
-    fbs_lowrank::add(T + m * r, w.lbt.data_ptr<at::Half>(), w.n, j0, j1, w.lrows.data(), Y + m * w.n, isa);
+    fbs_lowrank::add(T + m * r, w.lbt_h, w.n, j0, j1, w.lrows.data(), Y + m * w.n, isa);
 }
 }  // namespace
 
@@ -41,6 +41,8 @@ void Packed::set_lowrank(at::Tensor a, at::Tensor bt) {
               "), got ", a.sizes(), " and ", bt.sizes());
   la = a.to(at::kHalf).contiguous();
   lbt = bt.to(at::kHalf).contiguous();
+  la_h = la.data_ptr<at::Half>();
+  lbt_h = lbt.data_ptr<at::Half>();
   TORCH_CHECK(la.to(at::kFloat).equal(a) && lbt.to(at::kFloat).equal(bt),
               "fbs packed weight: the low-rank factors must be fp16 values (fbs.engine.quant.Weight rounds them)");
   // per kCols columns, the rows of Bt that are not all zero there (first to last)

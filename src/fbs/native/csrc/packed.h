@@ -18,6 +18,7 @@ struct Packed {
   at::Tensor p, s;     // packed bytes; scales (kInt8F32: (n,) bf16; kI8Channel: fp32 padded to whole tiles; else none)
   at::Tensor la, lbt;  // the low-rank delta (undefined when none): A (r, k) and Bt (r, n), fp16, the scale in Bt
   std::vector<int32_t> lrows;  // per 16 columns of Bt, the range [lo, hi) of its rows that are not all zero there
+  const c10::Half *la_h = nullptr, *lbt_h = nullptr;  // la's and lbt's values (read per product and row, unchecked)
   // Y (M, n) = X (M, k) @ W^T, X with row stride k, Y with row stride n; isa: the step's instruction-set code
   // (kIsaAvx512 or kIsaAvx2; the block kinds take VNNI where the CPU has it unless the step asks for AVX2)
   void mm(const float* X, int64_t M, float* Y, int64_t isa) const;

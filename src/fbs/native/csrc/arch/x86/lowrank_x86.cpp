@@ -9,17 +9,31 @@
 namespace fbs_lowrank {
 void add_any(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1, const int32_t* rows, float* y);
 
-__attribute__((target("avx512f,fma"))) void dots_avx512(const c10::Half* A, const float* x, int64_t r, int64_t k,
-                                                        float* t) {
-  for (int64_t i = 0; i < r; ++i) {
-    const c10::Half* a = A + i * k;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16) acc = _mm512_fmadd_ps(fbs_x86::load16(a + j), _mm512_loadu_ps(x + j), acc);
-    float s = _mm512_reduce_add_ps(acc);
-    for (; j < k; ++j) s += float(a[j]) * x[j];
+// Up to kRowsAt rows of A at a time, each with its own accumulator (independent FMA chains sharing x's loads, not one
+// chain per row): each row's sums in the order a row alone would take them, so the result does not depend on r.
+constexpr int64_t kRowsAt = 8;
+
+template <int R>
+__attribute__((target("avx512f,fma"))) void dots_rows512(const c10::Half* A, const float* x, int64_t k, float* t) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + j);
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(fbs_x86::load16(A + i * k + j), xv, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    float s = _mm512_reduce_add_ps(acc[i]);
+    for (int64_t l = j; l < k; ++l) s += float(A[i * k + l]) * x[l];
     t[i] = s;
   }
+}
+
+__attribute__((target("avx512f,fma"))) void dots_avx512(const c10::Half* A, const float* x, int64_t r, int64_t k,
+                                                        float* t) {
+  int64_t i = 0;
+  for (; i + kRowsAt <= r; i += kRowsAt) dots_rows512<kRowsAt>(A + i * k, x, k, t + i);
+  for (; i < r; ++i) dots_rows512<1>(A + i * k, x, k, t + i);
 }
 
 __attribute__((target("avx512f,fma"))) void add_avx512(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0,
@@ -35,20 +49,30 @@ __attribute__((target("avx512f,fma"))) void add_avx512(const float* t, const c10
   add_any(t, Bt, ld, j, j1, rows, y);
 }
 
-__attribute__((target("avx2,fma,f16c"))) void dots_avx2(const c10::Half* A, const float* x, int64_t r, int64_t k,
-                                                        float* t) {
-  for (int64_t i = 0; i < r; ++i) {
-    const c10::Half* a = A + i * k;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-      acc0 = _mm256_fmadd_ps(fbs_x86::load8(a + j), _mm256_loadu_ps(x + j), acc0);
-      acc1 = _mm256_fmadd_ps(fbs_x86::load8(a + j + 8), _mm256_loadu_ps(x + j + 8), acc1);
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void dots_rows256(const c10::Half* A, const float* x, int64_t k, float* t) {
+  __m256 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+    for (int i = 0; i < R; ++i) {
+      acc0[i] = _mm256_fmadd_ps(fbs_x86::load8(A + i * k + j), x0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(fbs_x86::load8(A + i * k + j + 8), x1, acc1[i]);
     }
-    float s = fbs_x86::hsum256(_mm256_add_ps(acc0, acc1));
-    for (; j < k; ++j) s += float(a[j]) * x[j];
+  }
+  for (int i = 0; i < R; ++i) {
+    float s = fbs_x86::hsum256(_mm256_add_ps(acc0[i], acc1[i]));
+    for (int64_t l = j; l < k; ++l) s += float(A[i * k + l]) * x[l];
     t[i] = s;
   }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void dots_avx2(const c10::Half* A, const float* x, int64_t r, int64_t k,
+                                                        float* t) {
+  int64_t i = 0;
+  for (; i + 4 <= r; i += 4) dots_rows256<4>(A + i * k, x, k, t + i);
+  for (; i < r; ++i) dots_rows256<1>(A + i * k, x, k, t + i);
 }
 
 __attribute__((target("avx2,fma,f16c"))) void add_avx2(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0,
