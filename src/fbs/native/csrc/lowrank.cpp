@@ -27,20 +27,34 @@ void add_any(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_
   }
 }
 
-void dots(const c10::Half* A, const float* x, int64_t r, int64_t k, float* t, int64_t isa) {
+void dots(const c10::Half* A, const float* X, int64_t M, int64_t r, int64_t k, float* T, int64_t isa) {
 #ifdef FBS_X86
-  if (isa == fbs::kIsaAvx512 || isa == fbs::kIsaAvx512Vnni) return dots_avx512(A, x, r, k, t);
-  if (isa == fbs::kIsaAvx2) return dots_avx2(A, x, r, k, t);
+  if (isa == fbs::kIsaAvx512 || isa == fbs::kIsaAvx512Vnni) return dots_avx512(A, X, M, r, k, T);
 #endif
-  dots_any(A, x, r, k, t);
+  for (int64_t m = 0; m < M; ++m) {
+#ifdef FBS_X86
+    if (isa == fbs::kIsaAvx2) {
+      dots_avx2(A, X + m * k, r, k, T + m * r);
+      continue;
+    }
+#endif
+    dots_any(A, X + m * k, r, k, T + m * r);
+  }
 }
 
-void add(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1, const int32_t* rows, float* y,
-         int64_t isa) {
+void add(const float* T, int64_t M, int64_t r, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1,
+         const int32_t* rows, float* Y, int64_t isa) {
 #ifdef FBS_X86
-  if (isa == fbs::kIsaAvx512 || isa == fbs::kIsaAvx512Vnni) return add_avx512(t, Bt, ld, j0, j1, rows, y);
-  if (isa == fbs::kIsaAvx2) return add_avx2(t, Bt, ld, j0, j1, rows, y);
+  if (isa == fbs::kIsaAvx512 || isa == fbs::kIsaAvx512Vnni) return add_avx512(T, M, r, Bt, ld, j0, j1, rows, Y);
 #endif
-  add_any(t, Bt, ld, j0, j1, rows, y);
+  for (int64_t m = 0; m < M; ++m) {
+#ifdef FBS_X86
+    if (isa == fbs::kIsaAvx2) {
+      add_avx2(T + m * r, Bt, ld, j0, j1, rows, Y + m * ld);
+      continue;
+    }
+#endif
+    add_any(T + m * r, Bt, ld, j0, j1, rows, Y + m * ld);
+  }
 }
 }  // namespace fbs_lowrank

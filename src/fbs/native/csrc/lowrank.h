@@ -11,16 +11,18 @@
 namespace fbs_lowrank {
 constexpr int64_t kCols = 16;  // output columns whose sums stay in registers; the row ranges are per kCols columns
 
-// t[i] = A_i . x for the r rows of A (r, k)
-void dots(const c10::Half* A, const float* x, int64_t r, int64_t k, float* t, int64_t isa);
-// y[j] += sum_i t[i] Bt[i, j] for the columns [j0, j1) of Bt (row stride ld), j0 a multiple of kCols; per kCols
-// columns c only Bt's rows [rows[2c], rows[2c + 1]) (the others are zero there), summed in order, added once
-void add(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1, const int32_t* rows, float* y,
-         int64_t isa);
+// T[m, i] = A_i . X_m for the r rows of A (r, k) and the M rows of X (M, k); T (M, r)
+void dots(const c10::Half* A, const float* X, int64_t M, int64_t r, int64_t k, float* T, int64_t isa);
+// Y[m, j] += sum_i T[m, i] Bt[i, j] for the M rows of T (M, r) and Y (row stride ld) and the columns [j0, j1) of Bt
+// (row stride ld), j0 a multiple of kCols; per kCols columns c only Bt's rows [rows[2c], rows[2c + 1]) (the others
+// are zero there), summed in order, added once
+void add(const float* T, int64_t M, int64_t r, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1,
+         const int32_t* rows, float* Y, int64_t isa);
 
 #ifdef FBS_X86
-void dots_avx512(const c10::Half* A, const float* x, int64_t r, int64_t k, float* t);
-void add_avx512(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1, const int32_t* rows, float* y);
+void dots_avx512(const c10::Half* A, const float* X, int64_t M, int64_t r, int64_t k, float* T);
+void add_avx512(const float* T, int64_t M, int64_t r, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1,
+                const int32_t* rows, float* Y);
 void dots_avx2(const c10::Half* A, const float* x, int64_t r, int64_t k, float* t);
 void add_avx2(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_t j1, const int32_t* rows, float* y);
 #endif

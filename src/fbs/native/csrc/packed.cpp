@@ -17,7 +17,10 @@ void lowrank_t(const Packed& w, const float* X, int64_t M, float* T, int64_t isa
   const int64_t r = w.la.size(0);
   const c10::Half* A = w.la_h;
   const auto dots = [&](int64_t i0, int64_t i1) {
-    for (int64_t m = 0; m < M; ++m) fbs_lowrank::dots(A + i0 * w.k, X + m * w.k, i1 - i0, w.k, T + m * r + i0, isa);
+    if (i0 == 0 && i1 == r) return fbs_lowrank::dots(A, X, M, r, w.k, T, isa);
+    std::vector<float> part(M * (i1 - i0));  // a thread's rows of A: its columns of T
+    fbs_lowrank::dots(A + i0 * w.k, X, M, i1 - i0, w.k, part.data(), isa);
+    for (int64_t m = 0; m < M; ++m) std::copy_n(part.data() + m * (i1 - i0), i1 - i0, T + m * r + i0);
   };
   if (at::get_num_threads() > 1 && !at::in_parallel_region() && r * w.k >= kParallelLowrank)
     at::parallel_for(0, r, 4, dots);
@@ -28,8 +31,7 @@ void lowrank_t(const Packed& w, const float* X, int64_t M, float* T, int64_t isa
 // Y[:, j0:j1] += T Bt[:, j0:j1]: the second half, for the columns a thread of the product computed
 void lowrank_add(const Packed& w, const float* T, int64_t M, float* Y, int64_t j0, int64_t j1, int64_t isa) {
   const int64_t r = w.la.size(0);
-  for (int64_t m = 0; m < M; ++m)
-    fbs_lowrank::add(T + m * r, w.lbt_h, w.n, j0, j1, w.lrows.data(), Y + m * w.n, isa);
+  fbs_lowrank::add(T, M, r, w.lbt_h, w.n, j0, j1, w.lrows.data(), Y, isa);
 }
 }  // namespace
 
