@@ -79,12 +79,17 @@ struct Rows8 {
 // The fewest rows for which mm() takes the many-row kernel (a prompt, not a decode step), and the rows it runs
 // over every tile before the next (their codes stay in L2 across the tiles); a multiple of kManyRows.
 constexpr int64_t kManyMin = 16, kManyChunk = 64;
+// The fewest rows for which the VNNI kernels read the activations from Rows8 groups (tile_rows8_vnni512); fewer rows
+// take tile()'s own loop, one tile a call. In place (the default model's full-depth passes, q4 + q8 head, s32, 2
+// alternated runs): 2 / 4 positions cost 1.09-1.11x / 1.36-1.37x a one-position pass this way, against 1.19-1.22x /
+// 1.48-1.49x through Rows8; at 8 rows Rows8 stays ahead (B = 8 step 10.7-10.9 ms against 11.2-11.5).
+constexpr int64_t kRows8Min = 5;
 // nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for rows
 // m0 .. m1 - 1 (m0 a multiple of kManyRows) of a: the weights unpacked once into the bytes vpdpbusd reads, then every
 // kManyRows rows stream that copy from L1, each activation broadcast feeding both tiles. Each row's result is bit
 // for bit tile()'s (the same integer sums, the same fp32 updates in the same order).
 // nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for all
-// rows of a (fewer than kManyMin): tile()'s arithmetic, the rows read from Rows8 groups (one pointer per 8 rows
+// rows of a (kRows8Min to kManyMin - 1): tile()'s arithmetic, the rows read from Rows8 groups (one pointer per 8 rows
 // instead of one per row: measured 1.13-1.18x faster at 8 rows, DRAM-cold weights), each activation broadcast
 // feeding the nt tiles. Each row's result is bit for bit tile()'s.
 void tile_rows8_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
