@@ -89,9 +89,9 @@ constexpr int64_t kRows8Min = 5;
 // kManyRows rows stream that copy from L1, each activation broadcast feeding both tiles. Each row's result is bit
 // for bit tile()'s (the same integer sums, the same fp32 updates in the same order).
 // nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for all
-// rows of a (kRows8Min to kManyMin - 1): tile()'s arithmetic, the rows read from Rows8 groups (one pointer per 8 rows
-// instead of one per row: measured 1.13-1.18x faster at 8 rows, DRAM-cold weights), each activation broadcast
-// feeding the nt tiles. Each row's result is bit for bit tile()'s.
+// rows of a (kRows8Min to kManyMin - 1), one tile at a time: tile()'s arithmetic, the rows read from Rows8 groups (one
+// pointer per 8 rows instead of one per row: measured 1.13-1.18x faster at 8 rows, DRAM-cold weights). Each row's
+// result is bit for bit tile()'s.
 void tile_rows8_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
                         int64_t N, int64_t n0);
 void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,

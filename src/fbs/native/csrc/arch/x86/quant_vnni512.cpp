@@ -157,87 +157,66 @@ FBS_VNNI void rows_q(const Rows8& a, int64_t g8, int o, const uint8_t* u, float*
 }
 
 // tile<MB>'s arithmetic for q4 or q8 blocks (the same ops in the same order) over the MB rows of a Rows8 group starting
-// at m0 and NT (1 or 2) consecutive tiles (p, p + tb; channels n0 ..): each activation broadcast feeds the NT tiles'
-// dot products (at 4 rows, two tiles a call measured 1.13x faster than one, the rows' broadcasts being the limit).
-template <int MB, int NT, bool Q8>
-FBS_VNNI void tile_r8(const Rows8& a, const uint8_t* p, int64_t tb, float* Y, int64_t ldy, int64_t N, int64_t n0,
-                      int64_t m0) {
+// at m0 and one tile (p; channels n0 ..). One tile a call: two (each broadcast feeding both) measured 3-6 % slower for
+// 6-8 rows in place (s32: the 2 x 8 x 2 accumulators do not fit the 32 registers).
+template <int MB, bool Q8>
+FBS_VNNI void tile_r8(const Rows8& a, const uint8_t* p, float* Y, int64_t ldy, int64_t N, int64_t n0, int64_t m0) {
   const int64_t Kb = a.Kb, bb = Q8 ? 512 + 32 : 320;
   const __m512i lo4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
   const int64_t g8 = m0 / kManyRows;
   const int8_t* xq = a.q + g8 * Kb * kManyRows * kBlock;
   const float *d = a.d + g8 * Kb * kManyRows, *ds = a.ds + g8 * Kb * kManyRows;
-  __m512 af[NT][MB];
-  for (int t = 0; t < NT; ++t)
-    for (int m = 0; m < MB; ++m) af[t][m] = _mm512_setzero_ps();
+  __m512 af[MB];
+  for (int m = 0; m < MB; ++m) af[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < Kb; ++b, p += bb, xq += kManyRows * kBlock, d += kManyRows, ds += kManyRows) {
-    for (int t = 0; t < NT; ++t) prefetch_stream(p + t * tb, bb);
-    __m512i ai[NT][MB];
-    for (int t = 0; t < NT; ++t)
-      for (int m = 0; m < MB; ++m) ai[t][m] = _mm512_setzero_si512();
+    prefetch_stream(p, bb);
+    __m512i ai[MB];
+    for (int m = 0; m < MB; ++m) ai[m] = _mm512_setzero_si512();
     if (Q8) {
       for (int g = 0; g < 8; ++g) {
-        __m512i w[NT];
-        for (int t = 0; t < NT; ++t) w[t] = _mm512_xor_si512(_mm512_loadu_si512(p + t * tb + 64 * g), flip);
-        for (int m = 0; m < MB; ++m) {
-          const __m512i x = bcast4(xq + m * kBlock + 4 * g);
-          for (int t = 0; t < NT; ++t) ai[t][m] = _mm512_dpbusd_epi32(ai[t][m], w[t], x);
-        }
+        const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * g), flip);
+        for (int m = 0; m < MB; ++m) ai[m] = _mm512_dpbusd_epi32(ai[m], w, bcast4(xq + m * kBlock + 4 * g));
       }
     } else {
       for (int v = 0; v < 4; ++v) {
-        __m512i wl[NT], wh[NT];
-        for (int t = 0; t < NT; ++t) {
-          const __m512i raw = _mm512_loadu_si512(p + t * tb + 64 * v);
-          wl[t] = _mm512_and_si512(raw, lo4);
-          wh[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
-        }
+        const __m512i raw = _mm512_loadu_si512(p + 64 * v);
+        const __m512i wl = _mm512_and_si512(raw, lo4), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
         for (int m = 0; m < MB; ++m) {
-          const __m512i xl = bcast4(xq + m * kBlock + 8 * v), xh = bcast4(xq + m * kBlock + 8 * v + 4);
-          for (int t = 0; t < NT; ++t) {
-            ai[t][m] = _mm512_dpbusd_epi32(ai[t][m], wl[t], xl);
-            ai[t][m] = _mm512_dpbusd_epi32(ai[t][m], wh[t], xh);
-          }
+          ai[m] = _mm512_dpbusd_epi32(ai[m], wl, bcast4(xq + m * kBlock + 8 * v));
+          ai[m] = _mm512_dpbusd_epi32(ai[m], wh, bcast4(xq + m * kBlock + 8 * v + 4));
         }
       }
     }
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* pt = p + t * tb;
-      if (Q8) {  // tile()'s q8 update: the +128 offset removed with the block's activation sum
-        const __m512 dw = half16(pt + 512);
-        for (int m = 0; m < MB; ++m) {
-          const __m512 x =
-              _mm512_fmsub_ps(_mm512_cvtepi32_ps(ai[t][m]), _mm512_set1_ps(d[m]), _mm512_set1_ps(128.f * ds[m]));
-          af[t][m] = _mm512_fmadd_ps(dw, x, af[t][m]);
-        }
-      } else {  // tile()'s two q4 updates, in its order
-        const __m512 dw = half16(pt + 256), mw = half16(pt + 288);
-        for (int m = 0; m < MB; ++m) {
-          af[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[t][m]), _mm512_mul_ps(dw, _mm512_set1_ps(d[m])), af[t][m]);
-          af[t][m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[m]), af[t][m]);
-        }
+    if (Q8) {  // tile()'s q8 update: the +128 offset removed with the block's activation sum
+      const __m512 dw = half16(p + 512);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 x = _mm512_fmsub_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_set1_ps(d[m]), _mm512_set1_ps(128.f * ds[m]));
+        af[m] = _mm512_fmadd_ps(dw, x, af[m]);
+      }
+    } else {  // tile()'s two q4 updates, in its order
+      const __m512 dw = half16(p + 256), mw = half16(p + 288);
+      for (int m = 0; m < MB; ++m) {
+        af[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[m]), _mm512_mul_ps(dw, _mm512_set1_ps(d[m])), af[m]);
+        af[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ds[m]), af[m]);
       }
     }
   }
-  const int64_t nl = N - n0 - (NT - 1) * kTile;  // channels of the last tile
+  const int64_t nl = N - n0;  // the tile's channels
   const __mmask16 mask = nl >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << nl) - 1);
-  for (int m = 0; m < MB; ++m)
-    for (int t = 0; t < NT; ++t)
-      _mm512_mask_storeu_ps(Y + (m0 + m) * ldy + n0 + t * kTile, t == NT - 1 ? mask : __mmask16(0xFFFF), af[t][m]);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(Y + (m0 + m) * ldy + n0, mask, af[m]);
 }
 
-template <int NT, bool Q8>
-void rows8_group(const Rows8& a, const uint8_t* p, int64_t tb, float* Y, int64_t ldy, int64_t N, int64_t n0,
-                 int64_t m) {
+template <bool Q8>
+void rows8_group(const Rows8& a, const uint8_t* p, float* Y, int64_t ldy, int64_t N, int64_t n0, int64_t m) {
   switch (std::min<int64_t>(kManyRows, a.M - m)) {
-    case 8: tile_r8<8, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    case 7: tile_r8<7, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    case 6: tile_r8<6, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    case 5: tile_r8<5, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    case 4: tile_r8<4, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    case 3: tile_r8<3, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    case 2: tile_r8<2, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
-    default: tile_r8<1, NT, Q8>(a, p, tb, Y, ldy, N, n0, m); break;
+    case 8: tile_r8<8, Q8>(a, p, Y, ldy, N, n0, m); break;
+    case 7: tile_r8<7, Q8>(a, p, Y, ldy, N, n0, m); break;
+    case 6: tile_r8<6, Q8>(a, p, Y, ldy, N, n0, m); break;
+    case 5: tile_r8<5, Q8>(a, p, Y, ldy, N, n0, m); break;
+    case 4: tile_r8<4, Q8>(a, p, Y, ldy, N, n0, m); break;
+    case 3: tile_r8<3, Q8>(a, p, Y, ldy, N, n0, m); break;
+    case 2: tile_r8<2, Q8>(a, p, Y, ldy, N, n0, m); break;
+    default: tile_r8<1, Q8>(a, p, Y, ldy, N, n0, m); break;
   }
 }
 }  // namespace
@@ -310,12 +289,8 @@ void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t n
 
 void tile_rows8_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
                         int64_t N, int64_t n0) {
-  const bool q8 = kind == kQ8Block;
-  for (int64_t m = 0; m < a.M; m += kManyRows) {
-    if (nt == 2)
-      (q8 ? rows8_group<2, true> : rows8_group<2, false>)(a, p, tb, Y, ldy, N, n0, m);
-    else
-      (q8 ? rows8_group<1, true> : rows8_group<1, false>)(a, p, tb, Y, ldy, N, n0, m);
-  }
+  const auto group = kind == kQ8Block ? rows8_group<true> : rows8_group<false>;
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t m = 0; m < a.M; m += kManyRows) group(a, p + t * tb, Y, ldy, N, n0 + t * kTile, m);
 }
 }  // namespace fbs_quant
