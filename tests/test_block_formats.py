@@ -361,21 +361,21 @@ def test_lora_apart_without_native_kernels_is_the_merged_weight():
         Weight(merged, "q4", lowrank=(a, b[:, :3]))
 
 
-@pytest.mark.parametrize("n,stacked,r", [(40, False, 4), (40, False, 11), (4099, False, 4), (4099, True, 4)])
+@pytest.mark.parametrize("n,stacked,r,k", [(40, False, 4, 96), (40, False, 11, 96), (40, False, 11, 1536),
+                                            (4099, False, 4, 96), (4099, True, 4, 96)])
 @pytest.mark.parametrize("isa", [1, 2])
-def test_a_packed_weights_delta_apart_adds_x_a_b_and_does_not_depend_on_threads_or_rows(n, stacked, r, isa):
+def test_a_packed_weights_delta_apart_adds_x_a_b_and_does_not_depend_on_threads_or_rows(n, stacked, r, k, isa):
     """The native product of a block weight with its LoRA delta apart (what a native layer computes): minus the same
     blocks without the delta it is x A^T B^T (float64 oracle); a row's result is the same bits alone or among other
     rows, and with one thread or two (a wide delta, 4 x 4,099, is split by columns over the threads). ``stacked``:
     two adapters stacked as one block-diagonal delta (rows 0-1 of A feed columns 0-2,047, rows 2-3 the others, whose
     zero blocks the kernel skips), with a zero stretch of columns that no adapter moves. Rank 11: the rows of A in a
     group of 8 (AVX-512) or two of 4 (AVX2) and three alone, each with the sums a row alone takes. ``isa``: 1 AVX2,
-    2 AVX-512 (where the CPU has it)."""
+    2 AVX-512 (where the CPU has it). Rank 11 x 1,536 inputs: A's rows split over the threads (each its columns of T)."""
     require_native("avx2")
     if isa > native._isa_code():
         pytest.skip("this CPU has no AVX-512")
     g = torch.Generator().manual_seed(6)
-    k = 96
     base = dequantize_blocks(*quantize_blocks(torch.randn(n, k, generator=g) * 0.1, "q4_1"))
     a, b = torch.randn(r, k, generator=g) * 0.3, torch.randn(n, r, generator=g) * 0.05
     if stacked:

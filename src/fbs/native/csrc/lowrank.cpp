@@ -27,18 +27,18 @@ void add_any(const float* t, const c10::Half* Bt, int64_t ld, int64_t j0, int64_
   }
 }
 
-void dots(const c10::Half* A, const float* X, int64_t M, int64_t r, int64_t k, float* T, int64_t isa) {
+void dots(const c10::Half* A, const float* X, int64_t M, int64_t r, int64_t k, float* T, int64_t ldt, int64_t isa) {
 #ifdef FBS_X86
-  if (isa == fbs::kIsaAvx512 || isa == fbs::kIsaAvx512Vnni) return dots_avx512(A, X, M, r, k, T);
+  if (isa == fbs::kIsaAvx512 || isa == fbs::kIsaAvx512Vnni) return dots_avx512(A, X, M, r, k, T, ldt);
 #endif
   for (int64_t m = 0; m < M; ++m) {
 #ifdef FBS_X86
     if (isa == fbs::kIsaAvx2) {
-      dots_avx2(A, X + m * k, r, k, T + m * r);
+      dots_avx2(A, X + m * k, r, k, T + m * ldt);
       continue;
     }
 #endif
-    dots_any(A, X + m * k, r, k, T + m * r);
+    dots_any(A, X + m * k, r, k, T + m * ldt);
   }
 }
 

@@ -16,11 +16,8 @@ constexpr int64_t kParallelLowrank = 16384;  // r x k from which A's dot product
 void lowrank_t(const Packed& w, const float* X, int64_t M, float* T, int64_t isa) {
   const int64_t r = w.la.size(0);
   const c10::Half* A = w.la_h;
-  const auto dots = [&](int64_t i0, int64_t i1) {
-    if (i0 == 0 && i1 == r) return fbs_lowrank::dots(A, X, M, r, w.k, T, isa);
-    std::vector<float> part(M * (i1 - i0));  // a thread's rows of A: its columns of T
-    fbs_lowrank::dots(A + i0 * w.k, X, M, i1 - i0, w.k, part.data(), isa);
-    for (int64_t m = 0; m < M; ++m) std::copy_n(part.data() + m * (i1 - i0), i1 - i0, T + m * r + i0);
+  const auto dots = [&](int64_t i0, int64_t i1) {  // rows i0 .. i1 - 1 of A: those columns of T
+    fbs_lowrank::dots(A + i0 * w.k, X, M, i1 - i0, w.k, T + i0, r, isa);
   };
   if (at::get_num_threads() > 1 && !at::in_parallel_region() && r * w.k >= kParallelLowrank)
     at::parallel_for(0, r, 4, dots);

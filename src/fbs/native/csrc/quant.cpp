@@ -50,7 +50,7 @@ void mm(const Act& a, const uint8_t* P, const float* S, int64_t kind, int64_t N,
   const int64_t T = (N + kTile - 1) / kTile, tile = (a.Kp / kBlock) * block_bytes(kind);
   // VNNI, several rows: the rows interleaved per 8 (Rows8, one pointer per group); a prompt's rows (>= kManyMin) take
   // the many-row path, a few rows (kRows8Min .. kManyMin - 1: a batch, a long verified draft) the decode tile over
-  // Rows8, two tiles a call; fewer rows (a short draft) tile()'s own loop below
+  // Rows8 (threads split by pairs of tiles); fewer rows (a short draft) tile()'s own loop below
   const bool few = a.M < kManyMin;
   if (isa == fbs::kIsaAvx512Vnni && (kind == kQ4Block || kind == kQ8Block) && a.M >= kRows8Min) {
     const int64_t Kb = a.Kp / kBlock, G = (a.M + kManyRows - 1) / kManyRows, gs = Kb * kManyRows;

@@ -37,20 +37,20 @@ __attribute__((target("avx512f,fma"))) void dots_block512(const c10::Half* A, co
 
 template <int MB>
 __attribute__((target("avx512f,fma"))) void dots_rows512(const c10::Half* A, const float* X, int64_t r, int64_t k,
-                                                         float* T) {
+                                                         float* T, int64_t ldt) {
   int64_t i = 0;
-  for (; i + 4 <= r; i += 4) dots_block512<4, MB>(A + i * k, X, k, T + i, r);
-  for (; i < r; ++i) dots_block512<1, MB>(A + i * k, X, k, T + i, r);
+  for (; i + 4 <= r; i += 4) dots_block512<4, MB>(A + i * k, X, k, T + i, ldt);
+  for (; i < r; ++i) dots_block512<1, MB>(A + i * k, X, k, T + i, ldt);
 }
 
 __attribute__((target("avx512f,fma"))) void dots_avx512(const c10::Half* A, const float* X, int64_t M, int64_t r,
-                                                        int64_t k, float* T) {
+                                                        int64_t k, float* T, int64_t ldt) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dots_rows512<4>(A, X + m * k, r, k, T + m * r);
+  for (; m + 4 <= M; m += 4) dots_rows512<4>(A, X + m * k, r, k, T + m * ldt, ldt);
   switch (M - m) {
-    case 3: dots_rows512<3>(A, X + m * k, r, k, T + m * r); break;
-    case 2: dots_rows512<2>(A, X + m * k, r, k, T + m * r); break;
-    case 1: dots_rows512<1>(A, X + m * k, r, k, T + m * r); break;
+    case 3: dots_rows512<3>(A, X + m * k, r, k, T + m * ldt, ldt); break;
+    case 2: dots_rows512<2>(A, X + m * k, r, k, T + m * ldt, ldt); break;
+    case 1: dots_rows512<1>(A, X + m * k, r, k, T + m * ldt, ldt); break;
     default: break;
   }
 }
