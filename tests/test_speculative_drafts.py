@@ -151,6 +151,22 @@ def test_prompt_lookup_on_a_copying_model_accepts_its_proposals(one_thread):
     assert res.new_tokens[0] == full and res.speculative.proposed > 0
 
 
+def test_prompt_lookup_prefers_the_longest_match_and_drafts_its_own_length(one_thread):
+    """Up to 6 tokens of context are matched (the longest n first, then the latest occurrence): the 5-gram's earlier
+    continuation wins over a later 3-gram's. Unless the call sets draft_tokens, prompt lookup drafts up to 12 tokens
+    a round and every other source 4 (each source's ``draft_tokens``)."""
+    from fbs.engine.drafts import lookup_match
+
+    seq = [1, 2, 3, 4, 5, 70, 71, 9, 3, 4, 5, 80, 81, 1, 2, 3, 4, 5]
+    assert lookup_match(seq, 6, 1, 2) == ([70, 71], 5)   # (1..5) at 0; the later (3, 4, 5) at 8 goes on with 80
+    assert lookup_match(seq, 3, 1, 2) == ([80, 81], 3)   # max_ngram 3: the latest 3-gram
+    model = _model("llama")
+    kw = dict(max_new_tokens=4, ignore_eos=True)
+    assert model.generate([REPEAT], draft="prompt-lookup", **kw).speculative.gamma == [12]
+    assert model.generate([REPEAT], draft="prompt-lookup", draft_tokens=5, **kw).speculative.gamma == [5]
+    assert model.generate([REPEAT], draft="lookahead", **kw).speculative.gamma == [4]
+
+
 def test_lookahead_rejects_a_window_wider_than_the_verifier():
     model = _model("llama")
     with pytest.raises(ValueError, match="window <= draft_tokens"):
@@ -530,3 +546,29 @@ def test_shortlists_are_the_most_frequent_tokens_and_survive_save_and_load(tmp_p
         module.shortlist = None
         module.save(tmp_path / (cls.__name__ + "0"), model.config.base_fingerprint)
         assert cls.load(tmp_path / (cls.__name__ + "0"), model).shortlist is None
+
+
+def test_prompt_lookup_simulation_gives_the_engines_rounds(one_thread):
+    """scripts/simulate_prompt_lookup.py replays prompt lookup over full depth's greedy outputs: its rounds and
+    drafted tokens equal the engine's verify passes (the prompt's excluded) and proposed tokens, for two settings
+    and two prompts (one repetitive, one random)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "simulate_prompt_lookup.py"
+    spec = importlib.util.spec_from_file_location("simulate_prompt_lookup", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    model = _model("llama")
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    drafted = 0
+    for setting in ({"max_ngram": 3, "draft_tokens": 4}, {"max_ngram": 6, "draft_tokens": 12}):
+        opts = {"max_ngram": setting["max_ngram"]}
+        for prompt in _prompts():
+            full = model.generate([prompt], force_compute=True, **kw).new_tokens[0]
+            st = model.generate([prompt], draft="prompt-lookup", draft_options=opts,
+                                draft_tokens=setting["draft_tokens"], **kw).speculative
+            got = sim.simulate([(prompt, full)], **setting)
+            assert (got["rounds"], got["drafted"], got["kept"]) == (st.passes - 1, st.proposed, st.accepted)
+            drafted += got["drafted"]
+    assert drafted > 0  # some rounds verified drafts

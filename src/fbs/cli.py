@@ -226,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lossless", action="store_true",
                    help="speculative self-drafting: the skipping model drafts, full depth verifies (output = "
                         "--force-compute's; sampling keeps its distribution)")
-    p.add_argument("--draft-tokens", type=int, help="lossless: most tokens drafted per verify pass (default 4)")
+    p.add_argument("--draft-tokens", type=int,
+                   help="lossless: most tokens drafted per verify pass (default: the draft's own: prompt-lookup 12, "
+                        "the others 4)")
     p.add_argument("--draft-stop", type=float,
                    help="lossless: stop drafting when the draft's top-1 probability falls below this (default: "
                         "never; the draft length then adapts to the acceptance rate)")

@@ -129,7 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flexidepth-taus", type=_floats, default=s.flexidepth_taus,
                    help="FlexiDepth router thresholds, comma list: one system each (default: the checkpoint's tau)")
     p.add_argument("--draft-tokens", type=int,
-                   help="lossless systems (fbs-lossless, draft-verify, kangaroo): most tokens drafted per verify pass")
+                   help="lossless and Group A systems: most tokens drafted per verify pass (default: each draft's own: "
+                        "draft-prompt-lookup 12, the others 4)")
     p.add_argument("--llama-kv-type", dest="llama_kv_types", type=_strs, default=s.llama_kv_types,
                    help="llama.cpp systems: KV cache types, comma list from f16 (its default), q8_0 (with flash "
                         "attention; -kvq8_0 in the name): each llama.cpp system once per type")

@@ -41,6 +41,7 @@ import torch
 
 from .cache import CacheContext, KVCache, kv_storage_dtype
 from .defaults import PREFILL_CHOICES, resolve_kv_dtype, resolve_prefill
+from .drafts import default_draft_tokens
 from .flops import FlopCounter
 from .fused import WEIGHTS, source_stamp, decode_ops
 from .greedy import greedy_ids
@@ -111,7 +112,8 @@ class DecodeOptions:
     lossless: bool = False                   # speculative self-drafting (fbs.engine.speculative): the skipping model
                                              # drafts, full depth verifies: force_compute's output (greedy) or
                                              # its distribution (sampling)
-    draft_tokens: int = 4                    # lossless: most tokens drafted per verify pass (gamma)
+    draft_tokens: int | None = None          # lossless: most tokens drafted per verify pass (gamma); None: the
+                                             # draft source's own default (fbs.engine.drafts.default_draft_tokens)
     adapt_draft: bool = True                 # lossless: adapt gamma to the acceptance rate (draft_stop set: adapt it)
     draft_stop: float = 0.0                  # lossless: stop drafting once the draft's top-1 probability is below it
     draft_adapter: Any = None                # lossless: a fbs.baselines.kangaroo.KangarooAdapter drafts instead (Kangaroo)
@@ -148,6 +150,8 @@ class DecodeOptions:
             self.lossless = True  # a draft source is verified: the output is full depth's
         elif self.draft_options:
             raise ValueError("draft_options configure a draft source: pass draft= (a name such as 'lookahead')")
+        if self.draft_tokens is None:
+            self.draft_tokens = default_draft_tokens(self.draft)
         if self.draft_tokens < 1 or not 0.0 <= self.draft_stop < 1.0:
             raise ValueError("draft_tokens must be >= 1 and draft_stop in [0, 1)")
         if self.lossless and self.validator is not None:

@@ -181,6 +181,8 @@ class BaseDraft:
 #: Extra cost of each further token a verification pass checks, in decode steps. A pass reads the weights once
 #: (one step); each further token adds its share of the activations' work (the measured cost is in BENCHMARKS.md).
 VERIFY_TOKEN_COST = 0.15
+#: The verifier's draft length unless the call or the draft source (its ``draft_tokens``) says otherwise.
+DRAFT_TOKENS = 4
 #: Decay per round of the acceptance counts behind the adaptive gamma (the last ~10 rounds weigh), and the prior.
 ACCEPT_DECAY, ACCEPT_PRIOR, ACCEPT_PRIOR_WEIGHT = 0.9, 0.8, 2.0
 #: A row whose drafts do not pay (gamma 0: plain full-depth steps) drafts one token every this many rounds, so
@@ -232,6 +234,13 @@ def draft_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def default_draft_tokens(draft) -> int:
+    """The draft length (most tokens a round drafts) when a call does not set ``draft_tokens``: the draft source's
+    own ``draft_tokens`` attribute (of a registered name or a factory), else :data:`DRAFT_TOKENS`."""
+    factory = draft if callable(draft) else _REGISTRY.get(draft)
+    return int(getattr(factory, "draft_tokens", DRAFT_TOKENS))
+
+
 def make_draft(name, session, options: dict | None) -> DraftSource:
     """The draft source ``name`` (a registered name, or a factory ``f(session, **options)``) for one generate call."""
     options = dict(options or {})
@@ -280,11 +289,18 @@ class PromptLookupDraft(BaseDraft):
     :data:`VERIFY_TOKEN_COST` of a step), possibly to nothing: a 1-token match in chat is rarely continued the same
     way, a 3-token match in code often is. A match length whose proposals are withheld proposes one token every
     :data:`PROBE_EVERY` matches, so that its estimate can recover. ``adapt=False``: every match proposes the
-    whole budget."""
+    whole budget.
+
+    Defaults (``max_ngram`` 6, up to :attr:`draft_tokens` = 12 tokens a round): a simulation of the verifier's rounds
+    over full depth's own greedy outputs (the Stage-1 model, q4, 512 -> 128; it reproduces the engine's round counts
+    exactly) gave 64 code prompts 3,680 rounds against 4,131 for max_ngram 3 and 4 tokens, 11 % fewer, for 13 % more
+    verified tokens (8,174 against 7,204); chat prompts 1,401 against 1,423. Longer n-grams pick the occurrence that
+    goes on the same way; a long match in code keeps going past 4 tokens."""
 
     name = "prompt-lookup"
+    draft_tokens = 12  # the verifier's draft length for this source unless the call sets draft_tokens
 
-    def __init__(self, session, max_ngram: int = 3, min_ngram: int = 1, adapt: bool = True):
+    def __init__(self, session, max_ngram: int = 6, min_ngram: int = 1, adapt: bool = True):
         super().__init__(session)
         if not 1 <= int(min_ngram) <= int(max_ngram):
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
