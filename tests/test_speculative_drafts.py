@@ -572,3 +572,27 @@ def test_prompt_lookup_simulation_gives_the_engines_rounds(one_thread):
             assert (got["rounds"], got["drafted"], got["kept"]) == (st.passes - 1, st.proposed, st.accepted)
             drafted += got["drafted"]
     assert drafted > 0  # some rounds verified drafts
+
+
+def test_lookup_match_equals_the_brute_force_search():
+    """lookup_match's one pass over the last token's occurrences against its definition written out: for n from
+    max_ngram down, the latest i with seq[i:i+n] == the last n tokens (i + n <= len - 1), on random short
+    sequences over small vocabularies (many repeats)."""
+    import random
+
+    from fbs.engine.drafts import lookup_match
+
+    def brute(seq, max_ngram, min_ngram, budget):
+        L = len(seq)
+        for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+            for i in range(L - n - 1, -1, -1):
+                if seq[i:i + n] == seq[L - n:]:
+                    return seq[i + n:i + n + budget], n
+        return [], 0
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        seq = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(0, 30))]
+        hi = rng.randint(1, 7)
+        args = (seq, hi, rng.randint(1, hi), rng.randint(1, 5))
+        assert lookup_match(*args) == brute(*args), args

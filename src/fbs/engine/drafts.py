@@ -261,14 +261,29 @@ def make_draft(name, session, options: dict | None) -> DraftSource:
 def lookup_match(seq: list[int], max_ngram: int, min_ngram: int, budget: int) -> tuple[list[int], int]:
     """Prompt lookup: for n from ``max_ngram`` down to ``min_ngram``, the last n tokens of ``seq`` are searched for
     earlier in ``seq``; at the latest earlier occurrence, the (at most ``budget``) tokens that followed it are the
-    proposal. Returns the proposal and the n that matched, ([], 0) when nothing matches."""
+    proposal. Returns the proposal and the n that matched, ([], 0) when nothing matches.
+
+    One pass over the earlier occurrences of the last token (found by ``list.index``, in C): each one's match
+    length backwards (up to ``max_ngram``); the longest n wins, at its latest occurrence."""
     L = len(seq)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        tail = seq[L - n:]
-        for i in range(L - n - 1, -1, -1):  # latest first; i + n <= L - 1: the occurrence is not the tail itself
-            if seq[i:i + n] == tail:
-                return seq[i + n:i + n + budget], n
-    return [], 0
+    if L < 2:
+        return [], 0
+    cap = min(max_ngram, L - 1)
+    last, best_n, best_j = seq[-1], 0, -1
+    j = -1
+    while True:  # occurrences j <= L - 2 of the last token, in order (a later one replaces an equal n)
+        try:
+            j = seq.index(last, j + 1, L - 1)
+        except ValueError:
+            break
+        n = 1
+        while n < cap and n <= j and seq[j - n] == seq[L - 1 - n]:
+            n += 1
+        if n >= best_n:
+            best_n, best_j = n, j
+    if best_n < min_ngram:
+        return [], 0
+    return seq[best_j + 1:best_j + 1 + budget], best_n
 
 
 def lookup_continuation(seq: list[int], max_ngram: int, min_ngram: int, budget: int) -> list[int]:

@@ -695,7 +695,8 @@ class _Speculation:
 
     def _accept(self, raw: torch.Tensor, drafts: list[int], q, n: int) -> tuple[list[int], int]:
         """The round's tokens for one row from the verifier's logits (t, V): accepted drafts plus one."""
-        logits = self._mask_eos(raw.clone()[None], [n])[0]
+        masks = self.dec.eos and self.dec.opts.min_new_tokens > n  # else the logits are used as they are (no copy)
+        logits = self._mask_eos(raw.clone()[None], [n])[0] if masks else raw
         g = len(drafts)
         if not self.dec.opts.do_sample:
             target = greedy_ids(logits[:g + 1])
