@@ -1,5 +1,5 @@
 // A measurement probe, not part of the library: the few-row q4 products of the native kernels (quant_vnni512.cpp,
-// included as it is: one tile a call and two) against an AMX variant (tdpbsud) built here, single-threaded, on
+// included as it is: tile_r8, one tile a call) against an AMX variant (tdpbsud) built here, single-threaded, on
 // DRAM-cold weights. scripts/probe_amx.py builds it (torch.utils.cpp_extension), runs it and writes the record.
 //
 // The AMX variant keeps the library's integer sums and fp32 updates: per 32-input block the q4 nibbles are unpacked
@@ -123,13 +123,11 @@ PROBE_AMX void tile_amx(const Rows8& a, const uint8_t* p, int64_t tb, float* Y, 
   }
 }
 
-// kernel 0: the library's tile_r8 one tile a call; 1: two tiles a call; 2: AMX, two tiles a call
+// kernel 0: the library's tile_r8, one tile a call; 1: AMX, two tiles a call
 template <int MB>
 void run(int kernel, const Rows8& a, const uint8_t* P, int64_t T, int64_t tb, float* Y, int64_t N) {
   if (kernel == 0) {
-    for (int64_t t = 0; t < T; ++t) tile_r8<MB, 1, false>(a, P + t * tb, tb, Y, N, N, t * kTile, 0);
-  } else if (kernel == 1) {
-    for (int64_t t = 0; t < T; t += 2) tile_r8<MB, 2, false>(a, P + t * tb, tb, Y, N, N, t * kTile, 0);
+    for (int64_t t = 0; t < T; ++t) tile_r8<MB, false>(a, P + t * tb, Y, N, N, t * kTile, 0);
   } else {
     configure(MB);
     for (int64_t t = 0; t < T; t += 2) tile_amx<MB>(a, P + t * tb, tb, Y, N, t * kTile);
@@ -147,8 +145,8 @@ void run_rows(int rows, int kernel, const Rows8& a, const uint8_t* P, int64_t T,
 }  // namespace probe
 
 // For each rows in (1, 2, 4, 8): microseconds per (n, k) q4 product (best of `rounds` passes over `copies` distinct
-// weight copies, so that each product reads its weights from DRAM) of the three kernels, and whether the two-tile and
-// AMX results equal the one-tile ones bit for bit. Returns rows x [rows, us one tile, us two tiles, us AMX, equal].
+// weight copies, so that each product reads its weights from DRAM) of the two kernels, and whether the AMX results
+// equal the library's bit for bit. Returns rows x [rows, us library, us AMX, equal].
 at::Tensor probe_amx(int64_t n, int64_t k, int64_t copies, int64_t rounds) {
   using namespace fbs_quant;
   TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "probe_amx: n and k must be multiples of 32");
@@ -163,18 +161,17 @@ at::Tensor probe_amx(int64_t n, int64_t k, int64_t copies, int64_t rounds) {
   std::vector<int8_t> q(Kb * kManyRows * kBlock);
   for (size_t i = 0; i < q.size(); ++i) q[i] = int8_t(int((i * 7919) % 255) - 127);
   std::vector<float> d(Kb * kManyRows, 0.01f), ds(Kb * kManyRows, 0.5f);
-  auto out = at::zeros({4, 5}, at::kDouble);
-  std::vector<float> Y[3];
+  auto out = at::zeros({4, 4}, at::kDouble);
+  std::vector<float> Y[2];
   for (auto& y : Y) y.assign(kManyRows * n, 0.f);
   int r = 0;
   for (int rows : {1, 2, 4, 8}) {
     const Rows8 a{q.data(), d.data(), ds.data(), rows, Kb};
-    for (int kernel = 0; kernel < 3; ++kernel) probe::run_rows(rows, kernel, a, W.data(), T, tb, Y[kernel].data(), n);
-    const bool equal = std::memcmp(Y[0].data(), Y[1].data(), rows * n * 4) == 0 &&
-                       std::memcmp(Y[0].data(), Y[2].data(), rows * n * 4) == 0;
-    double best[3] = {1e30, 1e30, 1e30};
+    for (int kernel = 0; kernel < 2; ++kernel) probe::run_rows(rows, kernel, a, W.data(), T, tb, Y[kernel].data(), n);
+    const bool equal = std::memcmp(Y[0].data(), Y[1].data(), rows * n * 4) == 0;
+    double best[2] = {1e30, 1e30};
     for (int64_t round = 0; round < rounds; ++round)
-      for (int kernel = 0; kernel < 3; ++kernel) {
+      for (int kernel = 0; kernel < 2; ++kernel) {
         const auto t0 = std::chrono::steady_clock::now();
         for (int64_t c = 0; c < copies; ++c)
           probe::run_rows(rows, kernel, a, W.data() + c * T * tb, T, tb, Y[kernel].data(), n);
@@ -183,8 +180,8 @@ at::Tensor probe_amx(int64_t n, int64_t k, int64_t copies, int64_t rounds) {
       }
     auto o = out[r++];
     o[0] = rows;
-    for (int kernel = 0; kernel < 3; ++kernel) o[1 + kernel] = best[kernel];
-    o[4] = equal ? 1.0 : 0.0;
+    for (int kernel = 0; kernel < 2; ++kernel) o[1 + kernel] = best[kernel];
+    o[3] = equal ? 1.0 : 0.0;
   }
   return out;
 }

@@ -84,16 +84,16 @@ constexpr int64_t kManyMin = 16, kManyChunk = 64;
 // alternated runs): 2 / 4 positions cost 1.09-1.11x / 1.36-1.37x a one-position pass this way, against 1.19-1.22x /
 // 1.48-1.49x through Rows8; at 8 rows Rows8 stays ahead (B = 8 step 10.7-10.9 ms against 11.2-11.5).
 constexpr int64_t kRows8Min = 5;
-// nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for rows
-// m0 .. m1 - 1 (m0 a multiple of kManyRows) of a: the weights unpacked once into the bytes vpdpbusd reads, then every
-// kManyRows rows stream that copy from L1, each activation broadcast feeding both tiles. Each row's result is bit
-// for bit tile()'s (the same integer sums, the same fp32 updates in the same order).
 // nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for all
 // rows of a (kRows8Min to kManyMin - 1), one tile at a time: tile()'s arithmetic, the rows read from Rows8 groups (one
 // pointer per 8 rows instead of one per row: measured 1.13-1.18x faster at 8 rows, DRAM-cold weights). Each row's
 // result is bit for bit tile()'s.
 void tile_rows8_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
                         int64_t N, int64_t n0);
+// nt (1 or 2) consecutive tiles of kind (kQ4Block or kQ8Block; p the first, tb bytes apart; channels n0 ..) for rows
+// m0 .. m1 - 1 (m0 a multiple of kManyRows) of a: the weights unpacked once into the bytes vpdpbusd reads, then every
+// kManyRows rows stream that copy from L1, each activation broadcast feeding both tiles. Each row's result is bit
+// for bit tile()'s (the same integer sums, the same fp32 updates in the same order).
 void tile_many_vnni512(const Rows8& a, const uint8_t* p, int64_t kind, int64_t nt, int64_t tb, float* Y, int64_t ldy,
                        int64_t N, int64_t n0, int64_t m0, int64_t m1);
 #endif
