@@ -680,23 +680,24 @@ class _Speculation:
         toks = torch.multinomial(probs, 1, generator=self.dec.gen)[:, 0].tolist()
         return toks, probs, probs.amax(-1).tolist()
 
-    def _mask_eos(self, logits: torch.Tensor, first: list[int]) -> torch.Tensor:
+    def _mask_eos(self, logits: torch.Tensor, first: list[int], copy: bool = False) -> torch.Tensor:
         """Mask EOS in ``logits`` (b, t, V) where the predicted token's index (``first[i] + j``) is below
-        ``min_new_tokens``, as the engine's pick does."""
+        ``min_new_tokens``, as the engine's pick does: in place, or (``copy``) in a copy made only when something is
+        masked."""
         dec = self.dec
-        if not dec.eos or dec.opts.min_new_tokens == 0:
+        rows = [(i, dec.opts.min_new_tokens - f) for i, f in enumerate(first) if dec.opts.min_new_tokens > f]
+        if not dec.eos or not rows:
             return logits
+        if copy:
+            logits = logits.clone()
         eos = list(dec.eos)
-        for i, f in enumerate(first):
-            k = dec.opts.min_new_tokens - f
-            if k > 0:
-                logits[i, :k, eos] = float("-inf")
+        for i, k in rows:
+            logits[i, :k, eos] = float("-inf")
         return logits
 
     def _accept(self, raw: torch.Tensor, drafts: list[int], q, n: int) -> tuple[list[int], int]:
         """The round's tokens for one row from the verifier's logits (t, V): accepted drafts plus one."""
-        masks = self.dec.eos and self.dec.opts.min_new_tokens > n  # else the logits are used as they are (no copy)
-        logits = self._mask_eos(raw.clone()[None], [n])[0] if masks else raw
+        logits = self._mask_eos(raw[None], [n], copy=True)[0]  # raw stays the verifier's logits
         g = len(drafts)
         if not self.dec.opts.do_sample:
             target = greedy_ids(logits[:g + 1])
