@@ -219,9 +219,18 @@ void attend_grouped(const float* Q, int64_t qs0, int64_t qs1, const int64_t* I, 
       qp.resize(n);
       for (int64_t i = 0; i < n; ++i) qp[i] = qsc.data() + (start[u] + i) * hd;
       const int64_t node = u / Hkv, row = TREE ? I[node] : cache_rows[node], kv = row * rs + (u % Hkv) * hs;
+      Next next{nullptr, nullptr, 0};  // this thread's next range (its keys' slots in order: not a tree's)
+      if (!TREE && t + 1 < t1) {
+        const int64_t nu = (t + 1) / splits, n0 = ((t + 1) % splits) * span;
+        const int64_t n1 = std::min(last[nu] + 1, n0 + span);
+        const int64_t nkv = cache_rows[nu / Hkv] * rs + (nu % Hkv) * hs + n0 * ew;
+        if (n1 > n0)
+          next = {reinterpret_cast<const char*>(KC + nkv), reinterpret_cast<const char*>(VC + nkv),
+                  int64_t((n1 - n0) * ew * sizeof(T))};
+      }
       group_avx512(qp.data(), qlast.data() + start[u], n, KC + kv, VC + kv, k0, k1, hd, s, pt,
                    TREE ? vmap.data() + vstart[node] : nullptr, TREE ? TREE->base[node] : 0,
-                   qcodes.empty() ? nullptr : qcodes.data() + start[u]);
+                   qcodes.empty() ? nullptr : qcodes.data() + start[u], next.k ? &next : nullptr);
     }
   });
   // merge the ranges: o = sum_s acc_s e^(m_s - M) / sum_s z_s e^(m_s - M), M = max_s m_s

@@ -115,10 +115,17 @@ void head_scalar(const float* q, const T* K, const T* V, int64_t n, int64_t hd, 
 // map (null: none): the keys are virtual slots; slot k >= km is read from the cache's slot map[k - km] (a token
 // tree's node: the round's keys it sees, its ancestors and itself, in order, as its chain will hold them).
 // qq (null: none; int8 caches only): the queries' codes (query_codes_vnni), scored in integers against the int8 keys.
+// next: the K and V bytes the calling thread reads next (its next range), asked for in L2 while this range is
+// scored, or null.
+struct Next {
+  const char* k;
+  const char* v;
+  int64_t bytes;
+};
 #define FBS_GROUP_DECL(T)                                                                                       \
   void group_avx512(const float* const* q, const int64_t* last, int64_t nq, const T* K, const T* V, int64_t k0, \
                     int64_t k1, int64_t hd, float* s, float* part, const int64_t* map, int64_t km,              \
-                    const int8_t* const* qq);
+                    const int8_t* const* qq, const Next* next);
 FBS_KV_OVERLOADS(FBS_HEAD_DECL)
 FBS_KV_OVERLOADS(FBS_GROUP_DECL)
 // Integer scores over an int8 cache (AVX-512 VNNI): a query (hd floats, hd a multiple of 64, already scaled) as two
