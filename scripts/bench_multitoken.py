@@ -15,11 +15,14 @@ rounds with a seeded bootstrap CI. Prints a table and writes JSON (with the prov
 ``--llama-formats Q4_0,Q4_1,Q8_0`` times llama.cpp's own multi-token pass in the same rounds (one more job of the
 shuffled order per format): ``llama-bench -p 1,T.. -n 0 -d <context>``, T new positions of one sequence after
 ``--context`` of depth, the analog of our verification pass; its ratio is the T-position pass over the 1-position
-pass of the same call. It needs ``scripts/build_llama_cpp.sh``'s build.
+pass of the same call. ``--llama-batch`` also times its batched decoding, one more job per format:
+``llama-batched-bench -npp <context> -ntg <--llama-batch-tokens> -npl 1,B..`` (each sequence its own prompt), seconds
+per step of B tokens; its ratio is tokens/s at B over B = 1's in the same call. They need
+``scripts/build_llama_cpp.sh``'s build.
 
     .venv/bin/python scripts/bench_multitoken.py --formats int8,q4 --rounds 5 --out results/bench_multitoken.json
     .venv/bin/python scripts/bench_multitoken.py --formats q4:int8 --verify 1,4,8 --batch 1,8 \
-        --llama-formats Q4_0,Q4_1,Q8_0 --out results/bench_multitoken_llama.json
+        --llama-formats Q4_0,Q4_1,Q8_0 --llama-batch --out results/bench_multitoken_llama.json
 
 Run it on an idle machine: it measures speed.
 """
@@ -110,6 +113,17 @@ def time_llama(binary, model_file, positions: list[int], context: int, threads: 
     return {t.n_prompt: statistics.median(t.samples_ns) / 1e9 for t in llama_cpp.parse_bench_json(run.stdout)}
 
 
+def time_llama_batch(binary, model_file, batches: list[int], context: int, tokens: int, threads: int,
+                     kv_type: str) -> dict[int, float]:
+    """Seconds of one llama.cpp decode step of B sequences (one token each) after ``context`` tokens of their own,
+    for each B in ``batches`` (llama-batched-bench over ``tokens`` steps)."""
+    run = llama_cpp.run_tool(llama_cpp.batched_command(binary, model_file, context, tokens, sorted(set(batches) | {1}),
+                                                       threads, kv_type))
+    if run.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed ({run.returncode}): {run.stderr.strip()[-500:]}")
+    return llama_cpp.parse_batched_jsonl(run.stdout + "\n" + run.stderr)
+
+
 def bootstrap(values: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float]:
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
@@ -133,6 +147,9 @@ def main() -> None:
                     "empty: none)")
     ap.add_argument("--llama-kv-type", default="f16", choices=llama_cpp.KV_TYPES,
                     help="llama.cpp's KV cache type (q8_0 with flash attention)")
+    ap.add_argument("--llama-batch", action="store_true", help="also time llama.cpp's batched decoding of the "
+                    "--batch sizes (llama-batched-bench) for each --llama-formats format")
+    ap.add_argument("--llama-batch-tokens", type=int, default=32, help="decode steps per llama-batched-bench call")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,12 +162,14 @@ def main() -> None:
     llama = [f.strip() for f in args.llama_formats.split(",") if f.strip()]
     if llama:
         root = llama_cpp.install_dir()
-        binary = root / "bin" / "llama-bench"
+        binary, batched = root / "bin" / "llama-bench", root / "bin" / "llama-batched-bench"
         files = {f: llama_cpp.model_path(root, args.model, f) for f in llama}
-        missing = [str(p) for p in [binary, *files.values()] if not p.exists()]
+        missing = [str(p) for p in [binary, *files.values()] + ([batched] if args.llama_batch else []) if not p.exists()]
         if missing:
             raise SystemExit(f"llama.cpp reference: {', '.join(missing)} not found; {llama_cpp.BUILD_HINT}")
-        jobs += [("llama", f, 0) for f in llama]
+        jobs += [("llama", f, 0) for f in llama] + [("llama-batched", f, 0) for f in llama if args.llama_batch]
+    elif args.llama_batch:
+        raise SystemExit("--llama-batch times the --llama-formats formats: name at least one (e.g. Q4_0)")
     rounds: list[dict] = []
     rng = random.Random(1)
     for r in range(args.rounds):
@@ -163,19 +182,28 @@ def main() -> None:
                                          args.llama_kv_type).items():
                     got[("llama-verify", f, t)] = sec
                 continue
+            if kind == "llama-batched":  # one llama-batched-bench call times every B of the format
+                for b, sec in time_llama_batch(batched, files[f], batch, args.context, args.llama_batch_tokens,
+                                               args.threads, args.llama_kv_type).items():
+                    got[("llama-batch", f, b)] = sec
+                continue
             got[(kind, f, n)] = (time_verify(decs[(f, 1)], n, args.reps) if kind == "verify"
                                  else time_step(decs[(f, n)], args.reps))
         rounds.append(got)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     rows = []
-    for kind, f, n in [j for j in jobs if j[0] != "llama"] + [("llama-verify", f, t) for f in llama for t in verify]:
+    llama_rows = [("llama-verify", f, t) for f in llama for t in verify]
+    if args.llama_batch:
+        llama_rows += [("llama-batch", f, b) for f in llama for b in batch]
+    for kind, f, n in [j for j in jobs if not j[0].startswith("llama")] + llama_rows:
         secs = [rd[(kind, f, n)] for rd in rounds]
         base = [rd[(kind, f, 1)] for rd in rounds] if (kind, f, 1) in rounds[0] else None
         row = {"kind": kind, "format": f, "n": n, "ms": 1000 * statistics.median(secs),
                "ms_rounds": [1000 * s for s in secs]}
         if base is not None:
             # verify: cost of the n-position pass over the 1-position pass; batch: tokens/s over B = 1's
-            ratio = [s / b for s, b in zip(secs, base)] if kind != "batch" else [n * b / s for s, b in zip(secs, base)]
+            ratio = ([n * b / s for s, b in zip(secs, base)] if kind in ("batch", "llama-batch")
+                     else [s / b for s, b in zip(secs, base)])
             row["ratio"] = statistics.median(ratio)
             row["ratio_ci95"] = bootstrap(ratio)
         rows.append(row)
@@ -185,7 +213,9 @@ def main() -> None:
     for row in rows:
         what = {"verify": "verify pass, n positions (cost / 1-position pass)",
                 "batch": "decode step, batch n (tokens/s / B=1)",
-                "llama-verify": f"llama.cpp pp n @ d{args.context}, KV {args.llama_kv_type} (cost / pp 1)"}[row["kind"]]
+                "llama-verify": f"llama.cpp pp n @ d{args.context}, KV {args.llama_kv_type} (cost / pp 1)",
+                "llama-batch": f"llama.cpp batch n after {args.context}, KV {args.llama_kv_type} (tokens/s / B=1)",
+                }[row["kind"]]
         ci = row.get("ratio_ci95")
         ratio = "" if ci is None else f"{row['ratio']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
         print(f"| {what} | {row['format']} | {row['n']} | {row['ms']:.1f} | {ratio} |")

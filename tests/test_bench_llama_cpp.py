@@ -261,3 +261,31 @@ def test_real_llama_bench_under_the_harness():
     assert res.status == "ok", res.note
     assert len(res.decode_s.runs) == 2 and min(res.decode_s.runs) > 0 and res.peak_rss_mb > 20
     assert len(res.probe["llama_cpp"]["model_sha256"]) == 64
+
+
+BATCHED_JSONL = (DATA / "llama_batched_bench.jsonl").read_text()  # the command of test_batched_command, Q4_1
+
+
+def test_batched_command():
+    cmd = llama_cpp.batched_command(Path("/b/llama-batched-bench"), Path("/m/x.Q4_1.gguf"), 16, 4, [1, 2], 2)
+    assert cmd[0] == "/b/llama-batched-bench"
+    flags = dict(zip(cmd[1::2], cmd[2::2]))
+    # each of the largest batch's sequences its own prompt and cache share (16 + 4 positions): -c 2 x 20
+    assert {k: flags[k] for k in ("-m", "-c", "-npp", "-ntg", "-npl", "-t", "-tb")} == {
+        "-m": "/m/x.Q4_1.gguf", "-c": "40", "-npp": "16", "-ntg": "4", "-npl": "1,2", "-t": "2", "-tb": "2"}
+    assert "-no-kvu" in cmd and "-pps" not in cmd and cmd[-2:] == ["--output-format", "jsonl"]
+    q8 = llama_cpp.batched_command(Path("/b/x"), Path("/m/x.gguf"), 512, 32, [1, 8], 2, kv_type="q8_0")
+    assert q8[-6:] == ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
+    assert dict(zip(q8[1::2], q8[2::2]))["-c"] == str(8 * 544)
+    with pytest.raises(ValueError, match="unknown llama.cpp KV cache type"):
+        llama_cpp.batched_command(Path("/b/x"), Path("/m/x.gguf"), 16, 4, [1], 2, kv_type="q4_0")
+
+
+def test_batched_jsonl_parsed_as_seconds_per_step():
+    """The captured output's records, by hand: B = 1 took t_tg 0.037707 s for its 4 steps, B = 2 0.052187 s."""
+    got = llama_cpp.parse_batched_jsonl("llama_batched_bench: log line\n" + BATCHED_JSONL)
+    assert got == pytest.approx({1: 0.037707 / 4, 2: 0.052187 / 4}, rel=1e-12)
+    with pytest.raises(ValueError, match="no llama-batched-bench JSONL record"):
+        llama_cpp.parse_batched_jsonl("|    PP |     TG |    B |")
+    with pytest.raises(ValueError, match=r"lacks \['t_tg'\]"):
+        llama_cpp.parse_batched_jsonl('{"pl": 1, "tg": 4}')

@@ -17,6 +17,8 @@ Public entry points:
     llama_bench_systems(base)         the four formats' systems
     bench_commands(...)               the two llama-bench command lines of one measurement
     parse_bench_json(text)            llama-bench's JSON output as BenchTests
+    batched_command(...)              a llama-batched-bench command line: B sequences decoding together
+    parse_batched_jsonl(text)         its JSONL output: per B, seconds per decode step
     parse_perplexity(text)            llama-perplexity's final estimate and per-chunk running PPL
     build_facts(root, model)          version, build flags and the model file's sha256
 """
@@ -141,6 +143,43 @@ def bench_commands(binary: Path, model: Path, cfg: BenchConfig, threads: int, re
     pp = [str(binary), "-m", str(model), "-p", str(cfg.prompt_len), "-n", "0", "-d", "0", *common]
     tg = [str(binary), "-m", str(model), "-p", "0", "-n", str(cfg.new_tokens), "-d", str(cfg.prompt_len), *common]
     return pp, tg
+
+
+def batched_command(binary: Path, model: Path, context: int, new_tokens: int, batches: list[int], threads: int,
+                    kv_type: str = "f16") -> list[str]:
+    """``llama-batched-bench``'s command line for B sequences (each B of ``batches``) decoding together: each its own
+    ``context``-token prompt (not shared), then ``new_tokens`` steps of one token per sequence; its KV cache split
+    evenly over the largest B's sequences (not unified), so a sequence's cache is the same at every B. ``kv_type`` as
+    :func:`bench_commands`'s."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"unknown llama.cpp KV cache type {kv_type!r}; choose from {', '.join(KV_TYPES)}")
+    if not batches or min(batches) < 1 or context < 1 or new_tokens < 1:
+        raise ValueError("batched bench: positive batch sizes, context and new tokens")
+    cmd = [str(binary), "-m", str(model), "-c", str(max(batches) * (context + new_tokens)), "-b", "2048", "-ub", "512",
+           "-npp", str(context), "-ntg", str(new_tokens), "-npl", ",".join(map(str, batches)), "-t", str(threads),
+           "-tb", str(threads), "-no-kvu", "--output-format", "jsonl"]
+    if kv_type != "f16":
+        cmd += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "on"]
+    return cmd
+
+
+def parse_batched_jsonl(text: str) -> dict[int, float]:
+    """``llama-batched-bench --output-format jsonl``'s records (other lines ignored) as seconds per decode step for
+    each batch size: ``t_tg / tg`` (``t_tg``: the time of its ``tg`` steps of ``pl`` tokens each). ValueError naming
+    what is wrong when there is none or a record lacks a field."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        missing = [k for k in ("pl", "tg", "t_tg") if k not in rec]
+        if missing:
+            raise ValueError(f"llama-batched-bench record lacks {missing}: an incompatible version")
+        out[int(rec["pl"])] = float(rec["t_tg"]) / int(rec["tg"])
+    if not out:
+        raise ValueError("no llama-batched-bench JSONL record in its output; was it run with --output-format jsonl?")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
