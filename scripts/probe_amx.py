@@ -18,22 +18,10 @@ import argparse
 import json
 from pathlib import Path
 
-from torch.utils.cpp_extension import load
-
 from fbs import native
 from fbs.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def build():
-    """The probe, linked against the library's own build (the functions of quant_vnni512.cpp call into it)."""
-    lib = native.module()
-    if lib is None:
-        raise SystemExit("the native kernels are not available here (fbs info says why)")
-    so = Path(lib.__file__)
-    return load("fbs_probe_amx", sources=[str(ROOT / "scripts" / "probe_amx.cpp")], extra_cflags=["-O2"],
-                extra_ldflags=[f"-L{so.parent}", f"-l:{so.name}", f"-Wl,-rpath,{so.parent}"], verbose=False)
 
 
 def main() -> None:
@@ -44,7 +32,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    mod = build()
+    mod = native.build_probe("fbs_probe_amx", ROOT / "scripts" / "probe_amx.cpp", ["-O2"])
     copies = max(1, int(args.mb * 2**20 // (args.n * args.k * 0.625)))
     res = mod.probe_amx(args.n, args.k, copies, args.rounds)
     rows = [{"rows": int(r[0]), "us_one_tile": float(r[1]), "us_amx": float(r[2]), "bit_identical": bool(r[3])}

@@ -18,23 +18,11 @@ import argparse
 import json
 from pathlib import Path
 
-from torch.utils.cpp_extension import load
-
 from fbs import native
 from fbs.native import quant as native_quant
 from fbs.provenance import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def build():
-    """The probe, linked against the library's own build (the functions of quant_vnni512.cpp call into it)."""
-    lib = native.module()
-    if lib is None:
-        raise SystemExit("the native kernels are not available here (fbs info says why)")
-    so = Path(lib.__file__)
-    return load("fbs_probe_tiles", sources=[str(ROOT / "scripts" / "probe_tiles.cpp")], extra_cflags=["-O3"],
-                extra_ldflags=[f"-L{so.parent}", f"-l:{so.name}", f"-Wl,-rpath,{so.parent}"], verbose=False)
 
 
 def main() -> None:
@@ -46,7 +34,8 @@ def main() -> None:
     args = ap.parse_args()
     if native_quant.isa() != "avx512-vnni":
         raise SystemExit(f"this probe times the AVX-512 VNNI kernels; this CPU runs {native_quant.isa()}")
-    res = build().probe_tiles(args.k, args.tiles, args.reps).tolist()
+    probe = native.build_probe("fbs_probe_tiles", ROOT / "scripts" / "probe_tiles.cpp", ["-O3"])
+    res = probe.probe_tiles(args.k, args.tiles, args.reps).tolist()
     rows = [{"rows": int(r[0]), "ns_per_block_tile": r[1], "ns_per_block_rows8": r[2] or None} for r in res]
     one = rows[0]["ns_per_block_tile"]
     print(f"q4 decode tiles, k = {args.k}, {args.tiles} tiles held in L2, one thread, best of {args.reps}")

@@ -213,6 +213,20 @@ def module():
     return _module
 
 
+def build_probe(name: str, source: Path, cflags: list[str]):
+    """A measurement probe (``scripts/probe_*.cpp``, which includes library sources as they are), built with
+    ``torch.utils.cpp_extension`` and linked against this build of the library, whose functions it calls; exits
+    with a message when the native kernels are not available here."""
+    from torch.utils.cpp_extension import load
+
+    lib = module()
+    if lib is None:
+        raise SystemExit("the native kernels are not available here (fbs info says why)")
+    so = Path(lib.__file__)
+    return load(name, sources=[str(source)], extra_cflags=cflags,
+                extra_ldflags=[f"-L{so.parent}", f"-l:{so.name}", f"-Wl,-rpath,{so.parent}"], verbose=False)
+
+
 def status() -> dict:
     """What the engine runs with, for records (builds nothing): enabled, loaded, the int8 kernel's instruction set
     (None when not loaded or without AVX2), and the build error if the build failed."""
